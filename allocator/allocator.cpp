@@ -1,0 +1,412 @@
+// Allocator: the fallback ladder, events and observability (allocator.h).
+#include "allocator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+namespace dtralloc {
+namespace {
+
+// A hook that keeps reporting progress without room ever appearing is a bug
+// in the hook; without a bound malloc would spin forever.
+constexpr int kMaxEvictionRounds = 1 << 20;
+
+std::int64_t now_us() {
+  using namespace std::chrono;
+  return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
+}
+
+std::string hex(std::uintptr_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+const char* trace_action_name(TraceAction action) {
+  switch (action) {
+    case TraceAction::kAlloc: return "alloc";
+    case TraceAction::kFreeRequested: return "free_requested";
+    case TraceAction::kFreeCompleted: return "free_completed";
+    case TraceAction::kSegmentAlloc: return "segment_alloc";
+    case TraceAction::kSegmentFree: return "segment_free";
+    case TraceAction::kOom: return "oom";
+  }
+  return "unknown";
+}
+
+Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int device)
+    : backend_(std::move(backend)), config_(config), device_(device), pool_(config_) {
+  capacity_bytes_ = backend_->total_bytes();
+  config_budget_bytes_ = config_.budget.resolve(capacity_bytes_);
+  budget_bytes_ = config_budget_bytes_;
+  history_.resize(config_.history_entries);
+}
+
+Allocator::~Allocator() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    synchronize_and_free_events();
+    release_cached_segments();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtralloc: error while releasing memory at shutdown: %s\n", e.what());
+  }
+  // Segments still holding user allocations are leaked on purpose: freeing
+  // them under a live tensor would be worse than the leak at exit.
+}
+
+void* Allocator::malloc(std::size_t size, Stream stream) {
+  if (size == 0) return nullptr;
+  const std::size_t rounded = BlockPool::round_size(size, config_);
+  std::shared_ptr<EvictionHook> hook;
+  for (int round = 0;; ++round) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (Block* b = try_allocate(rounded, size, stream)) {
+        record(TraceAction::kAlloc, b->addr, b->size, stream);
+        return reinterpret_cast<void*>(b->addr);
+      }
+      hook = hook_;
+      if (hook && round < kMaxEvictionRounds) ++pool_.stats().num_eviction_calls;
+    }
+    // Step 5, outside the lock: the hook frees blocks through free().
+    if (hook && round < kMaxEvictionRounds && hook->make_room(rounded, stream)) continue;
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Another thread may have freed memory between our unlock and relock.
+    if (Block* b = try_allocate(rounded, size, stream)) {
+      record(TraceAction::kAlloc, b->addr, b->size, stream);
+      return reinterpret_cast<void*>(b->addr);
+    }
+    ++pool_.stats().num_ooms;
+    std::size_t reserved = reserved_bytes();
+    record(TraceAction::kOom, 0, rounded, stream,
+           budget_bytes_ > reserved ? budget_bytes_ - reserved : 0);
+    throw OutOfMemoryError(oom_message(size, rounded, stream));
+  }
+}
+
+Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream) {
+  if (!pending_events_.empty()) process_events();
+  PoolKind pool = BlockPool::pool_for(rounded);
+  // 1. cached block
+  if (Block* b = pool_.find_free(pool, stream, rounded))
+    return pool_.allocate_from(b, rounded, requested);
+  // 2. new segment (after GC, if configured)
+  if (config_.garbage_collection_threshold > 0) garbage_collect(BlockPool::segment_size(rounded));
+  if (Block* b = allocate_segment(rounded, requested, stream)) return b;
+  // 3. oversize cached segments
+  if (release_oversize_segments(rounded, stream))
+    if (Block* b = allocate_segment(rounded, requested, stream)) return b;
+  // 4. everything cached
+  if (!pending_events_.empty() || !pool_.whole_free_segments().empty()) {
+    ++pool_.stats().num_alloc_retries;
+    synchronize_and_free_events();
+    release_cached_segments();
+    if (Block* b = pool_.find_free(pool, stream, rounded))
+      return pool_.allocate_from(b, rounded, requested);
+    if (Block* b = allocate_segment(rounded, requested, stream)) return b;
+  }
+  return nullptr;
+}
+
+Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {
+  const std::size_t bytes = BlockPool::segment_size(rounded);
+  if (reserved_bytes() + bytes > budget_bytes_) return nullptr;
+  void* ptr = backend_->allocate(bytes);
+  if (!ptr) return nullptr;
+  ++pool_.stats().num_device_alloc;
+  auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  record(TraceAction::kSegmentAlloc, addr, bytes, stream);
+  Block* b = pool_.add_segment(addr, bytes, stream, BlockPool::pool_for(rounded));
+  return pool_.allocate_from(b, rounded, requested);
+}
+
+void Allocator::release_segment(Segment* seg) {
+  const std::uintptr_t addr = seg->addr;
+  const std::size_t size = seg->size;
+  const Stream stream = seg->stream;
+  pool_.remove_segment(seg);
+  backend_->release(reinterpret_cast<void*>(addr), size);
+  ++pool_.stats().num_device_free;
+  record(TraceAction::kSegmentFree, addr, size, stream);
+}
+
+// Releases least recently used whole-free segments until reserved plus the
+// incoming segment fits under threshold * budget (torch frees cached blocks
+// by age the same way, so the pool does not creep up to the budget).
+void Allocator::garbage_collect(std::size_t incoming_bytes) {
+  const auto limit = static_cast<std::size_t>(config_.garbage_collection_threshold *
+                                              static_cast<double>(budget_bytes_));
+  if (reserved_bytes() + incoming_bytes <= limit) return;
+  auto candidates = pool_.whole_free_segments();
+  std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
+    return a->last_free_tick < b->last_free_tick;
+  });
+  for (Segment* seg : candidates) {
+    if (reserved_bytes() + incoming_bytes <= limit) break;
+    release_segment(seg);
+  }
+}
+
+// Step 3: with max_split_size_mb set, cached oversize segments cannot serve
+// other sizes; release the smallest one that is large enough, or else the
+// largest ones until enough is released.
+bool Allocator::release_oversize_segments(std::size_t rounded, Stream stream) {
+  if (config_.max_split_size_mb == kNoLimit) return false;
+  std::vector<Segment*> oversize;
+  for (Segment* seg : pool_.whole_free_segments())
+    if (seg->stream == stream && seg->size >= config_.max_split_size_mb) oversize.push_back(seg);
+  if (oversize.empty()) return false;
+  std::sort(oversize.begin(), oversize.end(),
+            [](const Segment* a, const Segment* b) { return a->size < b->size; });
+  auto fit = std::find_if(oversize.begin(), oversize.end(),
+                          [&](const Segment* s) { return s->size >= rounded; });
+  if (fit != oversize.end()) {
+    release_segment(*fit);
+    return true;
+  }
+  std::size_t released = 0;
+  while (!oversize.empty() && released < rounded) {
+    released += oversize.back()->size;
+    release_segment(oversize.back());
+    oversize.pop_back();
+  }
+  return true;
+}
+
+void Allocator::release_cached_segments() {
+  for (Segment* seg : pool_.whole_free_segments()) release_segment(seg);
+}
+
+void Allocator::free(void* ptr) {
+  if (!ptr) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  Block* b = pool_.lookup_allocated(addr);
+  if (!b) {
+    ++pool_.stats().num_invalid_frees;
+    throw InvalidPointerError(
+        "dtralloc: free of " + hex(addr) + " on device " + std::to_string(device_) +
+        ", which this pool has not allocated or has already freed (a double free, or "
+        "memory from another allocator). Nothing was changed.");
+  }
+  pool_.mark_freed(b);
+  record(TraceAction::kFreeRequested, b->addr, b->size, b->stream);
+  if (b->stream_uses.empty()) {
+    finish_free(b);
+    return;
+  }
+  // record_stream: the block may still be in use by kernels on other streams.
+  for (Stream s : b->stream_uses) {
+    EventHandle ev = backend_->create_event();
+    backend_->record_event(ev, s);
+    pending_events_.push_back({ev, b});
+    ++b->event_count;
+  }
+  b->stream_uses.clear();
+}
+
+void Allocator::finish_free(Block* b) {
+  const std::uintptr_t addr = b->addr;
+  const std::size_t size = b->size;
+  const Stream stream = b->stream;
+  pool_.return_to_pool(b, ++tick_);
+  record(TraceAction::kFreeCompleted, addr, size, stream);
+}
+
+void Allocator::process_events() {
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < pending_events_.size(); ++i) {
+    PendingEvent p = pending_events_[i];
+    if (!backend_->event_completed(p.event)) {
+      pending_events_[kept++] = p;
+      continue;
+    }
+    backend_->destroy_event(p.event);
+    if (--p.block->event_count == 0) finish_free(p.block);
+  }
+  pending_events_.resize(kept);
+}
+
+void Allocator::synchronize_and_free_events() {
+  if (pending_events_.empty()) return;
+  ++pool_.stats().num_sync_all_streams;
+  auto pending = std::move(pending_events_);
+  pending_events_.clear();
+  for (const PendingEvent& p : pending) {
+    backend_->synchronize_event(p.event);
+    backend_->destroy_event(p.event);
+    if (--p.block->event_count == 0) finish_free(p.block);
+  }
+}
+
+void Allocator::record_stream(void* ptr, Stream stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  Block* b = pool_.lookup_allocated(addr);
+  if (!b) {
+    ++pool_.stats().num_invalid_frees;
+    throw InvalidPointerError("dtralloc: record_stream on " + hex(addr) +
+                              ", which this pool has not allocated (or already freed)");
+  }
+  if (stream == b->stream) return;  // its own stream orders itself
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end())
+    b->stream_uses.push_back(stream);
+}
+
+bool Allocator::owns(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pool_.lookup_allocated(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
+}
+
+void* Allocator::base_allocation(void* ptr, std::size_t* size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Segment* seg = pool_.segment_at(reinterpret_cast<std::uintptr_t>(ptr));
+  if (!seg) {
+    if (size) *size = 0;
+    return ptr;
+  }
+  if (size) *size = seg->size;
+  return reinterpret_cast<void*>(seg->addr);
+}
+
+void Allocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  synchronize_and_free_events();
+  release_cached_segments();
+}
+
+void Allocator::complete_events() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  backend_->complete_events();
+  process_events();
+}
+
+void Allocator::set_memory_fraction(double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0))
+    throw std::invalid_argument("dtralloc: memory fraction must be in (0, 1], got " +
+                                std::to_string(fraction));
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto cap = static_cast<std::size_t>(fraction * static_cast<double>(capacity_bytes_));
+  budget_bytes_ = std::min(config_budget_bytes_, cap);
+}
+
+void Allocator::set_eviction_hook(std::shared_ptr<EvictionHook> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  hook_ = std::move(hook);
+}
+
+std::size_t Allocator::reserved_bytes() const {
+  return static_cast<std::size_t>(pool_.stats().reserved_bytes[kStatAll].current);
+}
+
+StatsReport Allocator::stats_report() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  StatsReport r;
+  r.stats = pool_.stats();
+  r.budget_bytes = budget_bytes_;
+  r.capacity_bytes = capacity_bytes_;
+  r.largest_free_bytes = pool_.largest_free_block();
+  r.free_cached_bytes = pool_.free_bytes();
+  r.max_split_size = config_.max_split_size_mb;
+  return r;
+}
+
+void Allocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pool_.stats().for_each_stat([](Stat& s) { s.reset_peak(); });
+}
+
+void Allocator::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stats& s = pool_.stats();
+  s.for_each_stat([](Stat& st) { st.reset_accumulated(); });
+#define DTRALLOC_ZERO(name) s.name = 0;
+  DTRALLOC_COUNTERS(DTRALLOC_ZERO)
+#undef DTRALLOC_ZERO
+}
+
+void Allocator::check_invariants() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pool_.check_invariants();
+  if (reserved_bytes() > budget_bytes_ && budget_bytes_ == config_budget_bytes_)
+    throw std::logic_error("dtralloc invariant violated: I4: reserved exceeds the budget");
+  std::size_t pending_blocks = 0;
+  for (const auto& [addr, seg] : pool_.segments())
+    for (const Block* b = seg->head; b; b = b->next)
+      if (b->pending()) {
+        ++pending_blocks;
+        if (b->event_count <= 0) throw std::logic_error("dtralloc invariant violated: pending block without events");
+      }
+  std::size_t counted = 0;
+  for (const auto& p : pending_events_) counted += p.block->event_count > 0;
+  if (pending_blocks > 0 && counted == 0)
+    throw std::logic_error("dtralloc invariant violated: pending blocks but no events");
+}
+
+Snapshot Allocator::snapshot() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Snapshot snap;
+  for (const auto& [addr, seg] : pool_.segments()) {
+    SegmentInfo info{seg->addr, seg->size, 0, 0, 0, seg->stream, seg->pool == kSmallPool, {}};
+    for (const Block* b = seg->head; b; b = b->next) {
+      const char* state = b->allocated ? "active_allocated"
+                          : b->pending() ? "active_pending_free"
+                                         : "inactive";
+      info.blocks.push_back({b->addr, b->size, b->allocated ? b->requested_size : b->size, state});
+      if (b->allocated) {
+        info.allocated_size += b->size;
+        info.requested_size += b->requested_size;
+      }
+      if (!b->in_free_set) info.active_size += b->size;
+    }
+    snap.segments.push_back(std::move(info));
+  }
+  const std::size_t n = history_wrapped_ ? history_.size() : history_next_;
+  const std::size_t start = history_wrapped_ ? history_next_ : 0;
+  snap.trace.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) snap.trace.push_back(history_[(start + i) % history_.size()]);
+  return snap;
+}
+
+void Allocator::record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,
+                       std::size_t device_free) {
+  if (history_.empty()) return;
+  history_[history_next_] = {action, addr, size, stream, now_us(), device_free};
+  if (++history_next_ == history_.size()) {
+    history_next_ = 0;
+    history_wrapped_ = true;
+  }
+}
+
+std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream stream) const {
+  const Stats& s = pool_.stats();
+  const std::size_t reserved = reserved_bytes();
+  const auto allocated = static_cast<std::size_t>(s.allocated_bytes[kStatAll].current);
+  const std::size_t largest = pool_.largest_free_block();
+  const std::size_t free_cached = pool_.free_bytes();
+  const double frag = free_cached ? 1.0 - double(largest) / double(free_cached) : 0.0;
+  std::ostringstream m;
+  m << "dtralloc: out of memory on device " << device_ << ": tried to allocate "
+    << format_bytes(size) << " (" << format_bytes(rounded) << " rounded) on stream "
+    << hex(stream) << ". Budget " << format_bytes(budget_bytes_) << ", reserved "
+    << format_bytes(reserved) << ", allocated " << format_bytes(allocated)
+    << ", largest free block " << format_bytes(largest) << " of "
+    << format_bytes(free_cached) << " free in cache (external fragmentation ";
+  char frag_text[16];
+  std::snprintf(frag_text, sizeof frag_text, "%.2f", frag);
+  m << frag_text << "), device capacity " << format_bytes(capacity_bytes_) << ". ";
+  if (free_cached >= rounded && largest < rounded)
+    m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
+      << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";
+  if (budget_bytes_ < capacity_bytes_)
+    m << "The budget caps reserved memory: raise DTRALLOC_CONF=budget (now "
+      << format_bytes(budget_bytes_) << ") if the device has room. ";
+  m << "To fit, reduce the batch size or free tensors you no longer need.";
+  return m.str();
+}
+
+}  // namespace dtralloc

@@ -1,0 +1,192 @@
+// Allocator: one device's caching allocator. Policy around the BlockPool
+// mechanism: the budget, the fallback ladder, record_stream events, the
+// eviction hook, the event history and snapshots.
+//
+// malloc, in order (each step only when the previous one found nothing):
+//   1. best fit from the cached free blocks of the stream
+//   2. a new segment from the backend, if reserved stays within the budget
+//      (first releasing least recently used cached segments when
+//      garbage_collection_threshold is passed)
+//   3. release cached oversize segments (max_split_size_mb) and retry 2
+//   4. wait for all record_stream events, release every cached segment that
+//      is entirely free, and retry 2 (counted in num_alloc_retries)
+//   5. ask the eviction hook for room, *without* the lock held, and start
+//      again from 1 for as long as the hook reports progress
+//   6. fail: an OutOfMemoryError whose message names the request, budget,
+//      reserved, allocated, largest free block, fragmentation and what to try
+//
+// Thread safety: one plain std::mutex guards everything. Nothing outside the
+// allocator (the eviction hook, Python) is ever called with it held: the hook
+// frees blocks, which re-enters free().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "block_pool.h"
+#include "config.h"
+#include "stats.h"
+
+namespace dtralloc {
+
+// Thrown when a request cannot be served after every fallback.
+class OutOfMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Thrown for a free (or record_stream) of a pointer this allocator does not
+// hold: a double free, or memory from another allocator. Nothing is changed.
+class InvalidPointerError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// The pool's last resort before OOM (step 5 above). The DTR evictor plugs in
+// here. make_room is called without the pool lock; it frees blocks through
+// Allocator::free and returns true if it freed anything worth retrying for.
+class EvictionHook {
+ public:
+  virtual ~EvictionHook() = default;
+  virtual bool make_room(std::size_t bytes, Stream stream) = 0;
+};
+
+// torch's snapshot trace actions, same spelling.
+enum class TraceAction : std::uint8_t {
+  kAlloc,
+  kFreeRequested,
+  kFreeCompleted,
+  kSegmentAlloc,
+  kSegmentFree,
+  kOom,
+};
+const char* trace_action_name(TraceAction action);
+
+struct TraceEntry {
+  TraceAction action;
+  std::uintptr_t addr;
+  std::size_t size;
+  Stream stream;
+  std::int64_t time_us;
+  std::size_t device_free;  // only for kOom: bytes the budget still allowed
+};
+
+struct BlockInfo {
+  std::uintptr_t addr;
+  std::size_t size;
+  std::size_t requested_size;
+  const char* state;  // "active_allocated", "active_pending_free", "inactive"
+};
+
+struct SegmentInfo {
+  std::uintptr_t addr;
+  std::size_t total_size;
+  std::size_t allocated_size;
+  std::size_t active_size;
+  std::size_t requested_size;
+  Stream stream;
+  bool small_pool;
+  std::vector<BlockInfo> blocks;
+};
+
+struct Snapshot {
+  std::vector<SegmentInfo> segments;
+  std::vector<TraceEntry> trace;  // oldest first
+};
+
+// Stats plus the values a full walk derives (fragmentation).
+struct StatsReport {
+  Stats stats;
+  std::size_t budget_bytes;
+  std::size_t capacity_bytes;
+  std::size_t largest_free_bytes;
+  std::size_t free_cached_bytes;   // bytes in free blocks (reserved, unallocated, not pending)
+  std::size_t max_split_size;      // kNoLimit = none
+};
+
+class Allocator {
+ public:
+  Allocator(std::unique_ptr<Backend> backend, const Config& config, int device = 0);
+  ~Allocator();  // releases every segment back to the backend
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // size 0 returns nullptr. Throws OutOfMemoryError.
+  void* malloc(std::size_t size, Stream stream = 0);
+  // nullptr is a no-op. Throws InvalidPointerError (and counts it).
+  void free(void* ptr);
+  // `ptr` is used on `stream` too: it returns to the pool only once an event
+  // recorded on `stream` at free time has completed.
+  void record_stream(void* ptr, Stream stream);
+  // True when `ptr` is an allocated block of this allocator.
+  bool owns(void* ptr);
+  // Segment base and size of an allocated pointer (torch's base_alloc hook).
+  void* base_allocation(void* ptr, std::size_t* size);
+
+  // Waits for record_stream events and releases every entirely free segment.
+  void empty_cache();
+  // Deferred-event backends: complete all events and process them.
+  void complete_events();
+  // torch's set_per_process_memory_fraction: budget = min(budget, f * capacity).
+  void set_memory_fraction(double fraction);
+
+  void set_eviction_hook(std::shared_ptr<EvictionHook> hook);
+
+  StatsReport stats_report();
+  Snapshot snapshot();
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  // Throws std::logic_error on any broken invariant (block_pool.h I1..I5,
+  // plus reserved <= budget).
+  void check_invariants();
+
+  std::size_t budget_bytes() const { return budget_bytes_; }
+  std::size_t capacity_bytes() const { return capacity_bytes_; }
+  const Config& config() const { return config_; }
+  int device() const { return device_; }
+  Backend& backend() { return *backend_; }
+
+ private:
+  Block* try_allocate(std::size_t rounded, std::size_t requested, Stream stream);
+  Block* allocate_segment(std::size_t rounded, std::size_t requested, Stream stream);
+  void release_segment(Segment* seg);
+  void garbage_collect(std::size_t incoming_bytes);
+  bool release_oversize_segments(std::size_t rounded, Stream stream);
+  void release_cached_segments();
+  void process_events();
+  void synchronize_and_free_events();
+  void finish_free(Block* block);
+  std::string oom_message(std::size_t size, std::size_t rounded, Stream stream) const;
+  void record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,
+              std::size_t device_free = 0);
+  std::size_t reserved_bytes() const;
+
+  std::mutex mutex_;
+  std::unique_ptr<Backend> backend_;
+  const Config config_;
+  const int device_;
+  BlockPool pool_;
+  std::size_t capacity_bytes_;
+  std::size_t config_budget_bytes_;   // from `budget`
+  std::size_t budget_bytes_;          // effective: min(config, fraction)
+  std::shared_ptr<EvictionHook> hook_;
+  std::uint64_t tick_ = 0;            // advances on every free; GC age
+
+  struct PendingEvent {
+    EventHandle event;
+    Block* block;
+  };
+  std::vector<PendingEvent> pending_events_;
+
+  std::vector<TraceEntry> history_;   // ring buffer of history_entries
+  std::size_t history_next_ = 0;
+  bool history_wrapped_ = false;
+};
+
+}  // namespace dtralloc

@@ -1,0 +1,74 @@
+// Backends: where a pool's segments come from.
+//
+// A Backend hands out whole segments (the pool carves blocks out of them) and
+// provides the stream events the pool needs for record_stream. Three exist:
+//
+//   cuda     device memory through the CUDA runtime, found at run time
+//            (backend_cuda.cpp; DTRALLOC_CUDART overrides which library)
+//   host     aligned host memory with real bytes (tests write patterns into it)
+//   virtual  address arithmetic only, any capacity, no bytes behind it
+//
+// Host and virtual backends have no asynchronous streams. Their events are
+// "deferred": an event recorded on a stream stays pending until someone
+// synchronizes (synchronize_device, synchronize_event) or calls
+// complete_events(). That keeps the record_stream path testable without a GPU.
+//
+// Backends are not thread-safe on their own; the Allocator serializes calls to
+// allocate/release/events under its mutex (CUDA runtime calls are thread-safe,
+// the deferred-event bookkeeping is guarded here by its own small mutex).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dtralloc {
+
+using Stream = std::uintptr_t;  // cudaStream_t as an integer; 0 = default stream
+using EventHandle = void*;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual const char* name() const = 0;
+
+  // A segment of exactly `bytes`, or nullptr when the device is out of memory.
+  // Never throws for out-of-memory; throws std::runtime_error for other errors.
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void release(void* ptr, std::size_t bytes) = 0;
+
+  // Device capacity, for `budget:0.5` style fractions and for the OOM message.
+  virtual std::size_t total_bytes() = 0;
+  virtual std::size_t free_bytes() = 0;
+
+  // True when memory returned by allocate() can be read and written by the
+  // host (host backend). Tests use it to write and verify patterns.
+  virtual bool host_accessible() const { return false; }
+
+  // Events for record_stream. create_event never returns nullptr.
+  virtual EventHandle create_event() = 0;
+  virtual void record_event(EventHandle event, Stream stream) = 0;
+  virtual bool event_completed(EventHandle event) = 0;  // non-blocking
+  virtual void synchronize_event(EventHandle event) = 0;
+  virtual void destroy_event(EventHandle event) = 0;
+  virtual void synchronize_device() = 0;
+  // Deferred backends: mark every recorded event complete. No-op for cuda.
+  virtual void complete_events() {}
+};
+
+// `capacity_bytes` is the simulated device size for host/virtual backends.
+std::unique_ptr<Backend> make_host_backend(std::size_t capacity_bytes);
+std::unique_ptr<Backend> make_virtual_backend(std::size_t capacity_bytes);
+// Loads the CUDA runtime on first use (see backend_cuda.cpp for the search
+// order). Throws std::runtime_error naming the library and the fix when no
+// runtime can be loaded.
+std::unique_ptr<Backend> make_cuda_backend(int device);
+
+// Number of CUDA devices the runtime reports (0 when none can be loaded).
+int cuda_device_count();
+// Path of the CUDA runtime library that was loaded, "" when none yet.
+std::string cuda_runtime_path();
+
+}  // namespace dtralloc

@@ -1,0 +1,397 @@
+// The cuda backend: segments of device memory and stream events from a CUDA
+// runtime that is found at run time, so that building dtralloc needs no CUDA
+// toolkit and dtralloc shares whichever runtime torch or cupy already loaded.
+//
+// The runtime is searched for once per process, under a mutex, in this order:
+//   (a) DTRALLOC_CUDART=/path/lib.so when set: exactly that file. Failing to
+//       load it is an error, never a fallback, because the user asked for it
+//       (tests point it at the fake runtime and must not get a real one).
+//   (b) a runtime already loaded in the process, by torch or cupy:
+//       dlopen(RTLD_NOLOAD) of libcudart.so.13, libcudart.so.12, libcudart.so.
+//       Using their copy keeps one runtime, one version and one per-thread
+//       "last error" in the process.
+//   (c) the loader's usual search: dlopen of libcudart.so.13, then
+//       libcudart.so.12, then libcudart.so.
+// A successful load is kept for the life of the process (never dlclosed). A
+// failed one is not remembered, so a later call, say after `import torch`,
+// searches again.
+#include <dlfcn.h>
+#include <link.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "backend.h"
+#include "cudart_api.h"
+
+namespace dtralloc {
+namespace {
+
+using namespace cudart;
+
+constexpr const char* kSonames[] = {"libcudart.so.13", "libcudart.so.12",
+                                    "libcudart.so"};
+constexpr const char* kTriedList =
+    "libcudart.so.13, libcudart.so.12, libcudart.so";
+
+struct LoadedRuntime {
+  std::string path;
+  CudaRuntimeApi api{};
+};
+
+// A mutex and an atomic rather than std::call_once: a failed search must be
+// retryable, and with glibc a std::call_once whose callable threw can hang the
+// next caller (GCC bug 66146).
+std::mutex g_load_mutex;
+// Published once, read without the mutex afterwards; never freed because
+// backends and other threads may use the table until the process exits.
+std::atomic<const LoadedRuntime*> g_runtime{nullptr};
+
+std::string last_dl_error() {
+  const char* message = dlerror();
+  return message ? message : "unknown loader error";
+}
+
+// (a) The override. Returns nullptr when the variable is unset or empty.
+void* open_from_env(std::string& name) {
+  const char* path = std::getenv("DTRALLOC_CUDART");
+  if (path == nullptr || *path == '\0') return nullptr;
+  void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    throw std::runtime_error(
+        std::string("dtralloc: DTRALLOC_CUDART=") + path +
+        " could not be loaded: " + last_dl_error() +
+        ". Point DTRALLOC_CUDART at a CUDA runtime library "
+        "(libcudart.so) or unset it to search the default locations.");
+  }
+  name = path;
+  return handle;
+}
+
+// (b) A runtime someone else already loaded; RTLD_NOLOAD never loads a file.
+void* open_already_loaded(std::string& name) {
+  for (const char* soname : kSonames) {
+    if (void* handle = dlopen(soname, RTLD_NOW | RTLD_NOLOAD)) {
+      name = soname;
+      return handle;
+    }
+  }
+  dlerror();  // the misses above are expected; do not leave them pending
+  return nullptr;
+}
+
+// (c) The loader's search path. Loader messages other than "not found" are
+// kept for the error, since they explain a runtime that exists but is broken
+// (wrong architecture, missing dependency).
+void* open_by_soname(std::string& name) {
+  std::string broken;
+  for (const char* soname : kSonames) {
+    if (void* handle = dlopen(soname, RTLD_NOW | RTLD_LOCAL)) {
+      name = soname;
+      return handle;
+    }
+    std::string message = last_dl_error();
+    if (message.find("No such file") == std::string::npos) {
+      broken += "; " + message;
+    }
+  }
+  throw std::runtime_error(
+      std::string("dtralloc: no CUDA runtime found (tried ") + kTriedList +
+      broken +
+      "). Install the CUDA runtime, import torch/cupy first, or set "
+      "DTRALLOC_CUDART=/path/to/libcudart.so");
+}
+
+void* open_runtime(std::string& name) {
+  if (void* handle = open_from_env(name)) return handle;
+  if (void* handle = open_already_loaded(name)) return handle;
+  return open_by_soname(name);
+}
+
+// The file the loader actually mapped, which for a soname is a full path.
+std::string loaded_path(void* handle, const std::string& requested) {
+  link_map* map = nullptr;
+  if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr &&
+      map->l_name != nullptr && map->l_name[0] != '\0') {
+    return map->l_name;
+  }
+  return requested;
+}
+
+template <typename Fn>
+void resolve(void* handle, const char* symbol, const std::string& library,
+             Fn*& slot) {
+  dlerror();
+  void* address = dlsym(handle, symbol);
+  if (address == nullptr) {
+    throw std::runtime_error(
+        std::string("dtralloc: the library ") + library + " has no symbol " +
+        symbol + " (" + last_dl_error() +
+        "), so it is not a usable CUDA runtime. Point DTRALLOC_CUDART at "
+        "libcudart.so (CUDA 12 or newer) or unset it.");
+  }
+  slot = reinterpret_cast<Fn*>(address);
+}
+
+void resolve_all(void* handle, const std::string& library,
+                 CudaRuntimeApi& api) {
+  resolve(handle, "cudaMalloc", library, api.Malloc);
+  resolve(handle, "cudaFree", library, api.Free);
+  resolve(handle, "cudaMemGetInfo", library, api.MemGetInfo);
+  resolve(handle, "cudaGetDevice", library, api.GetDevice);
+  resolve(handle, "cudaSetDevice", library, api.SetDevice);
+  resolve(handle, "cudaGetDeviceCount", library, api.GetDeviceCount);
+  resolve(handle, "cudaDeviceSynchronize", library, api.DeviceSynchronize);
+  resolve(handle, "cudaStreamSynchronize", library, api.StreamSynchronize);
+  resolve(handle, "cudaStreamWaitEvent", library, api.StreamWaitEvent);
+  resolve(handle, "cudaEventCreateWithFlags", library,
+          api.EventCreateWithFlags);
+  resolve(handle, "cudaEventRecord", library, api.EventRecord);
+  resolve(handle, "cudaEventQuery", library, api.EventQuery);
+  resolve(handle, "cudaEventSynchronize", library, api.EventSynchronize);
+  resolve(handle, "cudaEventDestroy", library, api.EventDestroy);
+  resolve(handle, "cudaGetLastError", library, api.GetLastError);
+  resolve(handle, "cudaGetErrorString", library, api.GetErrorString);
+  resolve(handle, "cudaRuntimeGetVersion", library, api.RuntimeGetVersion);
+}
+
+const LoadedRuntime& load_runtime() {
+  if (const LoadedRuntime* loaded = g_runtime.load(std::memory_order_acquire)) {
+    return *loaded;
+  }
+  std::lock_guard<std::mutex> lock(g_load_mutex);
+  if (const LoadedRuntime* loaded = g_runtime.load(std::memory_order_acquire)) {
+    return *loaded;
+  }
+  std::string requested;
+  void* handle = open_runtime(requested);
+  auto runtime = std::make_unique<LoadedRuntime>();
+  runtime->path = loaded_path(handle, requested);
+  try {
+    resolve_all(handle, runtime->path, runtime->api);
+  } catch (...) {
+    dlclose(handle);
+    throw;
+  }
+  g_runtime.store(runtime.get(), std::memory_order_release);
+  return *runtime.release();
+}
+
+std::string describe(const CudaRuntimeApi& api, cudaError_t err) {
+  const char* text = api.GetErrorString(err);
+  return std::string(text ? text : "unknown error") + " (CUDA error " +
+         std::to_string(err) + ")";
+}
+
+// Clears the thread's "last error" before throwing, so that our failure does
+// not resurface in torch's or cupy's next cudaGetLastError() check.
+[[noreturn]] void throw_cuda_error(const CudaRuntimeApi& api, cudaError_t err,
+                                   const std::string& what, int device) {
+  api.GetLastError();
+  throw std::runtime_error("dtralloc: " + what + " on CUDA device " +
+                           std::to_string(device) +
+                           " failed: " + describe(api, err));
+}
+
+// Makes `device` current for one scope and restores the caller's device, so
+// that dtralloc never changes the device the user's thread works on. Skips
+// both runtime calls when the device is already current (the common case).
+class DeviceGuard {
+ public:
+  DeviceGuard(const CudaRuntimeApi& api, int device) : api_(api) {
+    cudaError_t err = api_.GetDevice(&previous_);
+    if (err != cudaSuccess) throw_cuda_error(api_, err, "cudaGetDevice", device);
+    if (previous_ == device) return;
+    err = api_.SetDevice(device);
+    if (err != cudaSuccess) throw_cuda_error(api_, err, "cudaSetDevice", device);
+    switched_ = true;
+  }
+  ~DeviceGuard() {
+    // A destructor cannot throw; a failed restore at least leaves no error
+    // behind for the caller's next check.
+    if (switched_ && api_.SetDevice(previous_) != cudaSuccess) {
+      api_.GetLastError();
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  const CudaRuntimeApi& api_;
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const CudaRuntimeApi& api, int device)
+      : api_(api), device_(device) {}
+
+  const char* name() const override { return "cuda"; }
+
+  void* allocate(std::size_t bytes) override {
+    DeviceGuard guard(api_, device_);
+    void* ptr = nullptr;
+    cudaError_t err = api_.Malloc(&ptr, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      api_.GetLastError();  // out of memory is an answer, not an error
+      return nullptr;
+    }
+    if (err != cudaSuccess) {
+      fail(err, "cudaMalloc of " + std::to_string(bytes) + " bytes");
+    }
+    return ptr;
+  }
+
+  void release(void* ptr, std::size_t bytes) override {
+    DeviceGuard guard(api_, device_);
+    cudaError_t err = api_.Free(ptr);
+    if (err != cudaSuccess) {
+      fail(err, "cudaFree of " + std::to_string(bytes) + " bytes");
+    }
+  }
+
+  std::size_t total_bytes() override { return memory_info().total; }
+  std::size_t free_bytes() override { return memory_info().free; }
+
+  EventHandle create_event() override {
+    DeviceGuard guard(api_, device_);  // an event belongs to the current device
+    cudaEvent_t event = nullptr;
+    cudaError_t err = api_.EventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (err != cudaSuccess) fail(err, "cudaEventCreateWithFlags");
+    return event;
+  }
+
+  void record_event(EventHandle event, Stream stream) override {
+    // Stream 0 means the current device's default stream, hence the guard.
+    DeviceGuard guard(api_, device_);
+    cudaError_t err =
+        api_.EventRecord(as_event(event), reinterpret_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) fail(err, "cudaEventRecord");
+  }
+
+  // Query, synchronize and destroy act on the event's own device whatever is
+  // current, so they skip the guard; event_completed is polled often.
+  bool event_completed(EventHandle event) override {
+    cudaError_t err = api_.EventQuery(as_event(event));
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) {
+      api_.GetLastError();  // "not ready" is an answer, not an error
+      return false;
+    }
+    fail(err, "cudaEventQuery");
+  }
+
+  void synchronize_event(EventHandle event) override {
+    cudaError_t err = api_.EventSynchronize(as_event(event));
+    if (err != cudaSuccess) fail(err, "cudaEventSynchronize");
+  }
+
+  void destroy_event(EventHandle event) override {
+    cudaError_t err = api_.EventDestroy(as_event(event));
+    if (err != cudaSuccess) fail(err, "cudaEventDestroy");
+  }
+
+  void synchronize_device() override {
+    DeviceGuard guard(api_, device_);
+    cudaError_t err = api_.DeviceSynchronize();
+    if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize");
+  }
+
+ private:
+  struct MemoryInfo {
+    std::size_t free = 0;
+    std::size_t total = 0;
+  };
+
+  MemoryInfo memory_info() {
+    DeviceGuard guard(api_, device_);
+    MemoryInfo info;
+    cudaError_t err = api_.MemGetInfo(&info.free, &info.total);
+    if (err != cudaSuccess) fail(err, "cudaMemGetInfo");
+    return info;
+  }
+
+  static cudaEvent_t as_event(EventHandle event) {
+    return static_cast<cudaEvent_t>(event);
+  }
+
+  [[noreturn]] void fail(cudaError_t err, const std::string& what) const {
+    throw_cuda_error(api_, err, what, device_);
+  }
+
+  const CudaRuntimeApi& api_;
+  const int device_;
+};
+
+// Device count, or the runtime's error (already cleared from "last error").
+cudaError_t query_device_count(const CudaRuntimeApi& api, int& count) {
+  count = 0;
+  cudaError_t err = api.GetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    api.GetLastError();
+    count = 0;
+  }
+  return err;
+}
+
+}  // namespace
+
+const CudaRuntimeApi& cuda_runtime() { return load_runtime().api; }
+
+int cuda_runtime_version() {
+  const CudaRuntimeApi& api = cuda_runtime();
+  int version = 0;
+  cudaError_t err = api.RuntimeGetVersion(&version);
+  if (err != cudaSuccess) {
+    api.GetLastError();
+    throw std::runtime_error("dtralloc: cudaRuntimeGetVersion failed: " +
+                             describe(api, err));
+  }
+  return version;
+}
+
+std::string cuda_runtime_path() {
+  const LoadedRuntime* loaded = g_runtime.load(std::memory_order_acquire);
+  return loaded ? loaded->path : std::string();
+}
+
+int cuda_device_count() {
+  try {
+    int count = 0;
+    query_device_count(cuda_runtime(), count);
+    return count;
+  } catch (...) {
+    return 0;  // no runtime at all means no devices, by contract
+  }
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  const LoadedRuntime& runtime = load_runtime();
+  int count = 0;
+  cudaError_t err = query_device_count(runtime.api, count);
+  if (count == 0) {
+    std::string reason = err != cudaSuccess ? describe(runtime.api, err)
+                                            : std::string("0 devices");
+    throw std::runtime_error(
+        "dtralloc: the CUDA runtime " + runtime.path +
+        " sees no usable GPU: " + reason +
+        ". Check that the NVIDIA driver is installed and a GPU is visible "
+        "(nvidia-smi, CUDA_VISIBLE_DEVICES), or use the host/virtual backend.");
+  }
+  if (device < 0 || device >= count) {
+    throw std::runtime_error(
+        "dtralloc: CUDA device " + std::to_string(device) +
+        " does not exist: the runtime " + runtime.path + " sees " +
+        std::to_string(count) + " device(s), valid indices are 0.." +
+        std::to_string(count - 1) +
+        ". Pass a valid index or check CUDA_VISIBLE_DEVICES.");
+  }
+  return std::make_unique<CudaBackend>(runtime.api, device);
+}
+
+}  // namespace dtralloc

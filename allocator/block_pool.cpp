@@ -1,0 +1,323 @@
+// BlockPool: best fit, split, coalesce and the invariant walk (block_pool.h).
+#include "block_pool.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace dtralloc {
+namespace {
+
+int stat_index(PoolKind pool) { return pool == kSmallPool ? kStatSmallPool : kStatLargePool; }
+
+bool is_power_of_two(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+std::size_t power_of_two_floor(std::size_t v) {
+  std::size_t p = 1;
+  while (p <= v / 2) p <<= 1;
+  return p;
+}
+
+// Rounds up to the next of `divisions` equal steps between the powers of two
+// around `size` (torch's roundup_power2_divisions): fewer distinct sizes, so
+// freed blocks are reused more often, at the price of some padding.
+std::size_t round_to_division(std::size_t size, std::size_t divisions) {
+  if (is_power_of_two(size)) return size;
+  std::size_t floor = power_of_two_floor(size);
+  std::size_t step = floor / divisions;
+  if (step == 0) return floor << 1;
+  std::size_t down = size & ~(step - 1);
+  return down == size ? size : down + step;
+}
+
+[[noreturn]] void broken(const std::string& what) {
+  throw std::logic_error("dtralloc invariant violated: " + what);
+}
+
+}  // namespace
+
+BlockPool::~BlockPool() {
+  for (auto& [addr, seg] : segments_) {
+    Block* b = seg->head;
+    while (b) {
+      Block* next = b->next;
+      delete b;
+      b = next;
+    }
+    delete seg;
+  }
+}
+
+std::size_t BlockPool::round_size(std::size_t size, const Config& config) {
+  if (size < kMinBlockSize) return kMinBlockSize;
+  std::size_t divisions = config.roundup_power2_divisions;
+  if (divisions > 1 && size > kMinBlockSize * divisions)
+    return round_to_division(size, divisions);
+  return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+}
+
+std::size_t BlockPool::segment_size(std::size_t rounded) {
+  if (rounded <= kSmallSize) return kSmallBuffer;
+  if (rounded < kMinLargeAlloc) return kLargeBuffer;
+  return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+}
+
+Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) const {
+  Block key;
+  key.stream = stream;
+  key.size = rounded;
+  key.addr = 0;
+  auto it = free_[pool].lower_bound(&key);
+  if (it == free_[pool].end() || (*it)->stream != stream) return nullptr;
+  Block* b = *it;
+  if (config_.max_split_size_mb != kNoLimit) {
+    // A small request must not consume an oversize block: it could never be
+    // split back, and the big request it was cached for would miss.
+    if (!oversize(rounded) && oversize(b->size)) return nullptr;
+    // An oversize request takes an unsplittable block only if little is wasted.
+    if (oversize(rounded) && b->size >= rounded + config_.max_non_split_rounding_mb)
+      return nullptr;
+  }
+  return b;
+}
+
+bool BlockPool::should_split(const Block* block, std::size_t rounded) const {
+  std::size_t rest = block->size - rounded;
+  if (block->segment->pool == kSmallPool) return rest >= kMinBlockSize;
+  return !oversize(rounded) && rest > kSmallSize;
+}
+
+Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t requested) {
+  erase_free(block);
+  if (should_split(block, rounded)) {
+    Block* rest = new Block;
+    rest->addr = block->addr + rounded;
+    rest->size = block->size - rounded;
+    rest->stream = block->stream;
+    rest->segment = block->segment;
+    rest->prev = block;
+    rest->next = block->next;
+    if (rest->next) rest->next->prev = rest;
+    block->next = rest;
+    block->size = rounded;
+    insert_free(rest);
+  }
+  block->allocated = true;
+  block->requested_size = requested;
+  allocated_.emplace(block->addr, block);
+
+  int pool = stat_index(block->segment->pool);
+  auto n = static_cast<std::int64_t>(block->size);
+  stat_increase(stats_.allocation, pool, 1);
+  stat_increase(stats_.allocated_bytes, pool, n);
+  stat_increase(stats_.active, pool, 1);
+  stat_increase(stats_.active_bytes, pool, n);
+  stat_increase(stats_.requested_bytes, pool, static_cast<std::int64_t>(requested));
+  if (oversize(block->size)) stats_.oversize_allocations.increase(1);
+  return block;
+}
+
+Block* BlockPool::add_segment(std::uintptr_t addr, std::size_t size, Stream stream,
+                              PoolKind pool) {
+  auto* seg = new Segment;
+  seg->addr = addr;
+  seg->size = size;
+  seg->stream = stream;
+  seg->pool = pool;
+  auto* b = new Block;
+  b->addr = addr;
+  b->size = size;
+  b->stream = stream;
+  b->segment = seg;
+  seg->head = b;
+  segments_.emplace(addr, seg);
+
+  int idx = stat_index(pool);
+  stat_increase(stats_.segment, idx, 1);
+  stat_increase(stats_.reserved_bytes, idx, static_cast<std::int64_t>(size));
+  if (oversize(size)) stats_.oversize_segments.increase(1);
+  insert_free(b);
+  return b;
+}
+
+void BlockPool::remove_segment(Segment* seg) {
+  if (!seg->whole_free()) broken("remove_segment on a segment that is not entirely free");
+  erase_free(seg->head);
+  int idx = stat_index(seg->pool);
+  stat_decrease(stats_.segment, idx, 1);
+  stat_decrease(stats_.reserved_bytes, idx, static_cast<std::int64_t>(seg->size));
+  if (oversize(seg->size)) stats_.oversize_segments.decrease(1);
+  segments_.erase(seg->addr);
+  delete seg->head;
+  delete seg;
+}
+
+void BlockPool::mark_freed(Block* block) {
+  allocated_.erase(block->addr);
+  block->allocated = false;
+  int pool = stat_index(block->segment->pool);
+  stat_decrease(stats_.allocation, pool, 1);
+  stat_decrease(stats_.allocated_bytes, pool, static_cast<std::int64_t>(block->size));
+  stat_decrease(stats_.requested_bytes, pool, static_cast<std::int64_t>(block->requested_size));
+  if (oversize(block->size)) stats_.oversize_allocations.decrease(1);
+  block->requested_size = 0;
+}
+
+Block* BlockPool::return_to_pool(Block* block, std::uint64_t tick) {
+  int pool = stat_index(block->segment->pool);
+  stat_decrease(stats_.active, pool, 1);
+  stat_decrease(stats_.active_bytes, pool, static_cast<std::int64_t>(block->size));
+  block->stream_uses.clear();
+
+  // Coalesce with free neighbours (pending ones are not free yet: I2 allows
+  // them next to a free block until their events complete).
+  if (block->prev && block->prev->in_free_set) {
+    Block* p = block->prev;
+    erase_free(p);
+    p->size += block->size;
+    p->next = block->next;
+    if (p->next) p->next->prev = p;
+    delete block;
+    block = p;
+  }
+  if (block->next && block->next->in_free_set) {
+    Block* n = block->next;
+    erase_free(n);
+    block->size += n->size;
+    block->next = n->next;
+    if (block->next) block->next->prev = block;
+    delete n;
+  }
+  block->segment->last_free_tick = tick;
+  insert_free(block);
+  return block;
+}
+
+void BlockPool::insert_free(Block* block) {
+  int pool = stat_index(block->segment->pool);
+  free_[block->segment->pool].insert(block);
+  block->in_free_set = true;
+  block->counted_inactive_split = block->is_split();
+  if (block->counted_inactive_split) {
+    stat_increase(stats_.inactive_split, pool, 1);
+    stat_increase(stats_.inactive_split_bytes, pool, static_cast<std::int64_t>(block->size));
+  }
+}
+
+void BlockPool::erase_free(Block* block) {
+  int pool = stat_index(block->segment->pool);
+  free_[block->segment->pool].erase(block);
+  block->in_free_set = false;
+  if (block->counted_inactive_split) {
+    stat_decrease(stats_.inactive_split, pool, 1);
+    stat_decrease(stats_.inactive_split_bytes, pool, static_cast<std::int64_t>(block->size));
+    block->counted_inactive_split = false;
+  }
+}
+
+std::vector<Segment*> BlockPool::whole_free_segments() const {
+  std::vector<Segment*> out;
+  for (auto& [addr, seg] : segments_)
+    if (seg->whole_free()) out.push_back(seg);
+  return out;
+}
+
+Segment* BlockPool::segment_at(std::uintptr_t addr) const {
+  auto it = segments_.upper_bound(addr);
+  if (it == segments_.begin()) return nullptr;
+  --it;
+  Segment* seg = it->second;
+  return addr < seg->addr + seg->size ? seg : nullptr;
+}
+
+std::size_t BlockPool::largest_free_block() const {
+  std::size_t best = 0;
+  for (const auto& set : free_)
+    for (const Block* b : set) best = std::max(best, b->size);
+  return best;
+}
+
+std::size_t BlockPool::free_bytes() const {
+  std::size_t total = 0;
+  for (const auto& set : free_)
+    for (const Block* b : set) total += b->size;
+  return total;
+}
+
+void BlockPool::check_invariants() const {
+  // What a full walk counts, per stat index, to compare with stats_ (I5).
+  struct Count {
+    std::int64_t allocation = 0, allocated_bytes = 0, active = 0, active_bytes = 0;
+    std::int64_t inactive_split = 0, inactive_split_bytes = 0, segment = 0;
+    std::int64_t reserved_bytes = 0, requested_bytes = 0;
+  } count[kNumStatIndices];
+  std::size_t in_free_sets = 0, allocated_blocks = 0;
+  std::int64_t oversize_allocations = 0, oversize_segments = 0;
+
+  for (const auto& [addr, seg] : segments_) {
+    if (addr != seg->addr) broken("I1: segment map key differs from its address");
+    if (!seg->head || seg->head->prev) broken("I1: segment head is missing or has a prev");
+    std::uintptr_t expect = seg->addr;
+    const Block* last = nullptr;
+    for (const Block* b = seg->head; b; b = b->next) {
+      if (b->addr != expect) broken("I1: gap or overlap inside a segment");
+      if (b->size == 0) broken("I1: empty block");
+      if (b->segment != seg || b->stream != seg->stream) broken("I1: block points at the wrong segment");
+      if (b->prev != last) broken("I1: prev link does not match");
+      if (last && last->in_free_set && b->in_free_set) broken("I2: two free neighbours");
+      if (b->in_free_set && b->allocated) broken("I3: allocated block in a free set");
+      if (b->in_free_set != (free_[seg->pool].count(const_cast<Block*>(b)) == 1))
+        broken("I3: in_free_set flag disagrees with the free set");
+      if (free_[1 - seg->pool].count(const_cast<Block*>(b))) broken("I3: block in the other pool's free set");
+      if (b->allocated != (lookup_allocated(b->addr) == b)) broken("I3: allocated map disagrees");
+      if (!b->allocated && b->requested_size != 0) broken("I5: free block keeps a requested size");
+      for (int idx : {int(kStatAll), stat_index(seg->pool)}) {
+        Count& c = count[idx];
+        auto n = static_cast<std::int64_t>(b->size);
+        if (b->allocated) {
+          c.allocation += 1;
+          c.allocated_bytes += n;
+          c.requested_bytes += static_cast<std::int64_t>(b->requested_size);
+        }
+        if (!b->in_free_set) {  // allocated or pending
+          c.active += 1;
+          c.active_bytes += n;
+        }
+        if (b->in_free_set && b->is_split()) {
+          c.inactive_split += 1;
+          c.inactive_split_bytes += n;
+        }
+      }
+      if (b->allocated && oversize(b->size)) ++oversize_allocations;
+      in_free_sets += b->in_free_set;
+      allocated_blocks += b->allocated;
+      expect += b->size;
+      last = b;
+    }
+    if (expect != seg->addr + seg->size) broken("I1: blocks do not cover their segment");
+    for (int idx : {int(kStatAll), stat_index(seg->pool)}) {
+      count[idx].segment += 1;
+      count[idx].reserved_bytes += static_cast<std::int64_t>(seg->size);
+    }
+    if (oversize(seg->size)) ++oversize_segments;
+  }
+  if (in_free_sets != free_[0].size() + free_[1].size()) broken("I3: free set holds blocks of no segment");
+  if (allocated_blocks != allocated_.size()) broken("I3: allocated map holds blocks of no segment");
+  for (int idx = 0; idx < kNumStatIndices; ++idx) {
+    const Count& c = count[idx];
+    const std::string where = std::string(" (") + kStatIndexNames[idx] + ")";
+    if (c.segment != stats_.segment[idx].current) broken("I5: segment count" + where);
+    if (c.reserved_bytes != stats_.reserved_bytes[idx].current) broken("I4: reserved_bytes" + where);
+    if (c.allocation != stats_.allocation[idx].current) broken("I5: allocation count" + where);
+    if (c.allocated_bytes != stats_.allocated_bytes[idx].current) broken("I5: allocated_bytes" + where);
+    if (c.requested_bytes != stats_.requested_bytes[idx].current) broken("I5: requested_bytes" + where);
+    if (c.active != stats_.active[idx].current) broken("I5: active count" + where);
+    if (c.active_bytes != stats_.active_bytes[idx].current) broken("I5: active_bytes" + where);
+    if (c.inactive_split != stats_.inactive_split[idx].current) broken("I5: inactive_split" + where);
+    if (c.inactive_split_bytes != stats_.inactive_split_bytes[idx].current)
+      broken("I5: inactive_split_bytes" + where);
+  }
+  if (oversize_allocations != stats_.oversize_allocations.current) broken("I5: oversize_allocations");
+  if (oversize_segments != stats_.oversize_segments.current) broken("I5: oversize_segments");
+}
+
+}  // namespace dtralloc

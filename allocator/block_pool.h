@@ -1,0 +1,162 @@
+// BlockPool: the mechanism of the caching allocator. Knows segments, blocks
+// and their address neighbours; knows nothing about tensors, budgets or
+// backends (the Allocator in allocator.h does the policy and talks to the
+// backend; the Evictor walks neighbours through the accessors here).
+//
+// Map of the structures
+// ---------------------
+//   segments_   address -> Segment, every segment obtained from the backend
+//   Segment     one backend allocation; its blocks form a doubly linked list
+//               in address order (Block::prev / Block::next)
+//   Block       a piece of a segment: allocated, pending (freed, waiting on a
+//               record_stream event) or free
+//   free_[pool] the free blocks of each pool, ordered (stream, size, address)
+//               so that lower_bound gives the best fit on a stream
+//   allocated_  address -> Block for blocks currently handed to users
+//
+// Policy kept from torch's CUDACachingAllocator (what users already know):
+//   * sizes round up to 512 B (or to power-of-two divisions, if configured)
+//   * requests <= 1 MiB come from the small pool, in 2 MiB segments
+//   * requests < 10 MiB come from the large pool, in 20 MiB segments
+//   * larger requests get a segment of their own size rounded to 2 MiB
+//   * a block is split when the rest is worth keeping (>= 512 B in the small
+//     pool, > 1 MiB in the large pool) and never when it is oversize
+//     (>= max_split_size_mb); oversize blocks serve only requests within
+//     max_non_split_rounding_mb of their size
+//   * a freed block merges with free neighbours at once; blocks never cross
+//     streams (a segment belongs to the stream that first asked for it)
+//
+// Invariants (check_invariants() verifies all of them by a full walk):
+//   I1  blocks of a segment tile it: addr ascends, no gap, no overlap
+//   I2  no two address neighbours are both in a free set
+//   I3  in_free_set <=> the block is in free_[its pool]; allocated blocks are
+//       in no free set and in allocated_; pending blocks in neither
+//   I4  reserved_bytes == sum of segment sizes
+//   I5  every Stat's current equals what the walk counts
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.h"
+#include "config.h"
+#include "stats.h"
+
+namespace dtralloc {
+
+constexpr std::size_t kMinBlockSize = 512;          // alignment and minimum block
+constexpr std::size_t kSmallSize = 1 * kMiB;        // largest small-pool request
+constexpr std::size_t kSmallBuffer = 2 * kMiB;      // small-pool segment size
+constexpr std::size_t kLargeBuffer = 20 * kMiB;     // segment for 1..10 MiB requests
+constexpr std::size_t kMinLargeAlloc = 10 * kMiB;   // from here, own-size segments
+constexpr std::size_t kRoundLarge = 2 * kMiB;       // rounding of own-size segments
+
+enum PoolKind : int { kSmallPool = 0, kLargePool = 1 };
+
+struct Segment;
+
+struct Block {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;            // rounded size the block spans
+  std::size_t requested_size = 0;  // what the user asked for; 0 unless allocated
+  Stream stream = 0;               // stream of the segment; never changes
+  Segment* segment = nullptr;
+  Block* prev = nullptr;           // address neighbour below, same segment
+  Block* next = nullptr;           // address neighbour above, same segment
+  bool allocated = false;
+  bool in_free_set = false;
+  bool counted_inactive_split = false;  // what insert_free added to the stat
+  int event_count = 0;             // record_stream events still outstanding
+  std::vector<Stream> stream_uses; // other streams that used it (record_stream)
+
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+  bool pending() const { return !allocated && !in_free_set; }
+};
+
+struct Segment {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  Stream stream = 0;
+  PoolKind pool = kLargePool;
+  Block* head = nullptr;          // lowest-address block
+  std::uint64_t last_free_tick = 0;  // when a block last returned; for GC age
+
+  bool whole_free() const { return head->in_free_set && head->next == nullptr; }
+};
+
+class BlockPool {
+ public:
+  explicit BlockPool(const Config& config) : config_(config) {}
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // Size arithmetic (torch's policy; see the header comment).
+  static std::size_t round_size(std::size_t size, const Config& config);
+  static std::size_t segment_size(std::size_t rounded);
+  static PoolKind pool_for(std::size_t rounded) {
+    return rounded <= kSmallSize ? kSmallPool : kLargePool;
+  }
+
+  // Best-fit free block on `stream` for `rounded` bytes, or nullptr.
+  Block* find_free(PoolKind pool, Stream stream, std::size_t rounded) const;
+  // Takes `block` out of its free set, splits off the rest when worth it,
+  // marks it allocated. Returns the allocated block.
+  Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested);
+  // Registers a new backend segment as one free block; returns that block.
+  Block* add_segment(std::uintptr_t addr, std::size_t size, Stream stream, PoolKind pool);
+  // Forgets a whole-free segment (the caller releases its memory).
+  void remove_segment(Segment* segment);
+
+  Block* lookup_allocated(std::uintptr_t addr) const {
+    auto it = allocated_.find(addr);
+    return it == allocated_.end() ? nullptr : it->second;
+  }
+  // The user freed `block`: it stops being allocated (allocation stats drop)
+  // but stays active until return_to_pool (record_stream events).
+  void mark_freed(Block* block);
+  // Puts a freed block back: merges free neighbours, inserts the result into
+  // its free set. Returns the merged block.
+  Block* return_to_pool(Block* block, std::uint64_t tick);
+
+  // Whole-free segments, in address order.
+  std::vector<Segment*> whole_free_segments() const;
+  const std::map<std::uintptr_t, Segment*>& segments() const { return segments_; }
+  // Segment containing `addr`, or nullptr.
+  Segment* segment_at(std::uintptr_t addr) const;
+
+  Stats& stats() { return stats_; }
+  const Stats& stats() const { return stats_; }
+  std::size_t largest_free_block() const;
+  std::size_t free_bytes() const;  // sum of blocks in free sets
+
+  // Throws std::logic_error naming the broken invariant (I1..I5).
+  void check_invariants() const;
+
+ private:
+  struct FreeOrder {
+    bool operator()(const Block* a, const Block* b) const {
+      if (a->stream != b->stream) return a->stream < b->stream;
+      if (a->size != b->size) return a->size < b->size;
+      return a->addr < b->addr;
+    }
+  };
+  using FreeSet = std::set<Block*, FreeOrder>;
+
+  void insert_free(Block* block);
+  void erase_free(Block* block);
+  bool should_split(const Block* block, std::size_t rounded) const;
+  bool oversize(std::size_t size) const { return size >= config_.max_split_size_mb; }
+
+  const Config& config_;
+  FreeSet free_[2];
+  std::map<std::uintptr_t, Segment*> segments_;
+  std::unordered_map<std::uintptr_t, Block*> allocated_;
+  Stats stats_;
+};
+
+}  // namespace dtralloc

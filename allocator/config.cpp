@@ -1,0 +1,257 @@
+// Parsing and printing of the DTRALLOC_OPTIONS table (see config.h).
+#include "config.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+namespace dtralloc {
+namespace {
+
+std::string trim(const std::string& s) {
+  std::size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+[[noreturn]] void bad_value(const std::string& key, const std::string& value,
+                            const std::string& accepts) {
+  throw ConfigError("DTRALLOC_CONF: bad value '" + value + "' for key '" + key +
+                    "': expected " + accepts);
+}
+
+// Strict decimal number: the whole text must be consumed.
+bool parse_number(const std::string& text, double* out) {
+  if (text.empty()) return false;
+  std::size_t used = 0;
+  try {
+    *out = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return used == text.size() && std::isfinite(*out);
+}
+
+std::string format_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// ---- one struct of static functions per option kind ----------------------
+
+struct BudgetKind {
+  static constexpr const char* accepts =
+      "a size like 6G / 512M / 1073741824, a fraction of device memory in "
+      "(0, 1] like 0.5, or none";
+  static Budget parse(const std::string& key, const std::string& text) {
+    Budget b;
+    if (lower(text) == "none") return b;
+    double v = 0;
+    // A bare number no greater than 1 is a fraction; anything else a size.
+    if (parse_number(text, &v) && v <= 1.0) {
+      if (!(v > 0.0)) bad_value(key, text, accepts);
+      b.fraction = v;
+      return b;
+    }
+    b.bytes = parse_size(key, text, 1);
+    if (b.bytes == 0) bad_value(key, text, accepts);
+    return b;
+  }
+  static std::string format(const Budget& b) {
+    if (b.none()) return "none";
+    if (b.fraction > 0) return format_double(b.fraction);
+    return format_bytes(b.bytes);
+  }
+};
+
+struct SizeMbKind {
+  static constexpr const char* accepts =
+      "megabytes (200), a size with suffix (200M, 1G), or none";
+  static std::size_t parse(const std::string& key, const std::string& text) {
+    if (lower(text) == "none") return kNoLimit;
+    return parse_size(key, text, kMiB);
+  }
+  static std::string format(std::size_t v) {
+    return v == kNoLimit ? "none" : format_bytes(v);
+  }
+};
+
+struct DivisionsKind {
+  static constexpr const char* accepts = "0, 1 or a power of two up to 64";
+  static std::size_t parse(const std::string& key, const std::string& text) {
+    double v = 0;
+    if (!parse_number(text, &v) || v < 0 || v > 64 || v != std::floor(v))
+      bad_value(key, text, accepts);
+    auto n = static_cast<std::size_t>(v);
+    if (n > 1 && (n & (n - 1)) != 0) bad_value(key, text, accepts);
+    return n;
+  }
+  static std::string format(std::size_t v) { return std::to_string(v); }
+};
+
+struct FractionKind {
+  static constexpr const char* accepts = "a number in [0, 1), 0 = off";
+  static double parse(const std::string& key, const std::string& text) {
+    double v = 0;
+    if (!parse_number(text, &v) || v < 0 || v >= 1) bad_value(key, text, accepts);
+    return v;
+  }
+  static std::string format(double v) { return format_double(v); }
+};
+
+struct CountKind {
+  static constexpr const char* accepts = "a non-negative integer (suffix K/M allowed)";
+  static std::size_t parse(const std::string& key, const std::string& text) {
+    return parse_size(key, text, 1);
+  }
+  static std::string format(std::size_t v) { return std::to_string(v); }
+};
+
+template <typename Option> struct KindOf;
+template <> struct KindOf<BudgetOption> { using type = BudgetKind; };
+template <> struct KindOf<SizeMbOption> { using type = SizeMbKind; };
+template <> struct KindOf<DivisionsOption> { using type = DivisionsKind; };
+template <> struct KindOf<FractionOption> { using type = FractionKind; };
+template <> struct KindOf<CountOption> { using type = CountKind; };
+
+// PYTORCH_CUDA_ALLOC_CONF keys we deliberately do not implement: say so
+// instead of "unknown key", so a copied torch setting gets a precise answer.
+const std::set<std::string>& torch_only_keys() {
+  static const std::set<std::string> keys = {
+      "expandable_segments", "backend", "release_lock_on_cudamalloc",
+      "pinned_use_cuda_host_register", "pinned_num_register_threads",
+      "pinned_use_background_threads", "graph_capture_record_stream_reuse",
+      "per_process_memory_fraction"};
+  return keys;
+}
+
+std::string known_keys() {
+  std::string out;
+#define DTRALLOC_NAME(name, kind, def, doc) out += (out.empty() ? "" : ", ") + std::string(#name);
+  DTRALLOC_OPTIONS(DTRALLOC_NAME)
+#undef DTRALLOC_NAME
+  return out;
+}
+
+void set_option(Config& config, const std::string& key, const std::string& value) {
+#define DTRALLOC_SET(name, kind, def, doc)                       \
+  if (key == #name) {                                            \
+    config.name = KindOf<kind>::type::parse(key, value);         \
+    return;                                                      \
+  }
+  DTRALLOC_OPTIONS(DTRALLOC_SET)
+#undef DTRALLOC_SET
+  if (torch_only_keys().count(key))
+    throw ConfigError("DTRALLOC_CONF: key '" + key +
+                      "' is a PYTORCH_CUDA_ALLOC_CONF setting that dtralloc does "
+                      "not implement; remove it. Known keys: " + known_keys());
+  throw ConfigError("DTRALLOC_CONF: unknown key '" + key + "'. Known keys: " +
+                    known_keys() + " (run `python -m dtralloc config` for docs)");
+}
+
+}  // namespace
+
+std::size_t Budget::resolve(std::size_t capacity) const {
+  if (fraction > 0) return static_cast<std::size_t>(fraction * static_cast<double>(capacity));
+  if (bytes > 0) return bytes;
+  return capacity;
+}
+
+std::size_t parse_size(const std::string& key, const std::string& text,
+                       std::size_t unit) {
+  const std::string accepts =
+      unit == 1 ? "a size such as 512, 64K, 200M, 6G" : "megabytes (200) or a size such as 200M, 1G";
+  std::string t = trim(text);
+  std::size_t multiplier = unit;
+  if (!t.empty()) {
+    char s = static_cast<char>(std::toupper(static_cast<unsigned char>(t.back())));
+    std::string body = t;
+    if (s == 'B' && t.size() >= 2 && std::isalpha(static_cast<unsigned char>(t[t.size() - 2]))) {
+      body.pop_back();  // accept "6GB" as well as "6G"
+      s = static_cast<char>(std::toupper(static_cast<unsigned char>(body.back())));
+    }
+    const char* suffixes = "KMGT";
+    for (int i = 0; i < 4; ++i) {
+      if (s == suffixes[i]) {
+        multiplier = std::size_t{1} << (10 * (i + 1));
+        body.pop_back();
+        break;
+      }
+    }
+    t = trim(body);
+  }
+  double v = 0;
+  if (!parse_number(t, &v) || v < 0) bad_value(key, text, accepts);
+  double bytes = v * static_cast<double>(multiplier);
+  if (bytes >= 1.8e19) bad_value(key, text, accepts);
+  return static_cast<std::size_t>(std::llround(bytes));
+}
+
+Config parse_config(const std::string& text) {
+  Config config;
+  std::set<std::string> seen;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    item = trim(item);
+    if (item.empty()) continue;
+    auto colon = item.find(':');
+    if (colon == std::string::npos)
+      throw ConfigError("DTRALLOC_CONF: item '" + item +
+                        "' has no value; write key:value pairs separated by "
+                        "commas, e.g. budget:6G,max_split_size_mb:256");
+    std::string key = trim(item.substr(0, colon));
+    std::string value = trim(item.substr(colon + 1));
+    if (!seen.insert(key).second)
+      throw ConfigError("DTRALLOC_CONF: key '" + key + "' is given twice");
+    if (value.empty())
+      throw ConfigError("DTRALLOC_CONF: key '" + key + "' has an empty value");
+    set_option(config, key, value);
+  }
+  // Cross-key rule torch also enforces: a split limit below the large
+  // segment size would leave every large block unsplittable.
+  if (config.max_split_size_mb != kNoLimit && config.max_split_size_mb <= 20 * kMiB)
+    throw ConfigError(
+        "DTRALLOC_CONF: max_split_size_mb must be more than 20 (MB), the size of a "
+        "large-pool segment; got " + format_bytes(config.max_split_size_mb));
+  return config;
+}
+
+std::vector<OptionInfo> describe_config(const Config& config) {
+  std::vector<OptionInfo> out;
+  const Config defaults;
+#define DTRALLOC_DESCRIBE(name, kind, def, doc)                       \
+  out.push_back({#name, KindOf<kind>::type::format(config.name),      \
+                 KindOf<kind>::type::format(defaults.name),           \
+                 KindOf<kind>::type::accepts, doc});
+  DTRALLOC_OPTIONS(DTRALLOC_DESCRIBE)
+#undef DTRALLOC_DESCRIBE
+  return out;
+}
+
+std::string format_bytes(std::size_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[48];
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  else
+    std::snprintf(buf, sizeof buf, "%.4g %s", v, units[u]);
+  return buf;
+}
+
+}  // namespace dtralloc

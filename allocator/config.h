@@ -1,0 +1,96 @@
+// Config: every tunable of dtralloc, declared once in DTRALLOC_OPTIONS.
+//
+// The table below is the single source of truth: the Config struct, the
+// parser of DTRALLOC_CONF="key:value,...", `python -m dtralloc config` and the
+// README table are all generated from it. Names shared with
+// PYTORCH_CUDA_ALLOC_CONF mean the same thing (and the same unit: *_mb keys
+// take megabytes). Sizes accept K/M/G/T suffixes (powers of 1024).
+//
+// A bad key or value throws ConfigError naming the key and what it accepts;
+// it never aborts the process (torch's allocator once crashed `import torch`
+// on a typo in its env var; we do not repeat that).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dtralloc {
+
+constexpr std::size_t kMiB = 1024 * 1024;
+constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+
+class ConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// budget: a hard cap on reserved bytes, absolute or a fraction of capacity.
+struct Budget {
+  std::size_t bytes = 0;   // used when fraction == 0
+  double fraction = 0.0;   // in (0, 1]; 0 means "absolute bytes" (or none)
+  bool none() const { return bytes == 0 && fraction == 0.0; }
+  // The cap for a device of `capacity` bytes (capacity when none()).
+  std::size_t resolve(std::size_t capacity) const;
+};
+
+// Value kinds; each knows how to parse and print itself.
+struct BudgetOption { using value_type = Budget; };
+struct SizeMbOption { using value_type = std::size_t; };    // stored in bytes
+struct DivisionsOption { using value_type = std::size_t; }; // 0, 1 or power of 2
+struct FractionOption { using value_type = double; };       // [0, 1)
+struct CountOption { using value_type = std::size_t; };
+
+// X(name, kind, default, doc). The doc is one line; it is what users read.
+#define DTRALLOC_OPTIONS(X)                                                    \
+  X(budget, BudgetOption, Budget{},                                            \
+    "hard cap on reserved bytes: a size (6G, 512M) or a fraction of device "   \
+    "memory (0.5); none = the whole device")                                   \
+  X(max_split_size_mb, SizeMbOption, kNoLimit,                                 \
+    "blocks at least this large (MB) are never split; small requests will "    \
+    "not use them. Lowers fragmentation for mixed sizes. none = no limit")     \
+  X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
+    "a request of max_split_size or more may take an unsplittable cached "     \
+    "block up to this much (MB) larger than itself")                           \
+  X(roundup_power2_divisions, DivisionsOption, 0,                              \
+    "round request sizes up to one of N steps between powers of two (N a "     \
+    "power of two; 0 or 1 = round to 512 B only)")                             \
+  X(garbage_collection_threshold, FractionOption, 0.0,                         \
+    "when reserved passes this fraction of the budget, release the least "     \
+    "recently used cached segments before growing (0 = off)")                  \
+  X(history_entries, CountOption, 16384,                                       \
+    "size of the alloc/free event ring buffer kept for snapshot() "            \
+    "device_traces (0 = no history)")
+
+struct Config {
+#define DTRALLOC_DECLARE_FIELD(name, kind, def, doc) \
+  kind::value_type name = def;
+  DTRALLOC_OPTIONS(DTRALLOC_DECLARE_FIELD)
+#undef DTRALLOC_DECLARE_FIELD
+};
+
+// Parses "key:value,key:value". Empty text gives the defaults.
+Config parse_config(const std::string& text);
+
+// Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").
+// `unit` multiplies a bare number (1 for bytes, kMiB for *_mb keys).
+// Throws ConfigError mentioning `key` on malformed input.
+std::size_t parse_size(const std::string& key, const std::string& text,
+                       std::size_t unit);
+
+struct OptionInfo {
+  std::string name;
+  std::string value;          // the effective value, formatted
+  std::string default_value;  // formatted
+  std::string accepts;        // what values are allowed
+  std::string doc;
+};
+std::vector<OptionInfo> describe_config(const Config& config);
+
+// Formats bytes for humans: "1.5 GiB", "512 B".
+std::string format_bytes(std::size_t bytes);
+
+}  // namespace dtralloc

@@ -1,0 +1,498 @@
+// A fake CUDA runtime (libdtralloc_fakecudart.so) for machines without a GPU.
+//
+// It exports the 17 runtime functions dtralloc calls, under their real names
+// and with their real C signatures, so DTRALLOC_CUDART can point the cuda
+// backend (and anything else that dlopens a libcudart) at it. Device memory is
+// host memory, so tests can write into it. The fakecuda_* functions steer it
+// (device count, capacity, injected failures) and report what it saw (call
+// counts, live allocations, used bytes).
+//
+// Behaviour that tests rely on:
+//   * Devices: 1 by default, each with the same capacity (1 GiB by default).
+//     cudaMalloc fails with cudaErrorMemoryAllocation when used + size would
+//     pass the capacity of the current device. Used bytes count exact sizes.
+//   * Errors set the calling thread's "last error", which cudaGetLastError
+//     returns and clears, as in the real runtime. cudaEventQuery's
+//     cudaErrorNotReady sets it too, the strict reading torch also guards
+//     against.
+//   * Events are deferred: cudaEventRecord leaves an event pending until
+//     cudaEventSynchronize (that event), cudaStreamSynchronize (events recorded
+//     on that stream), cudaDeviceSynchronize (events of the current device) or
+//     fakecuda_complete_events() (all). An event never recorded is complete.
+//     Recording on stream 0 from another device than the event's fails, as it
+//     does on a GPU, which catches a missing cudaSetDevice.
+//   * cudaFree does not complete events (the real one synchronizes).
+//
+// No std containers, std::mutex or std::atomic here, on purpose: at -O0 their
+// inline members are emitted as weak symbols with default visibility and would
+// be exported next to the CUDA API, and `nm -D` must show only the API and the
+// controls. Internals have internal linkage; the lock is a pthread mutex.
+#include <pthread.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "cudart_api.h"
+
+#define FAKECUDA_EXPORT extern "C" __attribute__((visibility("default")))
+
+using namespace dtralloc::cudart;
+
+namespace {
+
+constexpr int kMaxDevices = 16;
+constexpr std::size_t kDefaultCapacity = std::size_t(1) << 30;
+constexpr std::size_t kAlignment = 512;
+constexpr int kRuntimeVersion = 13000;
+// Event handles are numbers, never dereferenced: there is nothing to leak, and
+// a destroyed handle is never reissued, so using it is reported, not aliased.
+constexpr std::uintptr_t kEventHandleBase = 0x7e000000;
+
+enum Function {
+  kMalloc, kFree, kMemGetInfo, kGetDevice, kSetDevice, kGetDeviceCount,
+  kDeviceSynchronize, kStreamSynchronize, kStreamWaitEvent,
+  kEventCreateWithFlags, kEventRecord, kEventQuery, kEventSynchronize,
+  kEventDestroy, kGetLastError, kGetErrorString, kRuntimeGetVersion,
+  kFunctionCount
+};
+
+constexpr const char* kFunctionNames[kFunctionCount] = {
+    "cudaMalloc", "cudaFree", "cudaMemGetInfo", "cudaGetDevice",
+    "cudaSetDevice", "cudaGetDeviceCount", "cudaDeviceSynchronize",
+    "cudaStreamSynchronize", "cudaStreamWaitEvent", "cudaEventCreateWithFlags",
+    "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
+    "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString",
+    "cudaRuntimeGetVersion"};
+
+// Open-addressing hash map from pointer to a trivially copyable value, with
+// linear probing. Deleting re-places the rest of the probe run, which keeps
+// lookups correct without tombstones.
+template <typename Value>
+class PointerMap {
+ public:
+  Value* find(const void* key) const {
+    if (capacity_ == 0) return nullptr;
+    for (std::size_t i = home(key);; i = next(i)) {
+      if (slots_[i].key == key) return &slots_[i].value;
+      if (slots_[i].key == nullptr) return nullptr;
+    }
+  }
+
+  // False when the table cannot grow (host out of memory).
+  bool insert(const void* key, const Value& value) {
+    if ((size_ + 1) * 2 > capacity_ && !grow()) return false;
+    place(Slot{key, value});
+    return true;
+  }
+
+  void erase(const void* key) {
+    std::size_t i = home(key);
+    while (slots_[i].key != key) i = next(i);
+    slots_[i].key = nullptr;
+    --size_;
+    for (i = next(i); slots_[i].key != nullptr; i = next(i)) {
+      Slot moved = slots_[i];
+      slots_[i].key = nullptr;
+      --size_;
+      place(moved);
+    }
+  }
+
+  template <typename Fn>
+  void for_each(Fn fn) {
+    for (std::size_t i = 0; i < capacity_; ++i) {
+      if (slots_[i].key != nullptr) fn(slots_[i].value);
+    }
+  }
+
+  std::size_t size() const { return size_; }
+
+ private:
+  struct Slot {
+    const void* key;
+    Value value;
+  };
+
+  std::size_t home(const void* key) const {
+    std::uint64_t h = reinterpret_cast<std::uintptr_t>(key);
+    h *= 0x9E3779B97F4A7C15ull;  // spreads the low bits aligned pointers lack
+    return (h ^ (h >> 32)) & (capacity_ - 1);
+  }
+  std::size_t next(std::size_t i) const { return (i + 1) & (capacity_ - 1); }
+
+  void place(const Slot& slot) {
+    std::size_t i = home(slot.key);
+    while (slots_[i].key != nullptr) i = next(i);
+    slots_[i] = slot;
+    ++size_;
+  }
+
+  bool grow() {
+    std::size_t new_capacity = capacity_ == 0 ? 64 : capacity_ * 2;
+    Slot* fresh = static_cast<Slot*>(std::calloc(new_capacity, sizeof(Slot)));
+    if (fresh == nullptr) return false;
+    Slot* old = slots_;
+    std::size_t old_capacity = capacity_;
+    slots_ = fresh;
+    capacity_ = new_capacity;
+    size_ = 0;
+    for (std::size_t i = 0; i < old_capacity; ++i) {
+      if (old[i].key != nullptr) place(old[i]);
+    }
+    std::free(old);
+    return true;
+  }
+
+  Slot* slots_ = nullptr;
+  std::size_t capacity_ = 0;  // zero or a power of two
+  std::size_t size_ = 0;
+};
+
+struct Allocation {
+  int device;
+  std::size_t bytes;
+};
+
+struct EventState {
+  int device;
+  cudaStream_t stream;
+  bool pending;
+};
+
+// Constant-initialized and never destroyed: other threads (or atexit
+// handlers of the program under test) may still call in during exit.
+struct State {
+  pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER;
+  int device_count = 1;
+  std::size_t capacity = kDefaultCapacity;
+  std::size_t used[kMaxDevices] = {};
+  int failing_mallocs = 0;
+  std::uintptr_t events_created = 0;
+  PointerMap<Allocation> allocations;
+  PointerMap<EventState> events;
+};
+
+State g_state;
+long g_calls[kFunctionCount];  // touched only through __atomic builtins
+
+// Per thread, like the real runtime's current device and last error.
+thread_local int t_device = 0;
+thread_local cudaError_t t_last_error = cudaSuccess;
+
+class Lock {
+ public:
+  Lock() { pthread_mutex_lock(&g_state.mutex); }
+  ~Lock() { pthread_mutex_unlock(&g_state.mutex); }
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+};
+
+void count_call(Function function) {
+  __atomic_fetch_add(&g_calls[function], 1, __ATOMIC_RELAXED);
+}
+
+cudaError_t fail(cudaError_t err) {
+  t_last_error = err;
+  return err;
+}
+
+// Whether this thread's current device exists (caller holds the lock).
+cudaError_t current_device_error() {
+  if (g_state.device_count == 0) return cudaErrorNoDevice;
+  if (t_device >= g_state.device_count) return cudaErrorInvalidDevice;
+  return cudaSuccess;
+}
+
+cudaEvent_t new_event_handle() {
+  std::uintptr_t id = ++g_state.events_created;
+  return reinterpret_cast<cudaEvent_t>(kEventHandleBase + id * 16);
+}
+
+template <typename Predicate>
+void complete_events_where(Predicate matches) {
+  g_state.events.for_each([&](EventState& event) {
+    if (matches(event)) event.pending = false;
+  });
+}
+
+bool exceeds_capacity(std::size_t used, std::size_t size) {
+  std::size_t capacity = g_state.capacity;
+  return used > capacity || size > capacity - used;
+}
+
+const char* error_string(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "cudaSuccess: no error";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue: invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation: out of memory";
+    case cudaErrorNoDevice:
+      return "cudaErrorNoDevice: no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice: invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+      return "cudaErrorInvalidResourceHandle: invalid resource handle";
+    case cudaErrorNotReady:
+      return "cudaErrorNotReady: device not ready";
+    default: return "unrecognized error code";
+  }
+}
+
+}  // namespace
+
+// ---- The CUDA runtime API ------------------------------------------------
+
+FAKECUDA_EXPORT cudaError_t cudaMalloc(void** dev_ptr, std::size_t size) {
+  count_call(kMalloc);
+  if (dev_ptr == nullptr) return fail(cudaErrorInvalidValue);
+  *dev_ptr = nullptr;
+  Lock lock;
+  if (cudaError_t err = current_device_error()) return fail(err);
+  if (g_state.failing_mallocs > 0) {
+    --g_state.failing_mallocs;
+    return fail(cudaErrorMemoryAllocation);
+  }
+  if (size == 0) return cudaSuccess;
+  std::size_t& used = g_state.used[t_device];
+  if (exceeds_capacity(used, size)) return fail(cudaErrorMemoryAllocation);
+  void* memory = nullptr;
+  if (posix_memalign(&memory, kAlignment, size) != 0) {
+    return fail(cudaErrorMemoryAllocation);
+  }
+  if (!g_state.allocations.insert(memory, Allocation{t_device, size})) {
+    std::free(memory);
+    return fail(cudaErrorMemoryAllocation);
+  }
+  used += size;
+  *dev_ptr = memory;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaFree(void* dev_ptr) {
+  count_call(kFree);
+  if (dev_ptr == nullptr) return cudaSuccess;
+  Lock lock;
+  const Allocation* allocation = g_state.allocations.find(dev_ptr);
+  if (allocation == nullptr) return fail(cudaErrorInvalidValue);
+  g_state.used[allocation->device] -= allocation->bytes;
+  g_state.allocations.erase(dev_ptr);
+  std::free(dev_ptr);
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaMemGetInfo(std::size_t* free,
+                                           std::size_t* total) {
+  count_call(kMemGetInfo);
+  if (free == nullptr || total == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  if (cudaError_t err = current_device_error()) return fail(err);
+  std::size_t used = g_state.used[t_device];
+  *total = g_state.capacity;
+  *free = used < g_state.capacity ? g_state.capacity - used : 0;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaGetDevice(int* device) {
+  count_call(kGetDevice);
+  if (device == nullptr) return fail(cudaErrorInvalidValue);
+  *device = t_device;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaSetDevice(int device) {
+  count_call(kSetDevice);
+  Lock lock;
+  if (g_state.device_count == 0) return fail(cudaErrorNoDevice);
+  if (device < 0 || device >= g_state.device_count) {
+    return fail(cudaErrorInvalidDevice);
+  }
+  t_device = device;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaGetDeviceCount(int* count) {
+  count_call(kGetDeviceCount);
+  if (count == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  *count = g_state.device_count;
+  return *count == 0 ? fail(cudaErrorNoDevice) : cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
+  count_call(kDeviceSynchronize);
+  Lock lock;
+  if (cudaError_t err = current_device_error()) return fail(err);
+  const int device = t_device;
+  complete_events_where(
+      [device](const EventState& event) { return event.device == device; });
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  count_call(kStreamSynchronize);
+  Lock lock;
+  // Stream 0 is each device's own default stream.
+  const int device = t_device;
+  complete_events_where([stream, device](const EventState& event) {
+    return event.stream == stream &&
+           (stream != nullptr || event.device == device);
+  });
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t /*stream*/,
+                                                cudaEvent_t event,
+                                                unsigned int /*flags*/) {
+  count_call(kStreamWaitEvent);
+  Lock lock;
+  if (g_state.events.find(event) == nullptr) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event,
+                                                     unsigned int /*flags*/) {
+  count_call(kEventCreateWithFlags);
+  if (event == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  if (cudaError_t err = current_device_error()) return fail(err);
+  cudaEvent_t handle = new_event_handle();
+  if (!g_state.events.insert(handle, EventState{t_device, nullptr, false})) {
+    return fail(cudaErrorMemoryAllocation);
+  }
+  *event = handle;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
+                                            cudaStream_t stream) {
+  count_call(kEventRecord);
+  Lock lock;
+  EventState* state = g_state.events.find(event);
+  if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  // The default stream of another device cannot record this device's event.
+  if (stream == nullptr && state->device != t_device) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  state->stream = stream;
+  state->pending = true;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
+  count_call(kEventQuery);
+  Lock lock;
+  const EventState* state = g_state.events.find(event);
+  if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  return state->pending ? fail(cudaErrorNotReady) : cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  count_call(kEventSynchronize);
+  Lock lock;
+  EventState* state = g_state.events.find(event);
+  if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  state->pending = false;
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  count_call(kEventDestroy);
+  Lock lock;
+  if (g_state.events.find(event) == nullptr) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  g_state.events.erase(event);
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaGetLastError() {
+  count_call(kGetLastError);
+  cudaError_t err = t_last_error;
+  t_last_error = cudaSuccess;
+  return err;
+}
+
+FAKECUDA_EXPORT const char* cudaGetErrorString(cudaError_t error) {
+  count_call(kGetErrorString);
+  return error_string(error);
+}
+
+FAKECUDA_EXPORT cudaError_t cudaRuntimeGetVersion(int* runtime_version) {
+  count_call(kRuntimeGetVersion);
+  if (runtime_version == nullptr) return fail(cudaErrorInvalidValue);
+  *runtime_version = kRuntimeVersion;
+  return cudaSuccess;
+}
+
+// ---- Controls for tests --------------------------------------------------
+
+// Clamped to 0..16. Devices keep their used bytes across changes.
+FAKECUDA_EXPORT void fakecuda_set_device_count(int count) {
+  Lock lock;
+  if (count < 0) count = 0;
+  if (count > kMaxDevices) count = kMaxDevices;
+  g_state.device_count = count;
+}
+
+// Capacity of every device. Lowering it below what is in use only makes the
+// next cudaMalloc fail; nothing is taken away.
+FAKECUDA_EXPORT void fakecuda_set_capacity(std::size_t bytes) {
+  Lock lock;
+  g_state.capacity = bytes;
+}
+
+FAKECUDA_EXPORT void fakecuda_fail_next_mallocs(int n) {
+  Lock lock;
+  g_state.failing_mallocs = n > 0 ? n : 0;
+}
+
+// Calls of a runtime function since the last reset; -1 for unknown names.
+FAKECUDA_EXPORT long fakecuda_call_count(const char* function_name) {
+  if (function_name == nullptr) return -1;
+  for (int i = 0; i < kFunctionCount; ++i) {
+    if (std::strcmp(kFunctionNames[i], function_name) == 0) {
+      return __atomic_load_n(&g_calls[i], __ATOMIC_RELAXED);
+    }
+  }
+  return -1;
+}
+
+FAKECUDA_EXPORT void fakecuda_complete_events() {
+  Lock lock;
+  complete_events_where([](const EventState&) { return true; });
+}
+
+// Back to the defaults, except that live allocations and events stay valid:
+// they belong to the code under test (fakecuda_live_allocations shows them).
+// Current device and last error are reset for the calling thread only.
+FAKECUDA_EXPORT void fakecuda_reset() {
+  for (long& calls : g_calls) __atomic_store_n(&calls, 0, __ATOMIC_RELAXED);
+  Lock lock;
+  g_state.device_count = 1;
+  g_state.capacity = kDefaultCapacity;
+  g_state.failing_mallocs = 0;
+  complete_events_where([](const EventState&) { return true; });
+  t_device = 0;
+  t_last_error = cudaSuccess;
+}
+
+FAKECUDA_EXPORT int fakecuda_live_allocations() {
+  Lock lock;
+  return static_cast<int>(g_state.allocations.size());
+}
+
+// Events created and not yet destroyed, for leak checks.
+FAKECUDA_EXPORT int fakecuda_live_events() {
+  Lock lock;
+  return static_cast<int>(g_state.events.size());
+}
+
+// 0 for a device index out of range.
+FAKECUDA_EXPORT std::size_t fakecuda_used_bytes(int device) {
+  Lock lock;
+  if (device < 0 || device >= kMaxDevices) return 0;
+  return g_state.used[device];
+}

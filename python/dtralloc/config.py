@@ -1,0 +1,52 @@
+"""DTRALLOC_CONF: reading, validating and describing the settings.
+
+The option table itself lives in C++ (allocator/config.h); this module only
+formats what the core reports, so there is one source of truth.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Union
+
+from . import _core
+
+ConfLike = Union[None, str, Mapping[str, object]]
+
+
+def conf_text(conf: ConfLike) -> str:
+    """Normalise a conf given as text, a mapping, or None (= $DTRALLOC_CONF)."""
+    if conf is None:
+        return os.environ.get("DTRALLOC_CONF", "")
+    if isinstance(conf, str):
+        return conf
+    if isinstance(conf, Mapping):
+        return ",".join(f"{k}:{v}" for k, v in conf.items())
+    raise TypeError(
+        f"dtralloc: conf must be a 'key:value,...' string or a dict, not {type(conf).__name__}"
+    )
+
+
+def describe_config(conf: ConfLike = None) -> list[dict]:
+    """Every option with its effective value, default, accepted values and doc.
+
+    Raises ConfigError (a ValueError) naming the key when `conf` is invalid.
+    """
+    return _core.describe_config(conf_text(conf))
+
+
+def effective_config(conf: ConfLike = None) -> dict[str, str]:
+    """{option: effective value} for `conf` (default: $DTRALLOC_CONF)."""
+    return {o["name"]: o["value"] for o in describe_config(conf)}
+
+
+def format_config_table(conf: ConfLike = None) -> str:
+    options = describe_config(conf)
+    text = conf_text(conf)
+    lines = [f"DTRALLOC_CONF={text!r}" if text else "DTRALLOC_CONF is not set (defaults)", ""]
+    width = max(len(o["name"]) for o in options)
+    for o in options:
+        mark = "" if o["value"] == o["default"] else "   (default " + o["default"] + ")"
+        lines.append(f"{o['name']:<{width}}  {o['value']}{mark}")
+        lines.append(f"{'':<{width}}    {o['doc']}")
+        lines.append(f"{'':<{width}}    accepts: {o['accepts']}")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Statistics, summaries and snapshots of the process-wide allocators.
+
+Keys and layout follow torch (``torch.cuda.memory_stats()``,
+``torch.cuda.memory._snapshot()``), so torch's own tools read them; dtralloc
+adds ``budget_bytes`` and ``fragmentation.*`` keys.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+from . import _core
+
+
+def _device_index(device) -> int:
+    if device is None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.current_device()
+        except ImportError:
+            pass
+        return 0
+    if isinstance(device, int):
+        return device
+    index = getattr(device, "index", None)  # torch.device
+    if index is not None:
+        return index
+    if isinstance(device, str) and device.startswith("cuda"):
+        return int(device.split(":")[1]) if ":" in device else 0
+    raise ValueError(f"dtralloc: cannot read a device index from {device!r}; pass an int or 'cuda:N'")
+
+
+def _pool(device):
+    return _core.global_pool(_device_index(device))
+
+
+def memory_stats(device=None) -> "collections.OrderedDict[str, object]":
+    """Stats of the allocator serving `device` (torch's key names, sorted)."""
+    return collections.OrderedDict(sorted(_pool(device).stats().items()))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _pool(device).reset_peak_stats()
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    _pool(device).reset_accumulated_stats()
+
+
+def empty_cache() -> None:
+    """Release every cached, entirely free segment on every device."""
+    for device in range(64):
+        pool = _core.existing_global_pool(device)
+        if pool is not None:
+            pool.empty_cache()
+
+
+def snapshot() -> dict:
+    """All devices' segments and event history, in torch's snapshot layout.
+
+    ``torch.cuda._memory_viz.segsum(dtralloc.snapshot())`` and friends work on it,
+    and it can be pickled for https://pytorch.org/memory_viz.
+    """
+    return _core.global_snapshot()
+
+
+def _fmt(n: int) -> str:
+    return _core.format_bytes(int(n)) if n >= 0 else "-" + _core.format_bytes(int(-n))
+
+
+def format_summary(stats: dict, title: str) -> str:
+    """A torch-style table of one stats dict (from memory_stats or Pool.stats)."""
+    rows = [
+        ("Allocated memory", "allocated_bytes", True),
+        ("Active memory", "active_bytes", True),
+        ("Requested memory", "requested_bytes", True),
+        ("Reserved memory", "reserved_bytes", True),
+        ("Non-releasable memory", "inactive_split_bytes", True),
+        ("Allocations", "allocation", False),
+        ("Active allocs", "active", False),
+        ("Reserved segments", "segment", False),
+        ("Non-releasable allocs", "inactive_split", False),
+    ]
+    cols = ("current", "peak", "allocated", "freed")
+    heads = ("Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed")
+    width = 78
+    out = ["=" * width, f"|{title:^{width - 2}}|", "=" * width]
+    out.append(f"| {'Metric':<28}" + "".join(f"{h:>12}" for h in heads) + " |")
+    for label, key, is_bytes in rows:
+        out.append("-" * width)
+        for pool in ("all", "large_pool", "small_pool"):
+            name = label if pool == "all" else f"  from {pool.replace('_', ' ')}"
+            vals = [stats[f"{key}.{pool}.{c}"] for c in cols]
+            cells = [(_fmt(v) if is_bytes else str(v)) for v in vals]
+            out.append(f"| {name:<28}" + "".join(f"{c:>12}" for c in cells) + " |")
+    out.append("=" * width)
+    budget = stats["budget_bytes"]
+    frag = stats["fragmentation.external"]
+    out.append(
+        f"| Budget {_fmt(budget)}  largest free block {_fmt(stats['fragmentation.largest_free_bytes'])}"
+        f"  fragmentation {frag:.2f}".ljust(width - 1) + "|"
+    )
+    out.append(
+        f"| OOMs {stats['num_ooms']}  alloc retries {stats['num_alloc_retries']}"
+        f"  device allocs {stats['num_device_alloc']}  frees {stats['num_device_free']}"
+        f"  invalid frees {stats['num_invalid_frees']}".ljust(width - 1) + "|"
+    )
+    out.append("=" * width)
+    return "\n".join(out)
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """Human-readable table of memory_stats(device), like torch.cuda.memory_summary."""
+    index = _device_index(device)
+    text = format_summary(memory_stats(index), f"dtralloc memory summary, device {index}")
+    if abbreviated:
+        return "\n".join(line for line in text.splitlines() if "from " not in line)
+    return text

@@ -1,0 +1,60 @@
+"""Test helpers: the fake CUDA runtime the project builds (no GPU needed).
+
+The fake implements exactly the CUDA runtime functions dtralloc resolves, on
+host memory, plus controls: capacity, injected cudaMalloc failures, call
+counters and deferred events. Point dtralloc at it with
+``DTRALLOC_CUDART=dtralloc.testing.fake_cudart_path()`` before the first use
+of the cuda backend in the process.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from ._native import fake_cudart_path
+
+__all__ = ["FakeCudaRuntime", "fake_cudart_path"]
+
+
+class FakeCudaRuntime:
+    """ctypes handle on the fake runtime's control functions.
+
+    The object is the very library dtralloc loads (same path, same dlopen
+    handle), so what tests set here is what the allocator sees.
+    """
+
+    def __init__(self, path: str | None = None):
+        self.path = path or fake_cudart_path()
+        self.lib = ctypes.CDLL(self.path)
+        lib = self.lib
+        lib.fakecuda_set_capacity.argtypes = [ctypes.c_size_t]
+        lib.fakecuda_set_device_count.argtypes = [ctypes.c_int]
+        lib.fakecuda_fail_next_mallocs.argtypes = [ctypes.c_int]
+        lib.fakecuda_call_count.argtypes = [ctypes.c_char_p]
+        lib.fakecuda_call_count.restype = ctypes.c_long
+        lib.fakecuda_used_bytes.argtypes = [ctypes.c_int]
+        lib.fakecuda_used_bytes.restype = ctypes.c_size_t
+        lib.fakecuda_live_allocations.restype = ctypes.c_int
+
+    def reset(self) -> None:
+        self.lib.fakecuda_reset()
+
+    def set_capacity(self, nbytes: int) -> None:
+        self.lib.fakecuda_set_capacity(nbytes)
+
+    def set_device_count(self, n: int) -> None:
+        self.lib.fakecuda_set_device_count(n)
+
+    def fail_next_mallocs(self, n: int) -> None:
+        self.lib.fakecuda_fail_next_mallocs(n)
+
+    def calls(self, function: str) -> int:
+        return self.lib.fakecuda_call_count(function.encode())
+
+    def used_bytes(self, device: int = 0) -> int:
+        return self.lib.fakecuda_used_bytes(device)
+
+    def live_allocations(self) -> int:
+        return self.lib.fakecuda_live_allocations()
+
+    def complete_events(self) -> None:
+        self.lib.fakecuda_complete_events()

@@ -1,0 +1,458 @@
+// Tests the cuda backend (backend_cuda.cpp) against the fake CUDA runtime.
+//
+//   test_cuda_backend /path/to/libdtralloc_fakecudart.so [/path/to/libcudart.so.N]
+//
+// The fake is selected through DTRALLOC_CUDART and steered through its
+// fakecuda_* controls. Runtime discovery happens once per process, so the
+// discovery scenarios (bad override, library without the API, retry after a
+// failure, a runtime already loaded) each run in a forked child before this
+// process loads anything. The optional second argument is a real CUDA runtime;
+// with it, a child checks that a runtime already in the process is found
+// (step (b) of the search) and that a machine without a GPU reports 0 devices.
+#include <dlfcn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "cudart_api.h"
+
+namespace {
+
+using namespace dtralloc;
+using namespace dtralloc::cudart;
+
+int g_checks = 0;
+
+#define CHECK(cond)                                                      \
+  do {                                                                   \
+    ++g_checks;                                                          \
+    if (!(cond)) {                                                       \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,        \
+                   __LINE__, #cond);                                     \
+      std::exit(1);                                                      \
+    }                                                                    \
+  } while (0)
+
+#define CHECK_CONTAINS(text, needle)                                     \
+  do {                                                                   \
+    ++g_checks;                                                          \
+    const std::string text_ = (text);                                    \
+    if (text_.find(needle) == std::string::npos) {                       \
+      std::fprintf(stderr, "%s:%d: CHECK failed: \"%s\" lacks \"%s\"\n", \
+                   __FILE__, __LINE__, text_.c_str(), needle);           \
+      std::exit(1);                                                      \
+    }                                                                    \
+  } while (0)
+
+// The message of the std::runtime_error that fn throws, "" when none.
+std::string thrown_message(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::runtime_error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+constexpr std::size_t kMiB = std::size_t(1) << 20;
+
+// The fake's controls, found in the copy of the library the backend loaded.
+struct FakeControls {
+  void (*set_device_count)(int);
+  void (*set_capacity)(std::size_t);
+  void (*fail_next_mallocs)(int);
+  long (*call_count)(const char*);
+  void (*reset)();
+  void (*complete_events)();
+  int (*live_allocations)();
+  int (*live_events)();
+  std::size_t (*used_bytes)(int);
+};
+
+template <typename Fn>
+void resolve(void* library, const char* symbol, Fn*& slot) {
+  void* address = dlsym(library, symbol);
+  if (address == nullptr) {
+    std::fprintf(stderr, "fake runtime lacks %s\n", symbol);
+    std::exit(1);
+  }
+  slot = reinterpret_cast<Fn*>(address);
+}
+
+FakeControls load_controls(const std::string& fake_path) {
+  void* library = dlopen(fake_path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  CHECK(library != nullptr);  // the backend must have loaded this very file
+  FakeControls fake{};
+  resolve(library, "fakecuda_set_device_count", fake.set_device_count);
+  resolve(library, "fakecuda_set_capacity", fake.set_capacity);
+  resolve(library, "fakecuda_fail_next_mallocs", fake.fail_next_mallocs);
+  resolve(library, "fakecuda_call_count", fake.call_count);
+  resolve(library, "fakecuda_reset", fake.reset);
+  resolve(library, "fakecuda_complete_events", fake.complete_events);
+  resolve(library, "fakecuda_live_allocations", fake.live_allocations);
+  resolve(library, "fakecuda_live_events", fake.live_events);
+  resolve(library, "fakecuda_used_bytes", fake.used_bytes);
+  return fake;
+}
+
+// Runs fn (returning an exit code) in a forked child; true when it exits 0.
+bool passes_in_child(const std::function<int()>& fn) {
+  std::fflush(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int code = fn();
+    std::fflush(nullptr);
+    _exit(code);
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+std::string canonical(const std::string& path) {
+  char resolved[PATH_MAX];
+  return realpath(path.c_str(), resolved) ? resolved : path;
+}
+
+// ---- Discovery, each case in its own process ------------------------------
+
+int child_bogus_override() {
+  const char* bogus = "/nonexistent/dtralloc/libcudart-bogus.so";
+  setenv("DTRALLOC_CUDART", bogus, 1);
+  CHECK(cuda_device_count() == 0);  // never throws
+  CHECK(cuda_runtime_path().empty());
+  std::string message = thrown_message([] { make_cuda_backend(0); });
+  CHECK_CONTAINS(message, "DTRALLOC_CUDART");
+  CHECK_CONTAINS(message, bogus);
+  CHECK_CONTAINS(thrown_message([] { cuda_runtime(); }), "DTRALLOC_CUDART");
+  return 0;
+}
+
+// A loadable library without the runtime API (libc) names the missing symbol.
+int child_not_a_runtime() {
+  Dl_info info{};
+  CHECK(dladdr(reinterpret_cast<void*>(&getpid), &info) != 0);
+  setenv("DTRALLOC_CUDART", info.dli_fname, 1);
+  std::string message = thrown_message([] { make_cuda_backend(0); });
+  CHECK_CONTAINS(message, "cudaMalloc");
+  CHECK_CONTAINS(message, "DTRALLOC_CUDART");
+  CHECK(cuda_runtime_path().empty());
+  return 0;
+}
+
+// A failed search is not remembered: fixing the cause makes the next call work.
+int child_retry_after_failure(const std::string& fake_path) {
+  setenv("DTRALLOC_CUDART", "/nonexistent/libcudart.so", 1);
+  CHECK(!thrown_message([] { cuda_runtime(); }).empty());
+  setenv("DTRALLOC_CUDART", fake_path.c_str(), 1);
+  CHECK(make_cuda_backend(0) != nullptr);
+  CHECK(cuda_runtime_path() == fake_path);
+  return 0;
+}
+
+// Without the override, whatever the machine has: no crash, no throw.
+int child_default_search() {
+  unsetenv("DTRALLOC_CUDART");
+  int count = cuda_device_count();
+  CHECK(count >= 0);
+  std::printf("  default search: runtime %s, %d device(s)\n",
+              cuda_runtime_path().empty() ? "(none)"
+                                          : cuda_runtime_path().c_str(),
+              count);
+  return 0;
+}
+
+// Step (b): a runtime that torch/cupy already loaded is the one used, even
+// when the loader's search path would not find it.
+int child_already_loaded(const std::string& real_path) {
+  unsetenv("DTRALLOC_CUDART");
+  void* preloaded = dlopen(real_path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  CHECK(preloaded != nullptr);
+  CHECK(cuda_device_count() >= 0);
+  CHECK(cuda_runtime_path() == real_path);  // the loaded copy, by its name
+  CHECK(cuda_runtime_version() >= 12000);
+  std::printf("  already loaded: %s, version %d, %d device(s)\n",
+              cuda_runtime_path().c_str(), cuda_runtime_version(),
+              cuda_device_count());
+  return 0;
+}
+
+// ---- The backend on the fake runtime ---------------------------------------
+
+void test_basics() {
+  auto backend = make_cuda_backend(0);
+  CHECK(std::string(backend->name()) == "cuda");
+  CHECK(!backend->host_accessible());
+  CHECK(backend->total_bytes() == 1024 * kMiB);
+  CHECK(backend->free_bytes() == 1024 * kMiB);
+}
+
+void test_allocate_release(const FakeControls& fake) {
+  fake.reset();
+  auto backend = make_cuda_backend(0);
+  void* ptr = backend->allocate(kMiB);
+  CHECK(ptr != nullptr);
+  CHECK(reinterpret_cast<std::uintptr_t>(ptr) % 512 == 0);
+  std::memset(ptr, 0xAB, kMiB);  // the fake's device memory is host memory
+  CHECK(static_cast<unsigned char*>(ptr)[kMiB - 1] == 0xAB);
+  CHECK(fake.used_bytes(0) == kMiB);
+  CHECK(fake.live_allocations() == 1);
+  CHECK(backend->free_bytes() == 1023 * kMiB);
+  backend->release(ptr, kMiB);
+  CHECK(fake.used_bytes(0) == 0);
+  CHECK(fake.live_allocations() == 0);
+}
+
+void test_capacity_exhaustion(const FakeControls& fake) {
+  fake.reset();
+  fake.set_capacity(4 * kMiB);
+  const CudaRuntimeApi& api = cuda_runtime();
+  auto backend = make_cuda_backend(0);
+  CHECK(backend->total_bytes() == 4 * kMiB);
+  void* big = backend->allocate(3 * kMiB);
+  CHECK(big != nullptr);
+  CHECK(backend->free_bytes() == kMiB);
+  CHECK(backend->allocate(2 * kMiB) == nullptr);  // out of memory: no throw
+  CHECK(api.GetLastError() == cudaSuccess);       // and no error left behind
+  void* small = backend->allocate(kMiB);
+  CHECK(small != nullptr);
+  CHECK(backend->free_bytes() == 0);
+  backend->release(big, 3 * kMiB);
+  backend->release(small, kMiB);
+  CHECK(fake.used_bytes(0) == 0);
+}
+
+void test_injected_failures(const FakeControls& fake) {
+  fake.reset();
+  const CudaRuntimeApi& api = cuda_runtime();
+  auto backend = make_cuda_backend(0);
+  fake.fail_next_mallocs(2);
+  CHECK(backend->allocate(4096) == nullptr);
+  CHECK(backend->allocate(4096) == nullptr);
+  CHECK(api.GetLastError() == cudaSuccess);
+  void* ptr = backend->allocate(4096);
+  CHECK(ptr != nullptr);
+  CHECK(fake.call_count("cudaMalloc") == 3);
+  backend->release(ptr, 4096);
+}
+
+void test_events(const FakeControls& fake) {
+  fake.reset();
+  const CudaRuntimeApi& api = cuda_runtime();
+  auto backend = make_cuda_backend(0);
+  EventHandle event = backend->create_event();
+  CHECK(event != nullptr);
+  CHECK(backend->event_completed(event));  // never recorded
+  const Stream stream = 7;
+  backend->record_event(event, stream);
+  CHECK(!backend->event_completed(event));
+  CHECK(api.GetLastError() == cudaSuccess);  // "not ready" was cleared
+  backend->synchronize_event(event);
+  CHECK(backend->event_completed(event));
+
+  backend->record_event(event, stream);
+  CHECK(api.StreamSynchronize(reinterpret_cast<cudaStream_t>(8)) == cudaSuccess);
+  CHECK(!backend->event_completed(event));  // another stream
+  CHECK(api.StreamSynchronize(reinterpret_cast<cudaStream_t>(7)) == cudaSuccess);
+  CHECK(backend->event_completed(event));
+
+  backend->record_event(event, stream);
+  backend->synchronize_device();
+  CHECK(backend->event_completed(event));
+  backend->record_event(event, 0);
+  fake.complete_events();
+  CHECK(backend->event_completed(event));
+  backend->record_event(event, stream);
+  fake.reset();
+  CHECK(backend->event_completed(event));
+
+  CHECK(fake.live_events() == 1);
+  backend->destroy_event(event);
+  CHECK(fake.live_events() == 0);
+  CHECK_CONTAINS(thrown_message([&] { backend->event_completed(event); }),
+                 "cudaErrorInvalidResourceHandle");
+  CHECK(api.GetLastError() == cudaSuccess);
+}
+
+// Every call lands on the backend's device and the caller's device survives.
+void test_device_guard(const FakeControls& fake) {
+  fake.reset();
+  fake.set_device_count(2);
+  const CudaRuntimeApi& api = cuda_runtime();
+  CHECK(cuda_device_count() == 2);
+  auto on0 = make_cuda_backend(0);
+  auto on1 = make_cuda_backend(1);
+  long sets = fake.call_count("cudaSetDevice");
+  void* ptr = on1->allocate(8192);
+  CHECK(fake.used_bytes(1) == 8192);
+  CHECK(fake.used_bytes(0) == 0);
+  CHECK(fake.call_count("cudaSetDevice") == sets + 2);  // switch and restore
+  int current = -1;
+  CHECK(api.GetDevice(&current) == cudaSuccess && current == 0);
+
+  EventHandle event = on1->create_event();
+  on1->record_event(event, 0);  // device 1's default stream needs device 1
+  on0->synchronize_device();
+  CHECK(!on1->event_completed(event));
+  on1->synchronize_device();
+  CHECK(on1->event_completed(event));
+  on1->destroy_event(event);
+
+  CHECK(api.SetDevice(1) == cudaSuccess);
+  void* on_device0 = on0->allocate(4096);
+  CHECK(fake.used_bytes(0) == 4096);
+  CHECK(api.GetDevice(&current) == cudaSuccess && current == 1);
+  CHECK(api.SetDevice(0) == cudaSuccess);
+  on0->release(on_device0, 4096);
+  on1->release(ptr, 8192);
+  CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
+}
+
+void test_bad_devices(const FakeControls& fake) {
+  fake.reset();
+  CHECK_CONTAINS(thrown_message([] { make_cuda_backend(1); }),
+                 "CUDA device 1 does not exist");
+  CHECK_CONTAINS(thrown_message([] { make_cuda_backend(-1); }),
+                 "CUDA device -1 does not exist");
+  fake.set_device_count(0);
+  CHECK(cuda_device_count() == 0);
+  CHECK_CONTAINS(thrown_message([] { make_cuda_backend(0); }),
+                 "cudaErrorNoDevice");
+  CHECK(cuda_runtime().GetLastError() == cudaSuccess);
+  fake.reset();
+}
+
+void test_runtime_errors_throw(const FakeControls& fake) {
+  fake.reset();
+  auto backend = make_cuda_backend(0);
+  int not_device_memory = 0;
+  std::string message =
+      thrown_message([&] { backend->release(&not_device_memory, 4); });
+  CHECK_CONTAINS(message, "cudaFree");
+  CHECK_CONTAINS(message, "cudaErrorInvalidValue");
+  CHECK(cuda_runtime().GetLastError() == cudaSuccess);
+}
+
+void test_call_counters(const FakeControls& fake) {
+  fake.reset();
+  auto backend = make_cuda_backend(0);
+  fake.reset();
+  void* ptr = backend->allocate(4096);
+  backend->release(ptr, 4096);
+  backend->total_bytes();
+  CHECK(fake.call_count("cudaMalloc") == 1);
+  CHECK(fake.call_count("cudaFree") == 1);
+  CHECK(fake.call_count("cudaMemGetInfo") == 1);
+  CHECK(fake.call_count("cudaGetDevice") == 3);  // one per guarded call
+  CHECK(fake.call_count("cudaSetDevice") == 0);  // device 0 was current
+  CHECK(fake.call_count("cudaGetLastError") == 0);
+  EventHandle event = backend->create_event();
+  backend->event_completed(event);
+  backend->destroy_event(event);
+  CHECK(fake.call_count("cudaEventCreateWithFlags") == 1);
+  CHECK(fake.call_count("cudaEventQuery") == 1);
+  CHECK(fake.call_count("cudaEventDestroy") == 1);
+  CHECK(fake.call_count("cudaGetDevice") == 4);  // query/destroy skip the guard
+  CHECK(fake.call_count("cudaNoSuchFunction") == -1);
+  CHECK(fake.call_count(nullptr) == -1);
+}
+
+void test_reset_keeps_allocations(const FakeControls& fake) {
+  fake.reset();
+  auto backend = make_cuda_backend(0);
+  void* ptr = backend->allocate(kMiB);
+  fake.set_capacity(16 * kMiB);
+  fake.reset();
+  CHECK(fake.live_allocations() == 1);
+  CHECK(fake.used_bytes(0) == kMiB);
+  CHECK(backend->total_bytes() == 1024 * kMiB);
+  backend->release(ptr, kMiB);
+  CHECK(fake.live_allocations() == 0);
+}
+
+// The fake and the backend under several threads, each with its own backend
+// (a Backend is not thread-safe by contract; the runtime is).
+void test_threads(const FakeControls& fake) {
+  fake.reset();
+  fake.set_device_count(2);
+  std::vector<std::thread> threads;
+  std::vector<int> failures(8, 0);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([t, &failures] {
+      auto backend = make_cuda_backend(t % 2);
+      for (int i = 0; i < 300; ++i) {
+        std::size_t bytes = 512 * static_cast<std::size_t>(i % 7 + 1);
+        void* ptr = backend->allocate(bytes);
+        if (ptr == nullptr) ++failures[t];
+        EventHandle event = backend->create_event();
+        backend->record_event(event, 0);
+        backend->synchronize_event(event);
+        backend->destroy_event(event);
+        backend->release(ptr, bytes);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int count : failures) CHECK(count == 0);
+  CHECK(fake.live_allocations() == 0);
+  CHECK(fake.live_events() == 0);
+  CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
+  CHECK(fake.call_count("cudaMalloc") == 8 * 300);
+  fake.reset();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr,
+                 "usage: %s /path/to/libdtralloc_fakecudart.so "
+                 "[/path/to/real/libcudart.so]\n",
+                 argv[0]);
+    return 2;
+  }
+  const std::string fake_path = canonical(argv[1]);
+
+  CHECK(passes_in_child(child_bogus_override));
+  CHECK(passes_in_child(child_not_a_runtime));
+  CHECK(passes_in_child([&] { return child_retry_after_failure(fake_path); }));
+  CHECK(passes_in_child(child_default_search));
+  if (argc >= 3) {
+    const std::string real_path = argv[2];
+    CHECK(passes_in_child([&] { return child_already_loaded(real_path); }));
+  }
+
+  setenv("DTRALLOC_CUDART", fake_path.c_str(), 1);
+  CHECK(cuda_runtime_path().empty());  // nothing loaded before first use
+  CHECK(cuda_device_count() == 1);
+  CHECK(cuda_runtime_path() == fake_path);
+  CHECK(cuda_runtime_version() == 13000);
+  const FakeControls fake = load_controls(fake_path);
+
+  test_basics();
+  test_allocate_release(fake);
+  test_capacity_exhaustion(fake);
+  test_injected_failures(fake);
+  test_events(fake);
+  test_device_guard(fake);
+  test_bad_devices(fake);
+  test_runtime_errors_throw(fake);
+  test_call_counters(fake);
+  test_reset_keeps_allocations(fake);
+  test_threads(fake);
+
+  std::printf("test_cuda_backend: %d checks passed\n", g_checks);
+  return 0;
+}
