@@ -2,7 +2,7 @@
 #include "allocator.h"
 
 #include <algorithm>
-#include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <sstream>
 
@@ -13,9 +13,13 @@ namespace {
 // in the hook; without a bound malloc would spin forever.
 constexpr int kMaxEvictionRounds = 1 << 20;
 
+// The coarse monotonic clock costs a few ns instead of ~20 (it reads the
+// kernel's tick without a TSC conversion); its ~1-4 ms resolution is plenty
+// for ordering a memory timeline, and entries keep their ring order anyway.
 std::int64_t now_us() {
-  using namespace std::chrono;
-  return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
 }
 
 std::string hex(std::uintptr_t v) {
@@ -65,6 +69,7 @@ void* Allocator::malloc(std::size_t size, Stream stream) {
   for (int round = 0;; ++round) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      stamp();
       if (Block* b = try_allocate(rounded, size, stream)) {
         record(TraceAction::kAlloc, b->addr, b->size, stream);
         return reinterpret_cast<void*>(b->addr);
@@ -75,6 +80,7 @@ void* Allocator::malloc(std::size_t size, Stream stream) {
     // Step 5, outside the lock: the hook frees blocks through free().
     if (hook && round < kMaxEvictionRounds && hook->make_room(rounded, stream)) continue;
     std::lock_guard<std::mutex> lock(mutex_);
+    stamp();
     // Another thread may have freed memory between our unlock and relock.
     if (Block* b = try_allocate(rounded, size, stream)) {
       record(TraceAction::kAlloc, b->addr, b->size, stream);
@@ -184,6 +190,7 @@ void Allocator::release_cached_segments() {
 void Allocator::free(void* ptr) {
   if (!ptr) return;
   std::lock_guard<std::mutex> lock(mutex_);
+  stamp();
   auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   Block* b = pool_.lookup_allocated(addr);
   if (!b) {
@@ -275,12 +282,14 @@ void* Allocator::base_allocation(void* ptr, std::size_t* size) {
 
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
+  stamp();
   synchronize_and_free_events();
   release_cached_segments();
 }
 
 void Allocator::complete_events() {
   std::lock_guard<std::mutex> lock(mutex_);
+  stamp();
   backend_->complete_events();
   process_events();
 }
@@ -372,10 +381,14 @@ Snapshot Allocator::snapshot() {
   return snap;
 }
 
+void Allocator::stamp() {
+  if (!history_.empty()) op_time_us_ = now_us();
+}
+
 void Allocator::record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,
                        std::size_t device_free) {
   if (history_.empty()) return;
-  history_[history_next_] = {action, addr, size, stream, now_us(), device_free};
+  history_[history_next_] = {action, addr, size, stream, op_time_us_, device_free};
   if (++history_next_ == history_.size()) {
     history_next_ = 0;
     history_wrapped_ = true;

@@ -163,6 +163,8 @@ class Allocator {
   void synchronize_and_free_events();
   void finish_free(Block* block);
   std::string oom_message(std::size_t size, std::size_t rounded, Stream stream) const;
+  // Reads the clock once per public operation; record() stamps entries with it.
+  void stamp();
   void record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,
               std::size_t device_free = 0);
   std::size_t reserved_bytes() const;
@@ -187,6 +189,7 @@ class Allocator {
   std::vector<TraceEntry> history_;   // ring buffer of history_entries
   std::size_t history_next_ = 0;
   bool history_wrapped_ = false;
+  std::int64_t op_time_us_ = 0;       // clock at the start of the current op
 };
 
 }  // namespace dtralloc

@@ -45,6 +45,27 @@ BlockPool::~BlockPool() {
     }
     delete seg;
   }
+  for (Block* b : spare_blocks_) delete b;
+}
+
+Block* BlockPool::new_block() {
+  if (spare_blocks_.empty()) return new Block;
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void BlockPool::delete_block(Block* b) {
+  // Bounded so a burst of splits does not pin memory forever.
+  if (spare_blocks_.size() >= 4096) {
+    delete b;
+    return;
+  }
+  std::vector<Stream> uses = std::move(b->stream_uses);
+  uses.clear();
+  *b = Block{};
+  b->stream_uses = std::move(uses);  // keep its capacity
+  spare_blocks_.push_back(b);
 }
 
 std::size_t BlockPool::round_size(std::size_t size, const Config& config) {
@@ -87,9 +108,12 @@ bool BlockPool::should_split(const Block* block, std::size_t rounded) const {
 }
 
 Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t requested) {
-  erase_free(block);
+  // The rest of a split sorts just before the block's old successor (same
+  // stream, smaller size) unless other sizes lie between: a good hint makes
+  // its insertion O(1) instead of a tree descent.
+  FreeSet::iterator hint = erase_free(block);
   if (should_split(block, rounded)) {
-    Block* rest = new Block;
+    Block* rest = new_block();
     rest->addr = block->addr + rounded;
     rest->size = block->size - rounded;
     rest->stream = block->stream;
@@ -99,11 +123,11 @@ Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t r
     if (rest->next) rest->next->prev = rest;
     block->next = rest;
     block->size = rounded;
-    insert_free(rest);
+    insert_free(rest, hint);
   }
   block->allocated = true;
   block->requested_size = requested;
-  allocated_.emplace(block->addr, block);
+  allocated_.insert(block->addr, block);
 
   int pool = stat_index(block->segment->pool);
   auto n = static_cast<std::int64_t>(block->size);
@@ -123,7 +147,7 @@ Block* BlockPool::add_segment(std::uintptr_t addr, std::size_t size, Stream stre
   seg->size = size;
   seg->stream = stream;
   seg->pool = pool;
-  auto* b = new Block;
+  Block* b = new_block();
   b->addr = addr;
   b->size = size;
   b->stream = stream;
@@ -147,7 +171,7 @@ void BlockPool::remove_segment(Segment* seg) {
   stat_decrease(stats_.reserved_bytes, idx, static_cast<std::int64_t>(seg->size));
   if (oversize(seg->size)) stats_.oversize_segments.decrease(1);
   segments_.erase(seg->addr);
-  delete seg->head;
+  delete_block(seg->head);
   delete seg;
 }
 
@@ -176,7 +200,7 @@ Block* BlockPool::return_to_pool(Block* block, std::uint64_t tick) {
     p->size += block->size;
     p->next = block->next;
     if (p->next) p->next->prev = p;
-    delete block;
+    delete_block(block);
     block = p;
   }
   if (block->next && block->next->in_free_set) {
@@ -185,7 +209,7 @@ Block* BlockPool::return_to_pool(Block* block, std::uint64_t tick) {
     block->size += n->size;
     block->next = n->next;
     if (block->next) block->next->prev = block;
-    delete n;
+    delete_block(n);
   }
   block->segment->last_free_tick = tick;
   insert_free(block);
@@ -193,8 +217,12 @@ Block* BlockPool::return_to_pool(Block* block, std::uint64_t tick) {
 }
 
 void BlockPool::insert_free(Block* block) {
+  insert_free(block, free_[block->segment->pool].end());
+}
+
+void BlockPool::insert_free(Block* block, FreeSet::iterator hint) {
   int pool = stat_index(block->segment->pool);
-  free_[block->segment->pool].insert(block);
+  block->free_it = free_[block->segment->pool].insert(hint, block);
   block->in_free_set = true;
   block->counted_inactive_split = block->is_split();
   if (block->counted_inactive_split) {
@@ -203,15 +231,16 @@ void BlockPool::insert_free(Block* block) {
   }
 }
 
-void BlockPool::erase_free(Block* block) {
+FreeSet::iterator BlockPool::erase_free(Block* block) {
   int pool = stat_index(block->segment->pool);
-  free_[block->segment->pool].erase(block);
+  auto next = free_[block->segment->pool].erase(block->free_it);
   block->in_free_set = false;
   if (block->counted_inactive_split) {
     stat_decrease(stats_.inactive_split, pool, 1);
     stat_decrease(stats_.inactive_split_bytes, pool, static_cast<std::int64_t>(block->size));
     block->counted_inactive_split = false;
   }
+  return next;
 }
 
 std::vector<Segment*> BlockPool::whole_free_segments() const {

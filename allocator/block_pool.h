@@ -39,11 +39,12 @@
 #include <cstdint>
 #include <map>
 #include <set>
-#include <unordered_map>
 #include <vector>
 
+#include "address_map.h"
 #include "backend.h"
 #include "config.h"
+#include "pooled_allocator.h"
 #include "stats.h"
 
 namespace dtralloc {
@@ -58,6 +59,13 @@ constexpr std::size_t kRoundLarge = 2 * kMiB;       // rounding of own-size segm
 enum PoolKind : int { kSmallPool = 0, kLargePool = 1 };
 
 struct Segment;
+struct Block;
+
+// Free-set order: (stream, size, address), so lower_bound is best fit.
+struct FreeOrder {
+  bool operator()(const Block* a, const Block* b) const;
+};
+using FreeSet = std::set<Block*, FreeOrder, PooledAllocator<Block*>>;
 
 struct Block {
   std::uintptr_t addr = 0;
@@ -70,12 +78,19 @@ struct Block {
   bool allocated = false;
   bool in_free_set = false;
   bool counted_inactive_split = false;  // what insert_free added to the stat
+  FreeSet::iterator free_it;       // valid while in_free_set (O(1) erase)
   int event_count = 0;             // record_stream events still outstanding
   std::vector<Stream> stream_uses; // other streams that used it (record_stream)
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
   bool pending() const { return !allocated && !in_free_set; }
 };
+
+inline bool FreeOrder::operator()(const Block* a, const Block* b) const {
+  if (a->stream != b->stream) return a->stream < b->stream;
+  if (a->size != b->size) return a->size < b->size;
+  return a->addr < b->addr;
+}
 
 struct Segment {
   std::uintptr_t addr = 0;
@@ -112,10 +127,7 @@ class BlockPool {
   // Forgets a whole-free segment (the caller releases its memory).
   void remove_segment(Segment* segment);
 
-  Block* lookup_allocated(std::uintptr_t addr) const {
-    auto it = allocated_.find(addr);
-    return it == allocated_.end() ? nullptr : it->second;
-  }
+  Block* lookup_allocated(std::uintptr_t addr) const { return allocated_.find(addr); }
   // The user freed `block`: it stops being allocated (allocation stats drop)
   // but stays active until return_to_pool (record_stream events).
   void mark_freed(Block* block);
@@ -138,24 +150,21 @@ class BlockPool {
   void check_invariants() const;
 
  private:
-  struct FreeOrder {
-    bool operator()(const Block* a, const Block* b) const {
-      if (a->stream != b->stream) return a->stream < b->stream;
-      if (a->size != b->size) return a->size < b->size;
-      return a->addr < b->addr;
-    }
-  };
-  using FreeSet = std::set<Block*, FreeOrder>;
-
+  Block* new_block();
+  void delete_block(Block* block);
   void insert_free(Block* block);
-  void erase_free(Block* block);
+  void insert_free(Block* block, FreeSet::iterator hint);
+  FreeSet::iterator erase_free(Block* block);  // returns the successor
   bool should_split(const Block* block, std::size_t rounded) const;
   bool oversize(std::size_t size) const { return size >= config_.max_split_size_mb; }
 
   const Config& config_;
-  FreeSet free_[2];
+  NodeCache free_nodes_;  // declared before the sets that allocate from it
+  FreeSet free_[2] = {FreeSet(FreeOrder{}, PooledAllocator<Block*>(&free_nodes_)),
+                      FreeSet(FreeOrder{}, PooledAllocator<Block*>(&free_nodes_))};
   std::map<std::uintptr_t, Segment*> segments_;
-  std::unordered_map<std::uintptr_t, Block*> allocated_;
+  AddressMap allocated_;
+  std::vector<Block*> spare_blocks_;  // recycled Block objects (hot path)
   Stats stats_;
 };
 

@@ -50,3 +50,11 @@ def format_config_table(conf: ConfLike = None) -> str:
         lines.append(f"{'':<{width}}    {o['doc']}")
         lines.append(f"{'':<{width}}    accepts: {o['accepts']}")
     return "\n".join(lines)
+
+
+def format_config_markdown() -> str:
+    """The option table as markdown (the README's copy is checked against it)."""
+    rows = ["| key | default | accepts | what it does |", "|---|---|---|---|"]
+    for o in describe_config(""):
+        rows.append(f"| `{o['name']}` | {o['default']} | {o['accepts']} | {o['doc']} |")
+    return "\n".join(rows)
