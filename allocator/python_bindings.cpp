@@ -189,6 +189,14 @@ PYBIND11_MODULE(_core, m) {
              else a.set_eviction_hook(std::make_shared<PyEvictionHook>(fn.cast<py::function>()));
            }, py::arg("hook"))
       .def("stats", [](Allocator& a) { return stats_dict(a.stats_report()); })
+      .def("usage", [](Allocator& a) {
+             StatsReport r = a.stats_report();
+             return py::make_tuple(r.stats.allocated_bytes[kStatAll].current,
+                                   r.stats.reserved_bytes[kStatAll].current,
+                                   r.largest_free_bytes, r.free_cached_bytes,
+                                   r.stats.segment[kStatAll].current);
+           }, "(allocated, reserved, largest free block, free cached bytes, segments): "
+              "the few numbers a replay samples after every op, without building stats()")
       .def("snapshot", [](Allocator& a) { return snapshot_dict(a.snapshot(), a.device()); })
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
       .def("reset_accumulated_stats", &Allocator::reset_accumulated_stats)

@@ -17,6 +17,8 @@ from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
 from .pool import Pool
+from .replay import ReplayResult, replay
+from . import trace
 from .stats import (
     empty_cache,
     memory_stats,
@@ -34,6 +36,7 @@ __all__ = [
     "InvalidPointerError",
     "OutOfMemoryError",
     "Pool",
+    "ReplayResult",
     "cupy_allocator",
     "describe_config",
     "effective_config",
@@ -44,7 +47,9 @@ __all__ = [
     "library_path",
     "memory_stats",
     "memory_summary",
+    "replay",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "snapshot",
+    "trace",
 ]

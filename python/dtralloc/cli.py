@@ -28,6 +28,106 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _progress_printer(label: str):
+    """A progress callback that rewrites one stderr line (only on a terminal)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        sys.stderr.write(f"\r{label}: {done}/{total} ops ({100 * done // max(total, 1)}%)")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def _parse_budget(text):
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return text  # a size such as 6G, parsed by replay
+    return value if value <= 1.0 else int(value)
+
+
+def _cmd_replay(args) -> int:
+    from .replay import format_results, replay
+    from .trace import load
+
+    results = []
+    for path in args.traces:
+        trace = _load_trace(path)
+        print(trace.summary(), file=sys.stderr)
+        budgets = args.budget or [None]
+        for budget in budgets:
+            results.append(replay(trace, budget=_parse_budget(budget), conf=args.conf,
+                                  progress=_progress_printer(trace.meta.get("name", path))))
+    print(format_results(results))
+    return 0 if all(r.feasible for r in results) else 1
+
+
+def _load_trace(path: str):
+    import os
+
+    from .trace import load
+
+    if os.path.exists(path):
+        return load(path)
+    from .traces import bundled_path, list_bundled
+
+    if path in list_bundled():
+        return load(bundled_path(path))
+    raise SystemExit(f"error: no trace file {path!r} and no bundled trace of that name "
+                     f"(bundled: {', '.join(list_bundled())})")
+
+
+def _cmd_record(args) -> int:
+    import importlib
+    import os
+    import time
+
+    from .trace import record
+
+    if ":" in args.target:
+        module_name, _, func_name = args.target.partition(":")
+        sys.path.insert(0, os.getcwd())
+        factory = getattr(importlib.import_module(module_name), func_name, None)
+        if factory is None:
+            raise SystemExit(f"error: {module_name} has no attribute {func_name!r}")
+        step = factory()
+        if not callable(step):
+            raise SystemExit(f"error: {args.target} must return the step function (a callable "
+                             f"taking no arguments), got {type(step).__name__}")
+        name = func_name
+    else:
+        sys.path.insert(0, os.getcwd())
+        try:
+            from bench.models import MODELS
+        except ImportError:
+            raise SystemExit("error: zoo models live in bench/models of the dtralloc source tree; "
+                             "run `dtralloc record` from there, or pass module:function "
+                             "(a function returning your step function)")
+        if args.target not in MODELS:
+            raise SystemExit(f"error: unknown zoo model {args.target!r}; choose from "
+                             f"{', '.join(sorted(MODELS))} or pass module:function")
+        workload = MODELS[args.target](small=args.small)
+        print(f"model: {workload.description}", file=sys.stderr)
+        step, name = workload.step, args.target
+    if not args.no_warmup:
+        print("warm-up step ...", file=sys.stderr)
+        step()
+    print("recording one step ...", file=sys.stderr)
+    start = time.perf_counter()
+    trace = record(step, name=name)
+    out = args.out or f"{name}.dtrace"
+    trace.save(out)
+    print(f"{trace.summary()}\nwrote {out} ({os.path.getsize(out) / 1e6:.2f} MB) "
+          f"in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtralloc",
@@ -42,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf", action="append", help="a DTRALLOC_CONF to compare (repeatable)")
     p.add_argument("--steps", type=int, default=8, help="training steps to simulate (default 8)")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
+    p.add_argument("target", help="a zoo model name (from bench/models) or module:function "
+                   "returning a step function")
+    p.add_argument("--out", help="output file (default NAME.dtrace)")
+    p.add_argument("--small", action="store_true", help="zoo models: small sizes (quick)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="record the first step (default: run one step first so optimizer state exists)")
+    p.set_defaults(func=_cmd_record)
+    p = sub.add_parser("replay", help="replay traces through the pool and print a table")
+    p.add_argument("traces", nargs="+", help="trace files or bundled trace names")
+    p.add_argument("--budget", action="append",
+                   help="cap on reserved bytes: a size (6G) or a fraction of the no-eviction peak "
+                        "(0.5); repeatable")
+    p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the pool")
+    p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("bench", help="hot-path malloc+free microbenchmark (ns per pair)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.set_defaults(func=_cmd_bench)

@@ -1,0 +1,184 @@
+"""The TorchDispatchMode behind dtralloc.trace.record (torch imported here only).
+
+Storage identity is the StorageImpl (``untyped_storage()._cdata``); its death
+is observed with a weakref on the storage's Python object, which torch keeps
+alive for as long as any tensor or autograd node still holds the StorageImpl.
+Deaths are attached to the op after which they happened.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .trace import Op, Storage, Trace
+
+try:  # FLOP formulas for matmul/conv/attention; others count one per element
+    from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
+except ImportError:  # pragma: no cover - very old torch
+    _FLOP_REGISTRY = {}
+
+_RANDOM_TAG = getattr(torch.Tag, "nondeterministic_seeded", None)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Recorder(TorchDispatchMode):
+    def __init__(self, time_ops: bool = True):
+        super().__init__()
+        self.time_ops = time_ops
+        self.storages: list[Storage] = []
+        self.ops: list[Op] = []
+        self.frees_before: list[int] = []
+        self._sid_of: dict[int, int] = {}         # StorageImpl address -> storage id
+        self._refs: dict[int, weakref.ref] = {}   # storage id -> weakref while alive
+        self._dead: list[int] = []                # deaths not yet attached to an op
+        self._lock = threading.Lock()             # deaths arrive on autograd threads too
+        self._cuda_events: list[tuple[int, object, object]] = []
+        self._started = datetime.datetime.now(datetime.timezone.utc)
+
+    # -- storages --------------------------------------------------------------
+    def _died(self, sid: int) -> None:
+        with self._lock:
+            self._dead.append(sid)
+
+    def _storage_id(self, t: torch.Tensor, producer: int) -> tuple[int, bool]:
+        """(storage id, created now). producer -1 registers an initial storage."""
+        st = t.untyped_storage()
+        key = st._cdata
+        with self._lock:
+            sid = self._sid_of.get(key)
+            ref = self._refs.get(sid) if sid is not None else None
+            if ref is not None and ref() is not None:
+                return sid, False
+        sid = len(self.storages)
+        self.storages.append(
+            Storage(
+                nbytes=st.nbytes(),
+                device=str(t.device),
+                dtype=str(t.dtype).replace("torch.", ""),
+                initial=producer < 0,
+                producer=producer,
+            )
+        )
+        with self._lock:
+            self._sid_of[key] = sid
+            self._refs[sid] = weakref.ref(st, lambda _ref, sid=sid: self._died(sid))
+        return sid, True
+
+    def flush_frees(self) -> None:
+        with self._lock:
+            dead, self._dead = self._dead, []
+            for sid in dead:
+                self._refs.pop(sid, None)
+        if self.ops:
+            self.ops[-1].frees.extend(dead)
+        else:
+            self.frees_before.extend(dead)
+
+    # -- ops -------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":  # record_function markers: no memory, no compute
+            return func(*args, **kwargs)
+        self.flush_frees()
+        index = len(self.ops)
+        in_tensors = _tensors((args, kwargs))
+        inputs = list(dict.fromkeys(self._storage_id(t, -1)[0] for t in in_tensors))
+        mutated = self._mutated_storages(func, args, kwargs)
+
+        cuda = self.time_ops and any(t.is_cuda for t in in_tensors)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter_ns()
+        out = func(*args, **kwargs)
+        duration = time.perf_counter_ns() - t0 if self.time_ops else 0
+        out_tensors = _tensors(out)
+        if cuda or (self.time_ops and any(t.is_cuda for t in out_tensors)):
+            if not cuda:
+                start = end = None
+            else:
+                end.record()
+                self._cuda_events.append((index, start, end))
+
+        op = Op(name=self._name(func), inputs=inputs, mutated=mutated, duration_ns=duration)
+        for t in out_tensors:
+            sid, created = self._storage_id(t, index)
+            op.outputs.append(sid)
+            if created:
+                op.created.append(sid)
+            elif sid in inputs and sid not in mutated:
+                op.aliased.append(sid)
+        op.created = list(dict.fromkeys(op.created))
+        op.random = _RANDOM_TAG is not None and _RANDOM_TAG in func.tags
+        op.backward = torch._C._current_graph_task_id() != -1
+        op.bytes_moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
+        op.flops = self._flops(func, args, kwargs, out, out_tensors)
+        self.ops.append(op)
+        self.flush_frees()
+        return out
+
+    @staticmethod
+    def _name(func) -> str:
+        packet = func._schema.name  # "aten::add"
+        overload = func._overloadname
+        return packet if overload == "default" else f"{packet}.{overload}"
+
+    def _mutated_storages(self, func, args, kwargs) -> list[int]:
+        sids = []
+        for i, arg in enumerate(func._schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in _tensors(value):
+                sids.append(self._storage_id(t, -1)[0])
+        return list(dict.fromkeys(sids))
+
+    @staticmethod
+    def _flops(func, args, kwargs, out, out_tensors) -> int:
+        formula = _FLOP_REGISTRY.get(func._overloadpacket)
+        if formula is not None:
+            try:
+                return int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not fit this overload
+                pass
+        return sum(t.numel() for t in out_tensors)
+
+    # -- end -------------------------------------------------------------------
+    def finish(self, name: str) -> Trace:
+        self.flush_frees()
+        if self._cuda_events:
+            torch.cuda.synchronize()
+            for index, start, end in self._cuda_events:
+                self.ops[index].duration_ns = int(start.elapsed_time(end) * 1e6)
+        with self._lock:
+            for sid, ref in self._refs.items():
+                if ref() is not None:
+                    self.storages[sid].outlives = True
+        devices = sorted({s.device for s in self.storages})
+        from . import __version__
+
+        meta = {
+            "name": name,
+            "torch": torch.__version__,
+            "dtralloc": __version__,
+            "devices": devices,
+            "recorded_at": self._started.isoformat(timespec="seconds"),
+            "durations": "cuda events" if self._cuda_events else ("wall clock" if self.time_ops else "none"),
+        }
+        trace = Trace(self.storages, self.ops, self.frees_before, meta)
+        trace.validate()
+        return trace
