@@ -34,6 +34,7 @@ class FakeCudaRuntime:
         lib.fakecuda_used_bytes.argtypes = [ctypes.c_int]
         lib.fakecuda_used_bytes.restype = ctypes.c_size_t
         lib.fakecuda_live_allocations.restype = ctypes.c_int
+        lib.fakecuda_live_events.restype = ctypes.c_int
 
     def reset(self) -> None:
         self.lib.fakecuda_reset()
@@ -55,6 +56,10 @@ class FakeCudaRuntime:
 
     def live_allocations(self) -> int:
         return self.lib.fakecuda_live_allocations()
+
+    def live_events(self) -> int:
+        """Events created and not yet destroyed (a leak check for record_stream)."""
+        return self.lib.fakecuda_live_events()
 
     def complete_events(self) -> None:
         self.lib.fakecuda_complete_events()

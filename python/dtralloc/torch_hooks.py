@@ -62,7 +62,15 @@ def install(conf: ConfLike = None) -> None:
             "an allocator that already served memory. Call dtralloc.install() at the top of "
             "your program, before any tensor is created on or moved to the GPU."
         )
-    _core.configure(text)
+    try:
+        _core.configure(text)
+    except RuntimeError as e:
+        # dtralloc itself already serves memory under another configuration
+        # (memory_stats(), cupy, or the C ABI created the allocator first).
+        raise InstallError(
+            f"{e}. dtralloc.memory_stats() and CuPy create the allocator too: "
+            "call dtralloc.install() before them, or pass the configuration already in force"
+        ) from e
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         library_path(), "dtralloc_malloc", "dtralloc_free"
     )
