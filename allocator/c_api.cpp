@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "global.h"
@@ -35,6 +36,19 @@ void* dtralloc_malloc(ssize_t size, int device, void* stream) {
   } catch (const std::exception& e) {
     report("dtralloc_malloc", e);
     return nullptr;
+  }
+}
+
+void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream) {
+  if (size <= 0) return nullptr;
+  try {
+    last_error.clear();
+    return dtralloc::global::allocator(device).malloc(static_cast<std::size_t>(size), to_stream(stream));
+  } catch (const std::exception& e) {
+    report("dtralloc_malloc_or_throw", e);
+    // A plain std::runtime_error: the one exception type torch's bindings are
+    // sure to translate (to RuntimeError) whatever torch version loaded us.
+    throw std::runtime_error(e.what());
   }
 }
 

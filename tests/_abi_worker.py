@@ -911,9 +911,13 @@ def scenario_install_wiring():  # DTRALLOC_CONF is unset; install() gets budget:
     eq(_core.config_text(), "budget:64M", "configuration in force")
     dtralloc.install("budget:64M")  # same conf: a no-op
 
+    lib = ctypes.CDLL(dtralloc.library_path())
+    # torch gets the throwing entry point (a C++ exception becomes a Python
+    # RuntimeError in torch); ctypes cannot catch C++ exceptions, so the rest
+    # of this scenario allocates through its NULL-returning twin instead.
+    eq(given["alloc"], symbol_address(lib, "dtralloc_malloc_or_throw"), "install() hands torch the throwing malloc")
     abi = TorchView(
         {
-            "dtralloc_malloc": given["alloc"],
             "dtralloc_free": given["free"],
             "dtralloc_init": given["_set_init_fn"],
             "dtralloc_empty_cache": given["_set_reset_fn"],

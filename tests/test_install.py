@@ -139,7 +139,7 @@ def test_install_wires_torch_to_the_c_abi(cuda_torch, events):
     assert dtralloc.installed()
     # Configured first, then the allocator built from our library, hooks set, swapped in.
     assert events[0] == ("configure", "budget:6G,max_split_size_mb:200")
-    assert events[1] == ("CUDAPluggableAllocator", dtralloc.library_path(), "dtralloc_malloc", "dtralloc_free")
+    assert events[1] == ("CUDAPluggableAllocator", dtralloc.library_path(), "dtralloc_malloc_or_throw", "dtralloc_free")
     hooks = dict(e for e in events[2:-1])
     assert hooks == {setter: c_symbol(symbol) for setter, symbol in HOOK_SYMBOLS.items()}
     assert events[-1][0] == "change_current_allocator"

@@ -18,6 +18,14 @@ extern "C" {
 /* Returns NULL for size 0 and when the request cannot be served (the reason is
  * printed on stderr and kept for dtralloc_last_error). */
 void* dtralloc_malloc(ssize_t size, int device, void* stream);
+#ifdef __cplusplus
+/* The entry point dtralloc.install() hands torch. Same as dtralloc_malloc, but
+ * a request that cannot be served throws std::runtime_error (carrying the OOM
+ * message) instead of returning NULL: torch's pluggable-allocator wrapper does
+ * not check for NULL, and turns a C++ exception into a Python RuntimeError.
+ * C callers (ctypes) must use dtralloc_malloc. */
+void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream);
+#endif
 /* A double free or unknown pointer is reported on stderr, counted in
  * num_invalid_frees and otherwise ignored. */
 void dtralloc_free(void* ptr, ssize_t size, int device, void* stream);

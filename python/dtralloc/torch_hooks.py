@@ -72,7 +72,7 @@ def install(conf: ConfLike = None) -> None:
             "call dtralloc.install() before them, or pass the configuration already in force"
         ) from e
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        library_path(), "dtralloc_malloc", "dtralloc_free"
+        library_path(), "dtralloc_malloc_or_throw", "dtralloc_free"
     )
     lib = ctypes.CDLL(library_path())
     for setter, symbol in _HOOKS:

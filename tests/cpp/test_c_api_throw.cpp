@@ -1,0 +1,40 @@
+// dtralloc_malloc_or_throw, the entry point install() hands torch: it must
+// throw (torch turns a C++ exception into a Python RuntimeError) where
+// dtralloc_malloc returns NULL, and behave identically otherwise. Python
+// cannot test this through ctypes (a C++ exception there aborts).
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "check.h"
+#include "include/dtralloc.h"
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s /path/to/libdtralloc_fakecudart.so\n", argv[0]);
+    return 2;
+  }
+  setenv("DTRALLOC_CUDART", argv[1], 1);
+  setenv("DTRALLOC_CONF", "budget:64M", 1);
+  const ssize_t MiB = 1 << 20;
+
+  void* p = dtralloc_malloc_or_throw(10 * MiB, 0, nullptr);
+  CHECK(p != nullptr);
+  CHECK(dtralloc_malloc_or_throw(0, 0, nullptr) == nullptr);
+
+  std::string message = check::thrown_message<std::runtime_error>(
+      [&] { dtralloc_malloc_or_throw(100 * MiB, 0, nullptr); });
+  CHECK_CONTAINS(message, "out of memory");
+  CHECK_CONTAINS(message, "Budget 64 MiB");
+  CHECK_CONTAINS(std::string(dtralloc_last_error()), "out of memory");
+
+  // The C-safe twin reports the same failure as NULL.
+  CHECK(dtralloc_malloc(100 * MiB, 0, nullptr) == nullptr);
+  dtralloc_free(p, 10 * MiB, 0, nullptr);
+  CHECK(dtralloc_invalid_free_count() == 0);
+  void* q = dtralloc_malloc_or_throw(50 * MiB, 0, nullptr);
+  CHECK(q != nullptr);
+  dtralloc_free(q, 50 * MiB, 0, nullptr);
+  dtralloc_empty_cache();
+  return check::check_summary("test_c_api_throw");
+}
