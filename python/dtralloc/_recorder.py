@@ -25,6 +25,18 @@ except ImportError:  # pragma: no cover - very old torch
 
 _RANDOM_TAG = getattr(torch.Tag, "nondeterministic_seeded", None)
 
+# torch.tensor / as_tensor / from_numpy allocate (or wrap) a storage outside any
+# dispatch mode and then hand the new tensor to aten::lift_fresh. Its storage is
+# born there, during the step: registering it as an input would wrongly make it
+# an initial storage (alive before the step, allocated first on replay).
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+# Legacy batch norms update running_mean / running_var (arguments 3 and 4) in
+# place when `training` (argument 5) is set, but their schemas carry no (a!)
+# annotation for it (torch's functionalization special-cases them too).
+_UNDECLARED_RUNNING_STATS = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm",
+                                       "aten::miopen_batch_norm"})
+
 
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
@@ -95,7 +107,10 @@ class Recorder(TorchDispatchMode):
         self.flush_frees()
         index = len(self.ops)
         in_tensors = _tensors((args, kwargs))
-        inputs = list(dict.fromkeys(self._storage_id(t, -1)[0] for t in in_tensors))
+        if func is _LIFT_FRESH:  # the output's storage is created by this op, see above
+            inputs = []
+        else:
+            inputs = list(dict.fromkeys(self._storage_id(t, -1)[0] for t in in_tensors))
         mutated = self._mutated_storages(func, args, kwargs)
 
         cuda = self.time_ops and any(t.is_cuda for t in in_tensors)
@@ -137,14 +152,16 @@ class Recorder(TorchDispatchMode):
         return packet if overload == "default" else f"{packet}.{overload}"
 
     def _mutated_storages(self, func, args, kwargs) -> list[int]:
-        sids = []
-        for i, arg in enumerate(func._schema.arguments):
-            info = arg.alias_info
-            if info is None or not info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            for t in _tensors(value):
-                sids.append(self._storage_id(t, -1)[0])
+        schema = func._schema
+
+        def value(i: int):
+            return args[i] if i < len(args) else kwargs.get(schema.arguments[i].name)
+
+        written = [i for i, arg in enumerate(schema.arguments)
+                   if arg.alias_info is not None and arg.alias_info.is_write]
+        if schema.name in _UNDECLARED_RUNNING_STATS and value(5):
+            written += [3, 4]
+        sids = [self._storage_id(t, -1)[0] for i in written for t in _tensors(value(i))]
         return list(dict.fromkeys(sids))
 
     @staticmethod

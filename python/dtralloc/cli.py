@@ -54,7 +54,6 @@ def _parse_budget(text):
 
 def _cmd_replay(args) -> int:
     from .replay import format_results, replay
-    from .trace import load
 
     results = []
     for path in args.traces:
@@ -93,7 +92,12 @@ def _cmd_record(args) -> int:
     if ":" in args.target:
         module_name, _, func_name = args.target.partition(":")
         sys.path.insert(0, os.getcwd())
-        factory = getattr(importlib.import_module(module_name), func_name, None)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise SystemExit(f"error: cannot import {module_name!r} for {args.target}: {e}. "
+                             "Run from the directory that holds it or put it on PYTHONPATH.")
+        factory = getattr(module, func_name, None)
         if factory is None:
             raise SystemExit(f"error: {module_name} has no attribute {func_name!r}")
         step = factory()

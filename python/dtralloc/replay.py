@@ -107,9 +107,9 @@ def replay(
     if settings["budget"] != "none":
         raise ValueError("dtralloc.replay: pass the budget as replay(budget=...), not inside conf")
 
+    if budget is None:  # the replay is its own baseline
+        return _run(trace, None, text, check_invariants, progress)
     baseline = _run(trace, None, text, False, None)
-    if budget is None:
-        return baseline
     budget_bytes = _resolve_budget(budget, baseline.peak_reserved_bytes)
     result = _run(trace, budget_bytes, text, check_invariants, progress)
     result.baseline_peak_bytes = baseline.peak_reserved_bytes

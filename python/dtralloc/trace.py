@@ -114,7 +114,7 @@ class Trace:
         for sid in self.frees_before:
             kill(sid, "frees_before")
         for i, op in enumerate(self.ops):
-            for sid in op.inputs + op.outputs + op.mutated:
+            for sid in op.inputs + op.outputs + op.mutated + op.created:
                 if not 0 <= sid < n:
                     raise ValueError(f"op {i} ({op.name}): storage id {sid} out of range")
             for sid in op.created:
@@ -135,7 +135,7 @@ class Trace:
     # -- files ---------------------------------------------------------------
     def save(self, path: str) -> None:
         """Write the trace (xz-compressed JSON, columnar; docs/trace-format.md)."""
-        with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
+        with lzma.open(path, "wt", encoding="utf-8", preset=6) as f:
             json.dump(_to_document(self), f, separators=(",", ":"))
 
 
@@ -146,9 +146,14 @@ def load(path: str) -> Trace:
             doc = json.load(f)
     except lzma.LZMAError as e:
         raise ValueError(f"{path} is not a dtralloc trace (not xz-compressed: {e})") from e
-    except json.JSONDecodeError as e:
+    except EOFError as e:  # lzma's answer to a file cut short
+        raise ValueError(f"{path} is truncated (the xz stream ends early: {e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a dtralloc trace (bad JSON: {e})") from e
-    return _from_document(doc, path)
+    try:
+        return _from_document(doc, path)
+    except (KeyError, IndexError, TypeError) as e:  # right header, damaged body
+        raise ValueError(f"{path} is a damaged dtralloc trace ({type(e).__name__}: {e})") from e
 
 
 # -- the document form ----------------------------------------------------------
