@@ -1,0 +1,42 @@
+"""The one thing every zoo model is: a Workload whose ``step()`` is a training step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Workload:
+    """A model, its optimizer and one fixed batch.
+
+    ``step()`` is a whole training step as a training loop runs it:
+    ``zero_grad(set_to_none=True)``, forward, loss, backward, ``optimizer.step()``.
+    The batch is made once at build time, so it is an initial storage of a trace,
+    like a batch the data loader handed over before the step began.
+
+    Optimizers are built with ``foreach=True``: that is torch's default on CUDA,
+    the device these traces stand for (on CPU the default is a per-parameter
+    loop, with a different op sequence and smaller optimizer temporaries).
+    """
+
+    name: str
+    description: str          # model, sizes, attention kernel, optimizer
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: tuple              # positional inputs of loss_fn after the model
+    loss_fn: Callable[..., torch.Tensor]
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, *self.batch)
+        loss.backward()
+        self.optimizer.step()
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def millions(n: int) -> str:
+    return f"{n / 1e6:.1f}M"

@@ -1,0 +1,124 @@
+"""Record one training step of each zoo model into python/dtralloc/traces/.
+
+    python bench/record_zoo.py                 # all six at their bundled sizes
+    python bench/record_zoo.py gpt2 mlp        # some of them
+    python bench/record_zoo.py --small         # tiny sizes (tests, smoke runs)
+    python bench/record_zoo.py gpt2 --size batch=4 --out /tmp/traces
+
+Each model runs a warm-up step first (so optimizer state exists and lazy
+initialisation is done, as in any step after the first), then one recorded step.
+With several models, each is recorded in its own child process, one after the
+other, so the peak RSS printed is that model's own.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.models import MODELS, SMALL_SIZES  # noqa: E402
+
+BUNDLED_DIR = os.path.join(REPO, "python", "dtralloc", "traces")
+SMALL_DIR = os.path.join(tempfile.gettempdir(), "dtralloc-zoo-small")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _progress(name: str, t0: float, message: str) -> None:
+    print(f"[{name} {time.perf_counter() - t0:7.1f}s] {message}", flush=True)
+
+
+def effective_sizes(name: str, sizes: dict) -> dict:
+    """Every builder keyword with the value used: its default unless overridden."""
+    params = inspect.signature(MODELS[name]).parameters
+    return {k: sizes.get(k, p.default) for k, p in params.items()}
+
+
+def record_model(name: str, sizes: dict, out_dir: str):
+    """Build, warm up, record and save one model; return (trace, path)."""
+    import dtralloc.trace
+    from dtralloc._core import format_bytes
+
+    t0 = time.perf_counter()
+    _progress(name, t0, f"building with {sizes or 'default sizes'}")
+    workload = MODELS[name](**sizes)
+    _progress(name, t0, workload.description)
+    workload.step()
+    _progress(name, t0, f"warm-up step done, peak RSS {format_bytes(peak_rss_bytes())}")
+    gc.collect()
+    t_rec = time.perf_counter()
+    trace = dtralloc.trace.record(workload.step, name=name)
+    record_s = time.perf_counter() - t_rec
+    trace.meta.update(
+        description=workload.description,
+        sizes=effective_sizes(name, sizes),
+        torch_threads=__import__("torch").get_num_threads(),
+    )
+    _progress(name, t0, f"recorded step in {record_s:.1f}s, peak RSS {format_bytes(peak_rss_bytes())}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.dtrace")
+    trace.save(path)
+    _progress(name, t0, f"wrote {path} ({format_bytes(os.path.getsize(path))})")
+    print(trace.summary(), flush=True)
+    return trace, path
+
+
+def _parse_sizes(items: list[str]) -> dict:
+    sizes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--size wants key=value, got {item!r}")
+        sizes[key] = int(value) if value.lstrip("-").isdigit() else value
+    return sizes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", help=f"models to record (default: all of {', '.join(MODELS)})")
+    parser.add_argument("--small", action="store_true", help="tiny sizes of the same architectures")
+    parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a builder keyword, e.g. batch=4 (repeatable)")
+    parser.add_argument("--out", help=f"output folder (default {BUNDLED_DIR}, or {SMALL_DIR} with --small)")
+    args = parser.parse_args(argv)
+
+    names = args.models or list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; available: {', '.join(MODELS)}")
+    out_dir = args.out or (SMALL_DIR if args.small else BUNDLED_DIR)
+
+    if len(names) > 1:  # one child per model: a clean heap and its own peak RSS
+        failed = []
+        for name in names:
+            cmd = [sys.executable, os.path.abspath(__file__), name, "--out", out_dir]
+            cmd += ["--small"] * args.small + [f"--size={s}" for s in args.size]
+            if subprocess.call(cmd) != 0:
+                failed.append(name)
+        if failed:
+            print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1 if failed else 0
+
+    name = names[0]
+    sizes = {**(SMALL_SIZES[name] if args.small else {}), **_parse_sizes(args.size)}
+    t0 = time.perf_counter()
+    record_model(name, sizes, out_dir)
+    print(f"[{name}] total {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The model zoo (bench/models) and the traces bundled from it (dtralloc.traces).
+
+Every zoo model is built at its tiny size and one step is recorded, as
+bench/record_zoo.py does at full size; every bundled trace must load, be
+self-consistent and stay small enough to commit.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dtralloc.trace  # noqa: E402
+from dtralloc import traces  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.models import MODELS, NEEDS_TRANSFORMERS, SMALL_SIZES  # noqa: E402
+
+ZOO = ["gpt2", "bert", "llama", "resnet50", "unet", "mlp"]
+WITH_DROPOUT = {"gpt2", "bert", "mlp"}   # Llama's config has none; the CNNs have none
+WITH_BATCHNORM = {"resnet50", "unet"}
+MAX_TRACE_BYTES = 2 * 1024 * 1024        # small enough to commit
+try:
+    import transformers  # noqa: F401  (lazy: cheap until a model class is used)
+    HAVE_TRANSFORMERS = True
+except ImportError:
+    HAVE_TRANSFORMERS = False
+
+
+def _needs(name: str):
+    if name in NEEDS_TRANSFORMERS and not HAVE_TRANSFORMERS:
+        pytest.skip(f"{name} is built from a transformers config; pip install transformers")
+
+
+def _is_inplace(op_name: str) -> bool:
+    base = op_name.split("::", 1)[1].split(".", 1)[0]  # "aten::add_.Tensor" -> "add_"
+    return base.endswith("_") and not base.endswith("__")
+
+
+@pytest.fixture(scope="module")
+def small_traces():
+    """name -> (workload, trace) for one recorded step after a warm-up step."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            _needs(name)
+            workload = MODELS[name](**SMALL_SIZES[name])
+            workload.step()  # optimizer state exists from here on
+            cache[name] = workload, dtralloc.trace.record(workload.step, name=name)
+        return cache[name]
+
+    return get
+
+
+def test_registry_has_the_six_models():
+    assert sorted(MODELS) == sorted(ZOO)
+    assert sorted(SMALL_SIZES) == sorted(ZOO)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_small_step_records_a_valid_trace(name, small_traces):
+    workload, trace = small_traces(name)
+    trace.validate()
+    assert workload.description
+    backward = [op for op in trace.ops if op.backward]
+    assert backward and len(backward) < len(trace.ops), "forward and backward ops both appear"
+    assert trace.peak_live_bytes() > sum(s.nbytes for s in trace.storages if s.initial)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_small_step_survives_a_save_and_load(name, small_traces, tmp_path):
+    _, trace = small_traces(name)
+    path = tmp_path / f"{name}.dtrace"
+    trace.save(str(path))
+    again = dtralloc.trace.load(str(path))
+    again.validate()
+    assert [o.name for o in again.ops] == [o.name for o in trace.ops]
+    assert again.peak_live_bytes() == trace.peak_live_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(WITH_DROPOUT))
+def test_dropout_shows_as_random_ops(name, small_traces):
+    _, trace = small_traces(name)
+    random = [op for op in trace.ops if op.random]
+    assert random, "dropout draws random numbers"
+    assert any(op.name.startswith("aten::bernoulli") or "dropout" in op.name for op in random)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_optimizer_updates_every_parameter_in_place(name, small_traces):
+    workload, trace = small_traces(name)
+    for op in trace.ops:
+        if _is_inplace(op.name):
+            assert op.mutated, f"{op.name} writes in place but names no mutated storage"
+    last_backward = max(i for i, op in enumerate(trace.ops) if op.backward)
+    written = {sid for op in trace.ops[last_backward + 1:] for sid in op.mutated}
+    persistent = {i for i, s in enumerate(trace.storages) if s.initial and s.outlives}
+    params = {p.untyped_storage()._cdata for p in workload.model.parameters()}
+    # Each parameter and at least one optimizer-state tensor per parameter are
+    # written in place after backward, and all of them outlive the step.
+    assert len(written & persistent) >= 2 * len(params)
+
+
+@pytest.mark.parametrize("name", sorted(WITH_BATCHNORM))
+def test_batchnorm_running_stats_are_marked_mutated(name, small_traces):
+    # aten::native_batch_norm's schema does not declare its running-stat writes.
+    _, trace = small_traces(name)
+    bn = [op for op in trace.ops if "batch_norm" in op.name and not op.backward]
+    assert bn
+    for op in bn:
+        assert len(op.mutated) == 2, f"{op.name}: running_mean and running_var are written"
+        assert all(trace.storages[sid].initial and trace.storages[sid].outlives for sid in op.mutated)
+
+
+# -- bundled traces ---------------------------------------------------------------
+
+def test_list_bundled_names_the_six_models():
+    assert traces.list_bundled() == sorted(ZOO)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_bundled_trace_loads_and_validates(name):
+    path = traces.bundled_path(name)
+    assert os.path.getsize(path) <= MAX_TRACE_BYTES
+    trace = traces.load_bundled(name)
+    trace.validate()
+    assert trace.meta["name"] == name
+    assert trace.meta["description"]
+    assert any(op.backward for op in trace.ops)
+    if name in WITH_DROPOUT:
+        assert any(op.random for op in trace.ops)
+    # Recorded by the current recorder: in-place writes, declared or not, are marked.
+    assert all(op.mutated for op in trace.ops if _is_inplace(op.name))
+    if name in WITH_BATCHNORM:
+        assert all(op.mutated for op in trace.ops if op.name == "aten::native_batch_norm")
+
+
+def test_unknown_bundled_name_lists_the_choices():
+    with pytest.raises(ValueError, match="available: bert, gpt2"):
+        traces.bundled_path("gpt3")
+    with pytest.raises(ValueError, match="no bundled trace"):
+        traces.load_bundled("../traces/gpt2")
