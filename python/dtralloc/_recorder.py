@@ -111,7 +111,7 @@ class Recorder(TorchDispatchMode):
             inputs = []
         else:
             inputs = list(dict.fromkeys(self._storage_id(t, -1)[0] for t in in_tensors))
-        mutated = self._mutated_storages(func, args, kwargs)
+        mutated, written = self._mutated_storages(func, args, kwargs)
 
         cuda = self.time_ops and any(t.is_cuda for t in in_tensors)
         if cuda:
@@ -137,10 +137,13 @@ class Recorder(TorchDispatchMode):
             elif sid in inputs and sid not in mutated:
                 op.aliased.append(sid)
         op.created = list(dict.fromkeys(op.created))
-        op.random = _RANDOM_TAG is not None and _RANDOM_TAG in func.tags
+        op.random = self._is_random(func, args, kwargs)
         op.backward = torch._C._current_graph_task_id() != -1
-        op.bytes_moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
-        op.flops = self._flops(func, args, kwargs, out, out_tensors)
+        if op.outputs and not op.created and not op.mutated and set(op.aliased) == set(op.outputs):
+            pass  # a view: moves nothing, computes nothing
+        else:
+            op.bytes_moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
+            op.flops = self._flops(func, args, kwargs, out, out_tensors or written)
         self.ops.append(op)
         self.flush_frees()
         return out
@@ -151,7 +154,7 @@ class Recorder(TorchDispatchMode):
         overload = func._overloadname
         return packet if overload == "default" else f"{packet}.{overload}"
 
-    def _mutated_storages(self, func, args, kwargs) -> list[int]:
+    def _mutated_storages(self, func, args, kwargs) -> tuple[list[int], list[torch.Tensor]]:
         schema = func._schema
 
         def value(i: int):
@@ -161,18 +164,32 @@ class Recorder(TorchDispatchMode):
                    if arg.alias_info is not None and arg.alias_info.is_write]
         if schema.name in _UNDECLARED_RUNNING_STATS and value(5):
             written += [3, 4]
-        sids = [self._storage_id(t, -1)[0] for i in written for t in _tensors(value(i))]
-        return list(dict.fromkeys(sids))
+        tensors = [t for i in written for t in _tensors(value(i))]
+        sids = [self._storage_id(t, -1)[0] for t in tensors]
+        return list(dict.fromkeys(sids)), tensors
 
     @staticmethod
-    def _flops(func, args, kwargs, out, out_tensors) -> int:
+    def _is_random(func, args, kwargs) -> bool:
+        if _RANDOM_TAG is None or _RANDOM_TAG not in func.tags:
+            return False
+        # Fused attention carries the tag even when its dropout is off.
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.name == "dropout_p":
+                p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+                return bool(p)
+        return True
+
+    @staticmethod
+    def _flops(func, args, kwargs, out, result_tensors) -> int:
+        """torch's formula where one exists, else one per element written
+        (outputs, or the tensors an in-place op writes)."""
         formula = _FLOP_REGISTRY.get(func._overloadpacket)
         if formula is not None:
             try:
                 return int(formula(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not fit this overload
                 pass
-        return sum(t.numel() for t in out_tensors)
+        return sum(t.numel() for t in result_tensors)
 
     # -- end -------------------------------------------------------------------
     def finish(self, name: str) -> Trace:
