@@ -20,6 +20,7 @@
 // frees blocks, which re-enters free().
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -176,7 +177,9 @@ class Allocator {
   BlockPool pool_;
   std::size_t capacity_bytes_;
   std::size_t config_budget_bytes_;   // from `budget`
-  std::size_t budget_bytes_;          // effective: min(config, fraction)
+  // Effective: min(config, fraction). Written under mutex_, but budget_bytes()
+  // reads it without the lock while set_memory_fraction may run: atomic.
+  std::atomic<std::size_t> budget_bytes_;
   std::shared_ptr<EvictionHook> hook_;
   std::uint64_t tick_ = 0;            // advances on every free; GC age
 

@@ -26,45 +26,13 @@
 #include <vector>
 
 #include "backend.h"
+#include "check.h"
 #include "cudart_api.h"
 
 namespace {
 
 using namespace dtralloc;
 using namespace dtralloc::cudart;
-
-int g_checks = 0;
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    ++g_checks;                                                          \
-    if (!(cond)) {                                                       \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,        \
-                   __LINE__, #cond);                                     \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
-
-#define CHECK_CONTAINS(text, needle)                                     \
-  do {                                                                   \
-    ++g_checks;                                                          \
-    const std::string text_ = (text);                                    \
-    if (text_.find(needle) == std::string::npos) {                       \
-      std::fprintf(stderr, "%s:%d: CHECK failed: \"%s\" lacks \"%s\"\n", \
-                   __FILE__, __LINE__, text_.c_str(), needle);           \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
-
-// The message of the std::runtime_error that fn throws, "" when none.
-std::string thrown_message(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::runtime_error& error) {
-    return error.what();
-  }
-  return "";
-}
 
 constexpr std::size_t kMiB = std::size_t(1) << 20;
 
@@ -133,10 +101,10 @@ int child_bogus_override() {
   setenv("DTRALLOC_CUDART", bogus, 1);
   CHECK(cuda_device_count() == 0);  // never throws
   CHECK(cuda_runtime_path().empty());
-  std::string message = thrown_message([] { make_cuda_backend(0); });
+  std::string message = thrown_message<std::runtime_error>([] { make_cuda_backend(0); });
   CHECK_CONTAINS(message, "DTRALLOC_CUDART");
   CHECK_CONTAINS(message, bogus);
-  CHECK_CONTAINS(thrown_message([] { cuda_runtime(); }), "DTRALLOC_CUDART");
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([] { cuda_runtime(); }), "DTRALLOC_CUDART");
   return 0;
 }
 
@@ -145,7 +113,7 @@ int child_not_a_runtime() {
   Dl_info info{};
   CHECK(dladdr(reinterpret_cast<void*>(&getpid), &info) != 0);
   setenv("DTRALLOC_CUDART", info.dli_fname, 1);
-  std::string message = thrown_message([] { make_cuda_backend(0); });
+  std::string message = thrown_message<std::runtime_error>([] { make_cuda_backend(0); });
   CHECK_CONTAINS(message, "cudaMalloc");
   CHECK_CONTAINS(message, "DTRALLOC_CUDART");
   CHECK(cuda_runtime_path().empty());
@@ -155,7 +123,7 @@ int child_not_a_runtime() {
 // A failed search is not remembered: fixing the cause makes the next call work.
 int child_retry_after_failure(const std::string& fake_path) {
   setenv("DTRALLOC_CUDART", "/nonexistent/libcudart.so", 1);
-  CHECK(!thrown_message([] { cuda_runtime(); }).empty());
+  CHECK(!thrown_message<std::runtime_error>([] { cuda_runtime(); }).empty());
   setenv("DTRALLOC_CUDART", fake_path.c_str(), 1);
   CHECK(make_cuda_backend(0) != nullptr);
   CHECK(cuda_runtime_path() == fake_path);
@@ -281,7 +249,7 @@ void test_events(const FakeControls& fake) {
   CHECK(fake.live_events() == 1);
   backend->destroy_event(event);
   CHECK(fake.live_events() == 0);
-  CHECK_CONTAINS(thrown_message([&] { backend->event_completed(event); }),
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { backend->event_completed(event); }),
                  "cudaErrorInvalidResourceHandle");
   CHECK(api.GetLastError() == cudaSuccess);
 }
@@ -322,13 +290,13 @@ void test_device_guard(const FakeControls& fake) {
 
 void test_bad_devices(const FakeControls& fake) {
   fake.reset();
-  CHECK_CONTAINS(thrown_message([] { make_cuda_backend(1); }),
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([] { make_cuda_backend(1); }),
                  "CUDA device 1 does not exist");
-  CHECK_CONTAINS(thrown_message([] { make_cuda_backend(-1); }),
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([] { make_cuda_backend(-1); }),
                  "CUDA device -1 does not exist");
   fake.set_device_count(0);
   CHECK(cuda_device_count() == 0);
-  CHECK_CONTAINS(thrown_message([] { make_cuda_backend(0); }),
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([] { make_cuda_backend(0); }),
                  "cudaErrorNoDevice");
   CHECK(cuda_runtime().GetLastError() == cudaSuccess);
   fake.reset();
@@ -339,7 +307,7 @@ void test_runtime_errors_throw(const FakeControls& fake) {
   auto backend = make_cuda_backend(0);
   int not_device_memory = 0;
   std::string message =
-      thrown_message([&] { backend->release(&not_device_memory, 4); });
+      thrown_message<std::runtime_error>([&] { backend->release(&not_device_memory, 4); });
   CHECK_CONTAINS(message, "cudaFree");
   CHECK_CONTAINS(message, "cudaErrorInvalidValue");
   CHECK(cuda_runtime().GetLastError() == cudaSuccess);
@@ -453,6 +421,5 @@ int main(int argc, char** argv) {
   test_reset_keeps_allocations(fake);
   test_threads(fake);
 
-  std::printf("test_cuda_backend: %d checks passed\n", g_checks);
-  return 0;
+  return check_summary("test_cuda_backend");
 }
