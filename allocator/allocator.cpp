@@ -62,36 +62,45 @@ Allocator::~Allocator() {
   // them under a live tensor would be worse than the leak at exit.
 }
 
+// Larger requests cannot be rounded without overflow, and no device has that
+// much memory anyway (2^62 bytes = 4 EiB).
+constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 62;
+
 void* Allocator::malloc(std::size_t size, Stream stream) {
   if (size == 0) return nullptr;
+  if (size > kMaxRequestBytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stamp();
+    throw_oom(size, size, stream);
+  }
   const std::size_t rounded = BlockPool::round_size(size, config_);
-  std::shared_ptr<EvictionHook> hook;
   for (int round = 0;; ++round) {
+    std::shared_ptr<EvictionHook> hook;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stamp();
       if (Block* b = try_allocate(rounded, size, stream)) {
-        record(TraceAction::kAlloc, b->addr, b->size, stream);
+        record(TraceAction::kAlloc, b->addr, size, stream);
         return reinterpret_cast<void*>(b->addr);
       }
-      hook = hook_;
-      if (hook && round < kMaxEvictionRounds) ++pool_.stats().num_eviction_calls;
+      if (round < kMaxEvictionRounds) hook = hook_;
+      if (!hook) throw_oom(size, rounded, stream);  // steps 1-4 failed; no step 5
+      ++pool_.stats().num_eviction_calls;
     }
     // Step 5, outside the lock: the hook frees blocks through free().
-    if (hook && round < kMaxEvictionRounds && hook->make_room(rounded, stream)) continue;
+    if (hook->make_room(rounded, stream)) continue;
     std::lock_guard<std::mutex> lock(mutex_);
     stamp();
-    // Another thread may have freed memory between our unlock and relock.
-    if (Block* b = try_allocate(rounded, size, stream)) {
-      record(TraceAction::kAlloc, b->addr, b->size, stream);
-      return reinterpret_cast<void*>(b->addr);
-    }
-    ++pool_.stats().num_ooms;
-    std::size_t reserved = reserved_bytes();
-    record(TraceAction::kOom, 0, rounded, stream,
-           budget_bytes_ > reserved ? budget_bytes_ - reserved : 0);
-    throw OutOfMemoryError(oom_message(size, rounded, stream));
+    throw_oom(size, rounded, stream);
   }
+}
+
+void Allocator::throw_oom(std::size_t size, std::size_t rounded, Stream stream) {
+  ++pool_.stats().num_ooms;
+  const std::size_t reserved = reserved_bytes();
+  const std::size_t budget = budget_bytes_;
+  record(TraceAction::kOom, 0, size, stream, budget > reserved ? budget - reserved : 0);
+  throw OutOfMemoryError(oom_message(size, rounded, stream));
 }
 
 Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream) {
@@ -119,8 +128,17 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
 }
 
 Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {
-  const std::size_t bytes = BlockPool::segment_size(rounded);
-  if (reserved_bytes() + bytes > budget_bytes_) return nullptr;
+  std::size_t bytes = BlockPool::segment_size(rounded);
+  const std::size_t reserved = reserved_bytes();
+  if (reserved + bytes > budget_bytes_) {
+    // Under a tight budget a large-pool request gets a segment of its own
+    // (2 MiB-rounded) size rather than failing for want of a whole 20 MiB
+    // segment: the budget, not the segment granularity, should be the limit.
+    const std::size_t own = kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+    if (BlockPool::pool_for(rounded) != kLargePool || own >= bytes || reserved + own > budget_bytes_)
+      return nullptr;
+    bytes = own;
+  }
   void* ptr = backend_->allocate(bytes);
   if (!ptr) return nullptr;
   ++pool_.stats().num_device_alloc;
@@ -200,8 +218,8 @@ void Allocator::free(void* ptr) {
         ", which this pool has not allocated or has already freed (a double free, or "
         "memory from another allocator). Nothing was changed.");
   }
+  record(TraceAction::kFreeRequested, b->addr, b->requested_size, b->stream);
   pool_.mark_freed(b);
-  record(TraceAction::kFreeRequested, b->addr, b->size, b->stream);
   if (b->stream_uses.empty()) {
     finish_free(b);
     return;
@@ -218,7 +236,7 @@ void Allocator::free(void* ptr) {
 
 void Allocator::finish_free(Block* b) {
   const std::uintptr_t addr = b->addr;
-  const std::size_t size = b->size;
+  const std::size_t size = b->requested_size;  // kept while pending, for this entry
   const Stream stream = b->stream;
   pool_.return_to_pool(b, ++tick_);
   record(TraceAction::kFreeCompleted, addr, size, stream);
@@ -295,8 +313,8 @@ void Allocator::complete_events() {
 }
 
 void Allocator::set_memory_fraction(double fraction) {
-  if (!(fraction > 0.0 && fraction <= 1.0))
-    throw std::invalid_argument("dtralloc: memory fraction must be in (0, 1], got " +
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    throw std::invalid_argument("dtralloc: memory fraction must be in [0, 1], got " +
                                 std::to_string(fraction));
   std::lock_guard<std::mutex> lock(mutex_);
   auto cap = static_cast<std::size_t>(fraction * static_cast<double>(capacity_bytes_));
@@ -395,7 +413,7 @@ void Allocator::record(TraceAction action, std::uintptr_t addr, std::size_t size
   }
 }
 
-std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream stream) const {
+std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream stream) {
   const Stats& s = pool_.stats();
   const std::size_t reserved = reserved_bytes();
   const auto allocated = static_cast<std::size_t>(s.allocated_bytes[kStatAll].current);
@@ -411,7 +429,12 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
     << format_bytes(free_cached) << " free in cache (external fragmentation ";
   char frag_text[16];
   std::snprintf(frag_text, sizeof frag_text, "%.2f", frag);
-  m << frag_text << "), device capacity " << format_bytes(capacity_bytes_) << ". ";
+  const std::size_t device_free = backend_->free_bytes();
+  m << frag_text << "), device capacity " << format_bytes(capacity_bytes_) << " with "
+    << format_bytes(device_free) << " free. ";
+  if (rounded <= kMaxRequestBytes && reserved + BlockPool::segment_size(rounded) <= budget_bytes_ &&
+      device_free < rounded)
+    m << "The device itself is full: other processes or allocators hold its memory. ";
   if (free_cached >= rounded && largest < rounded)
     m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
       << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";

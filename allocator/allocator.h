@@ -163,7 +163,8 @@ class Allocator {
   void process_events();
   void synchronize_and_free_events();
   void finish_free(Block* block);
-  std::string oom_message(std::size_t size, std::size_t rounded, Stream stream) const;
+  std::string oom_message(std::size_t size, std::size_t rounded, Stream stream);
+  [[noreturn]] void throw_oom(std::size_t size, std::size_t rounded, Stream stream);
   // Reads the clock once per public operation; record() stamps entries with it.
   void stamp();
   void record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,

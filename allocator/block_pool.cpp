@@ -95,7 +95,9 @@ Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) c
     // split back, and the big request it was cached for would miss.
     if (!oversize(rounded) && oversize(b->size)) return nullptr;
     // An oversize request takes an unsplittable block only if little is wasted.
-    if (oversize(rounded) && b->size >= rounded + config_.max_non_split_rounding_mb)
+    // (b->size >= rounded here; subtracting avoids overflow when the
+    // rounding limit is "none".)
+    if (oversize(rounded) && b->size - rounded >= config_.max_non_split_rounding_mb)
       return nullptr;
   }
   return b;
@@ -183,7 +185,8 @@ void BlockPool::mark_freed(Block* block) {
   stat_decrease(stats_.allocated_bytes, pool, static_cast<std::int64_t>(block->size));
   stat_decrease(stats_.requested_bytes, pool, static_cast<std::int64_t>(block->requested_size));
   if (oversize(block->size)) stats_.oversize_allocations.decrease(1);
-  block->requested_size = 0;
+  // requested_size stays while the block is pending (the history's
+  // free_completed entry reports it); return_to_pool clears it.
 }
 
 Block* BlockPool::return_to_pool(Block* block, std::uint64_t tick) {
@@ -191,6 +194,7 @@ Block* BlockPool::return_to_pool(Block* block, std::uint64_t tick) {
   stat_decrease(stats_.active, pool, 1);
   stat_decrease(stats_.active_bytes, pool, static_cast<std::int64_t>(block->size));
   block->stream_uses.clear();
+  block->requested_size = 0;
 
   // Coalesce with free neighbours (pending ones are not free yet: I2 allows
   // them next to a free block until their events complete).
@@ -298,7 +302,7 @@ void BlockPool::check_invariants() const {
         broken("I3: in_free_set flag disagrees with the free set");
       if (free_[1 - seg->pool].count(const_cast<Block*>(b))) broken("I3: block in the other pool's free set");
       if (b->allocated != (lookup_allocated(b->addr) == b)) broken("I3: allocated map disagrees");
-      if (!b->allocated && b->requested_size != 0) broken("I5: free block keeps a requested size");
+      if (b->in_free_set && b->requested_size != 0) broken("I5: free block keeps a requested size");
       for (int idx : {int(kStatAll), stat_index(seg->pool)}) {
         Count& c = count[idx];
         auto n = static_cast<std::int64_t>(b->size);

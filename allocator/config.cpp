@@ -111,6 +111,7 @@ struct FractionKind {
 struct CountKind {
   static constexpr const char* accepts = "a non-negative integer (suffix K/M allowed)";
   static std::size_t parse(const std::string& key, const std::string& text) {
+    if (text.find_first_of(".eE") != std::string::npos) bad_value(key, text, accepts);
     return parse_size(key, text, 1);
   }
   static std::string format(std::size_t v) { return std::to_string(v); }
@@ -143,9 +144,16 @@ std::string known_keys() {
 }
 
 void set_option(Config& config, const std::string& key, const std::string& value) {
+  // A kind's parser may fail inside a shared helper (parse_size) whose
+  // message knows only sizes; the error users see names every form the key
+  // accepts.
 #define DTRALLOC_SET(name, kind, def, doc)                       \
   if (key == #name) {                                            \
-    config.name = KindOf<kind>::type::parse(key, value);         \
+    try {                                                        \
+      config.name = KindOf<kind>::type::parse(key, value);       \
+    } catch (const ConfigError&) {                               \
+      bad_value(key, value, KindOf<kind>::type::accepts);        \
+    }                                                            \
     return;                                                      \
   }
   DTRALLOC_OPTIONS(DTRALLOC_SET)

@@ -418,13 +418,19 @@ def scenario_memory_fraction():
     b = abi.malloc(300 * MiB, 0, None)
     check(b is not None, "300 MiB fits after raising the fraction")
 
-    for bad in (1.5, -0.1, 0.0):
+    for bad in (1.5, -0.1):
         with captured_stderr() as err:
             abi.set_memory_fraction(bad, 0)
-        check("memory fraction must be in (0, 1]" in err.text, f"fraction {bad}: {err.text!r}")
+        check("memory fraction must be in [0, 1]" in err.text, f"fraction {bad}: {err.text!r}")
         check("dtralloc_set_memory_fraction" in err.text, err.text)
         check("memory fraction" in abi.last_error(), abi.last_error())
         eq(stats()["budget_bytes"], GiB, f"budget after the bad fraction {bad}")
+
+    # torch accepts 0.0: no memory at all for this process.
+    abi.set_memory_fraction(0.0, 0)
+    eq(stats()["budget_bytes"], 0, "budget after fraction 0.0")
+    _expect_oom(abi, 1 * MiB)
+    abi.set_memory_fraction(1.0, 0)
 
     with captured_stderr() as err:
         abi.set_memory_fraction(0.5, 3)  # the fake has one device

@@ -63,7 +63,7 @@ def test_failed_cudamalloc_releases_the_cache_and_retries():
 
 def test_set_memory_fraction_lowers_and_raises_the_budget():
     proc = run_worker("memory_fraction")
-    assert "memory fraction must be in (0, 1], got 1.5" in proc.stderr
+    assert "memory fraction must be in [0, 1], got 1.5" in proc.stderr
     assert "CUDA device 3 does not exist" in proc.stderr
 
 

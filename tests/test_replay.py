@@ -104,17 +104,21 @@ def test_exact_trace_under_budgets():
     trace = _exact_trace()
     fits = dtralloc.replay(trace, budget=22 * MiB, check_invariants=True)
     assert fits.feasible and fits.budget_bytes == 22 * MiB and fits.peak_reserved_bytes == 22 * MiB
-    # One byte short: the 3 MiB tensor of op 0 needs a 20 MiB segment.
-    short = dtralloc.replay(trace, budget=22 * MiB - 1, check_invariants=True)
-    assert not short.feasible and short.oom_op == 0
-    assert "out of memory" in short.oom_message and short.peak_reserved_bytes <= 22 * MiB - 1
+    # One byte short of a 20 MiB segment: the large requests fall back to
+    # segments of their own 2 MiB-rounded size (2 + 4 + 6 MiB).
+    tight = dtralloc.replay(trace, budget=22 * MiB - 1, check_invariants=True)
+    assert tight.feasible and tight.peak_reserved_bytes == 12 * MiB
+    # 11 MiB: op 0's 4 MiB segment fits, op 1's 6 MiB one does not.
+    short = dtralloc.replay(trace, budget=11 * MiB, check_invariants=True)
+    assert not short.feasible and short.oom_op == 1
+    assert "out of memory" in short.oom_message and short.peak_reserved_bytes <= 11 * MiB
     assert short.baseline_peak_bytes == 22 * MiB
-    assert len(short.reserved_fragmentation) == 0, "sampled only for ops that completed"
+    assert len(short.reserved_fragmentation) == 1, "sampled only for ops that completed"
     # Not even the storages alive before the step fit.
     none = dtralloc.replay(trace, budget=MiB)
     assert not none.feasible and none.oom_op == -1
     assert none.table_row()["feasible"] == "OOM: initial storages"
-    assert short.table_row()["feasible"] == "OOM at op 0"
+    assert short.table_row()["feasible"] == "OOM at op 1"
 
 
 # -- a recorded training step -------------------------------------------------------
@@ -304,7 +308,7 @@ def test_cli_replay_prints_a_table_and_fails_on_oom(tmp_path):
     assert run.returncode == 1, run.stderr
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 4 and "peak reserved" in lines[0]
-    assert "OOM at op 0" in lines[2] and "11 MiB" in lines[2]
+    assert "OOM at op 1" in lines[2] and "11 MiB" in lines[2]
     assert "yes" in lines[3] and "1 GiB" in lines[3]
     assert "exact: 3 ops" in run.stderr  # the trace summary
     run = _dtralloc("replay", path, "--budget", "1G", "--budget", "1.0")

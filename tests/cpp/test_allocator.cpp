@@ -522,11 +522,15 @@ void test_set_memory_fraction() {
   CHECK_EQ(a->budget_bytes(), kGiB / 2);
   a->set_memory_fraction(1.0);
   CHECK_EQ(a->budget_bytes(), kGiB);
-  for (double bad : {0.0, -0.1, 1.5, std::nan("")}) {
+  for (double bad : {-0.1, 1.5, std::nan("")}) {
     std::string message = thrown_message<std::invalid_argument>([&] { a->set_memory_fraction(bad); });
-    CHECK_CONTAINS(message, "memory fraction must be in (0, 1]");
+    CHECK_CONTAINS(message, "memory fraction must be in [0, 1]");
   }
   CHECK_EQ(a->budget_bytes(), kGiB);  // unchanged by the bad calls
+  a->set_memory_fraction(0.0);  // torch accepts 0: nothing may be reserved
+  CHECK_EQ(a->budget_bytes(), std::size_t{0});
+  CHECK_THROWS(OutOfMemoryError, a->malloc(512));
+  a->set_memory_fraction(1.0);
 
   // The configured budget stays the upper bound.
   auto b = make_virtual("budget:256M");
