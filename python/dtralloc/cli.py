@@ -24,7 +24,7 @@ def _cmd_bench(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(confs=args.conf or None, steps=args.steps)
+    run_demo(traces=args.trace, confs=args.conf)
     return 0
 
 
@@ -142,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf", default=None, help="settings to check instead of $DTRALLOC_CONF")
     p.add_argument("--markdown", action="store_true", help="print the option table as markdown")
     p.set_defaults(func=_cmd_config)
-    p = sub.add_parser("demo", help="run a training-like allocation pattern under several settings")
+    p = sub.add_parser("demo", help="replay the bundled training steps under several settings")
+    p.add_argument("--trace", action="append", help="a bundled trace to replay (repeatable; default all)")
     p.add_argument("--conf", action="append", help="a DTRALLOC_CONF to compare (repeatable)")
-    p.add_argument("--steps", type=int, default=8, help="training steps to simulate (default 8)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
     p.add_argument("target", help="a zoo model name (from bench/models) or module:function "
