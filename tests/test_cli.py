@@ -1,0 +1,59 @@
+"""The `dtralloc` command as a user runs it: demo, bench, help, errors."""
+import subprocess
+import sys
+
+import pytest
+
+from dtralloc.traces import list_bundled
+
+
+def run(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "dtralloc", *args], capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_demo_replays_every_bundled_trace_under_each_setting():
+    out = run("demo").stdout
+    table = out[out.index("trace "):].splitlines()
+    rows = [line for line in table[2:] if line and not line.startswith(("reserved/", "done"))]
+    assert len(rows) == 3 * len(list_bundled())
+    for name in list_bundled():
+        assert sum(row.split()[0] == name for row in rows) == 3
+    assert all(" yes " in row for row in rows), "no budget: every replay must be feasible"
+    assert "[18/18]" in out  # progress lines
+
+
+def test_demo_takes_a_subset_and_custom_settings():
+    out = run("demo", "--trace", "mlp", "--conf", "", "--conf", "max_split_size_mb:64").stdout
+    assert "[ 2/2]" in out and "max_split_size_mb:64" in out and "gpt2" not in out
+
+
+def test_demo_rejects_an_unknown_trace_with_the_list():
+    proc = run("demo", "--trace", "nope", check=False)
+    assert proc.returncode == 2
+    assert "nope" in proc.stderr and "gpt2" in proc.stderr
+
+
+def test_demo_rejects_a_bad_conf_naming_the_key():
+    proc = run("demo", "--trace", "mlp", "--conf", "max_split_size_mb:tiny", check=False)
+    assert proc.returncode == 2 and "max_split_size_mb" in proc.stderr
+
+
+def test_bench_quick_prints_ratios():
+    out = run("bench", "--quick").stdout
+    assert "training-step mix" in out and "random mix" in out
+    rows = [line for line in out.splitlines() if line.startswith(("training-step", "random"))]
+    assert len(rows) == 6
+    for row in rows:
+        pool_ns, libc_ns, ratio = (float(v) for v in row.split()[-3:])
+        assert pool_ns > 0 and libc_ns > 0 and ratio == pytest.approx(pool_ns / libc_ns, abs=0.006)
+
+
+def test_help_lists_every_command_and_no_command_is_an_error():
+    out = run("--help").stdout
+    for command in ("config", "demo", "record", "replay", "bench"):
+        assert command in out
+    assert run(check=False).returncode == 2
