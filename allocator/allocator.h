@@ -6,7 +6,9 @@
 //   1. best fit from the cached free blocks of the stream
 //   2. a new segment from the backend, if reserved stays within the budget
 //      (first releasing least recently used cached segments when
-//      garbage_collection_threshold is passed)
+//      garbage_collection_threshold is passed); when the standard segment
+//      (block_pool.h) would pass the budget, a large-pool request gets a
+//      segment of its own 2 MiB-rounded size instead
 //   3. release cached oversize segments (max_split_size_mb) and retry 2
 //   4. wait for all record_stream events, release every cached segment that
 //      is entirely free, and retry 2 (counted in num_alloc_retries)

@@ -19,6 +19,8 @@
 //   * requests <= 1 MiB come from the small pool, in 2 MiB segments
 //   * requests < 10 MiB come from the large pool, in 20 MiB segments
 //   * larger requests get a segment of their own size rounded to 2 MiB
+//     (so do smaller large-pool requests when a 20 MiB segment would pass
+//     the budget: Allocator::allocate_segment)
 //   * a block is split when the rest is worth keeping (>= 512 B in the small
 //     pool, > 1 MiB in the large pool) and never when it is oversize
 //     (>= max_split_size_mb); oversize blocks serve only requests within

@@ -10,6 +10,8 @@
 namespace dtralloc {
 namespace {
 
+constexpr std::size_t kMaxHistoryEntries = std::size_t{1} << 24;
+
 std::string trim(const std::string& s) {
   std::size_t b = 0, e = s.size();
   while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
@@ -225,6 +227,11 @@ Config parse_config(const std::string& text) {
       throw ConfigError("DTRALLOC_CONF: key '" + key + "' has an empty value");
     set_option(config, key, value);
   }
+  // The ring buffer is allocated up front: bound it (48 bytes an entry).
+  if (config.history_entries > kMaxHistoryEntries)
+    throw ConfigError("DTRALLOC_CONF: history_entries must be at most " +
+                      std::to_string(kMaxHistoryEntries) + " (16M entries, 768 MiB); got " +
+                      std::to_string(config.history_entries));
   // Cross-key rule torch also enforces: a split limit below the large
   // segment size would leave every large block unsplittable.
   if (config.max_split_size_mb != kNoLimit && config.max_split_size_mb <= 20 * kMiB)

@@ -67,6 +67,9 @@ using StatArray = std::array<Stat, kNumStatIndices>;
 //   num_device_free      backend releases (cudaFree calls)
 //   num_invalid_frees    double frees and frees of unknown pointers (rejected)
 //   num_eviction_calls   times the eviction hook was asked for room
+//   num_oom_rejections   torch's key: allocations an OOM-rejection observer
+//                        turned down. dtralloc has no such observers, so it
+//                        stays 0; it is reported so torch's tools find it.
 #define DTRALLOC_COUNTERS(X) \
   X(num_alloc_retries)       \
   X(num_ooms)                \
@@ -74,7 +77,8 @@ using StatArray = std::array<Stat, kNumStatIndices>;
   X(num_device_alloc)        \
   X(num_device_free)         \
   X(num_invalid_frees)       \
-  X(num_eviction_calls)
+  X(num_eviction_calls)      \
+  X(num_oom_rejections)
 
 struct Stats {
 #define DTRALLOC_POOL_FIELD(name) StatArray name;

@@ -12,24 +12,34 @@ from typing import Optional
 from . import _core
 
 
-def _device_index(device) -> int:
-    if device is None:
-        try:
-            import torch
+def _current_device() -> int:
+    try:
+        import torch
 
-            if torch.cuda.is_available():
-                return torch.cuda.current_device()
-        except ImportError:
-            pass
-        return 0
+        if torch.cuda.is_available():
+            return torch.cuda.current_device()
+    except ImportError:
+        pass
+    return 0
+
+
+def _device_index(device) -> int:
+    """Device index from None (current device), an int, 'cuda', 'cuda:N' or a
+    torch.device, the way torch.cuda.memory_stats reads its argument."""
+    if device is None:
+        return _current_device()
     if isinstance(device, int):
         return device
-    index = getattr(device, "index", None)  # torch.device
-    if index is not None:
-        return index
-    if isinstance(device, str) and device.startswith("cuda"):
-        return int(device.split(":")[1]) if ":" in device else 0
-    raise ValueError(f"dtralloc: cannot read a device index from {device!r}; pass an int or 'cuda:N'")
+    if isinstance(device, str):  # before getattr: str has an .index method
+        kind, _, index = device.partition(":")
+        if kind == "cuda" and (not index or index.isdigit()):
+            return int(index) if index else _current_device()
+    elif getattr(device, "type", None) == "cuda":  # torch.device
+        return device.index if device.index is not None else _current_device()
+    raise ValueError(
+        f"dtralloc: cannot read a CUDA device index from {device!r}; pass an int, 'cuda', "
+        "'cuda:N' or a torch.device of type cuda"
+    )
 
 
 def _pool(device):
@@ -86,29 +96,45 @@ def format_summary(stats: dict, title: str) -> str:
     cols = ("current", "peak", "allocated", "freed")
     heads = ("Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed")
     width = 78
+    cell = 12
+    label_width = width - 4 - cell * len(cols)  # "| " + label + cells + " |"
     out = ["=" * width, f"|{title:^{width - 2}}|", "=" * width]
-    out.append(f"| {'Metric':<28}" + "".join(f"{h:>12}" for h in heads) + " |")
+    out.append(f"| {'Metric':<{label_width}}" + "".join(f"{h:>{cell}}" for h in heads) + " |")
     for label, key, is_bytes in rows:
         out.append("-" * width)
         for pool in ("all", "large_pool", "small_pool"):
             name = label if pool == "all" else f"  from {pool.replace('_', ' ')}"
             vals = [stats[f"{key}.{pool}.{c}"] for c in cols]
             cells = [(_fmt(v) if is_bytes else str(v)) for v in vals]
-            out.append(f"| {name:<28}" + "".join(f"{c:>12}" for c in cells) + " |")
+            out.append(f"| {name:<{label_width}}" + "".join(f"{c:>{cell}}" for c in cells) + " |")
     out.append("=" * width)
-    budget = stats["budget_bytes"]
     frag = stats["fragmentation.external"]
-    out.append(
-        f"| Budget {_fmt(budget)}  largest free block {_fmt(stats['fragmentation.largest_free_bytes'])}"
-        f"  fragmentation {frag:.2f}".ljust(width - 1) + "|"
-    )
-    out.append(
-        f"| OOMs {stats['num_ooms']}  alloc retries {stats['num_alloc_retries']}"
-        f"  device allocs {stats['num_device_alloc']}  frees {stats['num_device_free']}"
-        f"  invalid frees {stats['num_invalid_frees']}".ljust(width - 1) + "|"
-    )
+    notes = [
+        f"Budget {_fmt(stats['budget_bytes'])}",
+        f"largest free block {_fmt(stats['fragmentation.largest_free_bytes'])}",
+        f"fragmentation {frag:.2f}",
+        f"OOMs {stats['num_ooms']}",
+        f"alloc retries {stats['num_alloc_retries']}",
+        f"device allocs {stats['num_device_alloc']}",
+        f"frees {stats['num_device_free']}",
+        f"invalid frees {stats['num_invalid_frees']}",
+    ]
+    out.extend(_pack_line(notes[:3], width) + _pack_line(notes[3:], width))
     out.append("=" * width)
     return "\n".join(out)
+
+
+def _pack_line(items, width: int) -> list:
+    """Table rows "| a  b  c |" of `width` characters, wrapping between items."""
+    lines, current = [], ""
+    for item in items:
+        candidate = f"{current}  {item}" if current else item
+        if current and len(candidate) > width - 4:
+            lines.append(current)
+            candidate = item
+        current = candidate
+    lines.append(current)
+    return [f"| {line:<{width - 4}} |" for line in lines]
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:

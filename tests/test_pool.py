@@ -1,0 +1,673 @@
+"""dtralloc.Pool: torch's block-pool policy, streams, the budget and its
+fallback ladder, the eviction hook, and robustness against bad frees.
+
+Sizes and addresses are checked against the documented rule (conftest's
+torch_round_size / torch_segment_size), never against the pool's own numbers.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+from conftest import (
+    MiB,
+    blocks_by_address,
+    stats_delta,
+    torch_pool_kind,
+    torch_round_size,
+    torch_segment_size,
+)
+
+import dtralloc
+
+
+def held_block(pool, addr):
+    seg, block = blocks_by_address(pool)[addr]
+    assert block["state"] == "active_allocated"
+    return seg, block
+
+
+# --------------------------------------------------------------------------
+# sizes: rounding, small / large pool, segment sizes
+
+
+SIZES = [1, 511, 512, 513, 4000, 1 * MiB - 1, 1 * MiB, 1 * MiB + 1, 3 * MiB + 7,
+         10 * MiB - 512, 10 * MiB - 511, 10 * MiB, 10 * MiB + 1, 33 * MiB + 5]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_request_is_rounded_and_served_from_the_documented_segment(make_pool, size):
+    pool = make_pool()
+    addr = pool.malloc(size)
+    rounded = torch_round_size(size)
+    seg, block = held_block(pool, addr)
+    assert addr % 512 == 0
+    assert block["requested_size"] == size
+    assert seg["segment_type"] == torch_pool_kind(rounded)
+    assert seg["total_size"] == torch_segment_size(rounded)
+    s = pool.stats()
+    pool_key = "small_pool" if rounded <= MiB else "large_pool"
+    other = "large_pool" if pool_key == "small_pool" else "small_pool"
+    assert s["requested_bytes.all.current"] == size
+    assert s[f"allocated_bytes.{pool_key}.current"] == block["size"]
+    assert s[f"allocated_bytes.{other}.current"] == 0
+    assert s[f"reserved_bytes.{pool_key}.current"] == torch_segment_size(rounded)
+    # The block is the rounded size, except where torch keeps a remainder of
+    # at most 1 MiB attached instead of splitting it off (large pool).
+    assert rounded <= block["size"] <= rounded + (0 if rounded <= MiB else MiB)
+    pool.free(addr)
+
+
+def test_small_requests_share_one_2mib_segment(make_pool):
+    pool = make_pool()
+    addrs = [pool.malloc(1000) for _ in range(2048)]  # 2048 * 1024 B = 2 MiB exactly
+    s = pool.stats()
+    assert s["segment.small_pool.current"] == 1
+    assert s["reserved_bytes.all.current"] == 2 * MiB
+    assert sorted(addrs) == [addrs[0] + i * 1024 for i in range(2048)]
+    extra = pool.malloc(1000)
+    assert pool.stats()["segment.small_pool.current"] == 2
+    for a in addrs + [extra]:
+        pool.free(a)
+
+
+def test_large_requests_are_carved_from_20mib_segments(make_pool):
+    pool = make_pool()
+    a = pool.malloc(2 * MiB)
+    b = pool.malloc(3 * MiB)
+    c = pool.malloc(4 * MiB)
+    assert (b - a, c - b) == (2 * MiB, 3 * MiB)
+    assert pool.stats()["segment.large_pool.current"] == 1
+    for x in (a, b, c):
+        pool.free(x)
+
+
+def test_huge_requests_get_their_own_segment_rounded_to_2mib(make_pool):
+    pool = make_pool(backend="virtual", capacity="4G")
+    a = pool.malloc(10 * MiB)
+    b = pool.malloc(10 * MiB)
+    segs = pool.snapshot()["segments"]
+    assert sorted(s["total_size"] for s in segs) == [10 * MiB, 10 * MiB]
+    c = pool.malloc(101 * MiB + 3)
+    assert blocks_by_address(pool)[c][0]["total_size"] == 102 * MiB
+    for x in (a, b, c):
+        pool.free(x)
+
+
+@pytest.mark.parametrize("divisions", [2, 4, 8, 16])
+@pytest.mark.parametrize("size", [1000, 5000, 6145, 1200 * 1024, 5 * MiB + 1, 33 * MiB, 64 * MiB, 3 * MiB - 1])
+def test_roundup_power2_divisions(make_pool, divisions, size):
+    pool = make_pool(backend="virtual", conf=f"roundup_power2_divisions:{divisions}")
+    addr = pool.malloc(size)
+    rounded = torch_round_size(size, divisions)
+    _, block = held_block(pool, addr)
+    assert rounded <= block["size"] <= rounded + (0 if rounded <= MiB else MiB)
+    assert pool.stats()["requested_bytes.all.current"] == size
+    pool.free(addr)
+
+
+def test_zero_size_and_null_free(make_pool):
+    pool = make_pool()
+    assert pool.malloc(0) == 0
+    pool.free(0)  # a no-op, like free(NULL)
+    assert pool.stats()["num_invalid_frees"] == 0
+    assert pool.stats()["segment.all.current"] == 0
+
+
+def test_an_impossible_size_is_refused_not_served():
+    """A request near 2**64 bytes (dtralloc_malloc(-1) through the C ABI) must
+    fail; rounding must not wrap around to a tiny block."""
+    pool = dtralloc.Pool("virtual", capacity="1G")  # no make_pool: nothing real to leak
+    for size in (2**64 - 1, 2**64 - 300, 2**63):
+        with pytest.raises(dtralloc.OutOfMemoryError):
+            pool.malloc(size)
+        pool.check_invariants()
+    assert pool.stats()["allocation.all.current"] == 0
+
+
+# --------------------------------------------------------------------------
+# best fit, split, coalesce
+
+
+def test_best_fit_picks_the_smallest_free_block_that_fits(make_pool):
+    pool = make_pool()
+    # One 20 MiB segment: [2][x][4][x][3][x][rest]; free the 2, 4, 3 MiB holes.
+    a2, x1, a4, x2, a3, x3 = (pool.malloc(int(n * MiB)) for n in (2, 1.5, 4, 1.5, 3, 1.5))
+    assert pool.stats()["segment.all.current"] == 1
+    for a in (a2, a4, a3):
+        pool.free(a)
+    assert pool.malloc(int(2.5 * MiB)) == a3  # 3 MiB is the best fit, not 4
+    assert pool.malloc(int(1.5 * MiB)) == a2  # 2 MiB hole
+    assert pool.malloc(4 * MiB) == a4
+
+
+def test_split_remainder_stays_cached_as_inactive_split(make_pool):
+    pool = make_pool()
+    a = pool.malloc(6 * MiB)
+    s = pool.stats()
+    # 20 MiB segment, 6 MiB used: the 14 MiB rest is a free split block.
+    assert s["inactive_split.large_pool.current"] == 1
+    assert s["inactive_split_bytes.large_pool.current"] == 14 * MiB
+    assert s["fragmentation.reserved_unallocated_bytes"] == 14 * MiB
+    pool.free(a)
+    s = pool.stats()
+    assert s["inactive_split.all.current"] == 0  # whole again: releasable
+    assert s["inactive_split_bytes.all.current"] == 0
+
+
+def test_large_remainder_of_one_mib_or_less_is_not_split(make_pool):
+    pool = make_pool()
+    a = pool.malloc(9 * MiB)
+    b = pool.malloc(9 * MiB)  # rest of the segment: 2 MiB
+    pool.free(a)
+    c = pool.malloc(int(8.5 * MiB))  # 0.5 MiB would be left: not worth a block
+    assert c == a
+    _, block = held_block(pool, c)
+    assert block["size"] == 9 * MiB
+    assert block["requested_size"] == int(8.5 * MiB)
+    assert pool.stats()["allocated_bytes.all.current"] == 18 * MiB
+    pool.free(c)
+    pool.free(b)
+
+
+def test_small_pool_splits_down_to_512_bytes(make_pool):
+    pool = make_pool()
+    x = pool.malloc(MiB)  # the largest small-pool request
+    y = pool.malloc(MiB - 512)
+    z = pool.malloc(512)  # the last 512 B of the 2 MiB small segment
+    assert pool.stats()["segment.small_pool.current"] == 1
+    assert z == x + 2 * MiB - 512
+    for q in (x, y, z):
+        pool.free(q)
+
+
+def test_freed_neighbours_coalesce_at_once(make_pool):
+    pool = make_pool()
+    blocks = [pool.malloc(MiB * 2) for _ in range(5)]
+    for i in (1, 3):
+        pool.free(blocks[i])
+    s = pool.stats()
+    assert s["inactive_split.all.current"] == 3  # two holes + the tail
+    pool.free(blocks[2])  # joins both holes into one 6 MiB block
+    s = pool.stats()
+    assert s["inactive_split.all.current"] == 2
+    assert s["fragmentation.largest_free_bytes"] == 10 * MiB  # tail: 20 - 10
+    by_addr = blocks_by_address(pool)
+    assert by_addr[blocks[1]][1]["size"] == 6 * MiB
+    assert by_addr[blocks[1]][1]["state"] == "inactive"
+    pool.free(blocks[0])
+    pool.free(blocks[4])
+    [seg] = pool.snapshot()["segments"]
+    assert [(b["size"], b["state"]) for b in seg["blocks"]] == [(20 * MiB, "inactive")]
+    pool.check_invariants()
+
+
+def test_empty_cache_releases_only_entirely_free_segments(make_pool):
+    pool = make_pool()
+    keep = pool.malloc(MiB * 3)
+    gone = pool.malloc(MiB * 18)  # more than the 17 MiB left: own segment
+    small = pool.malloc(100)
+    pool.free(gone)
+    pool.free(small)
+    before = pool.stats()
+    pool.empty_cache()
+    s = pool.stats()
+    assert s["segment.all.current"] == 1
+    assert s["reserved_bytes.all.current"] == 20 * MiB
+    assert s["num_device_free"] - before["num_device_free"] == 2
+    assert pool.owns(keep)
+    pool.free(keep)
+
+
+# --------------------------------------------------------------------------
+# streams and record_stream
+
+
+def test_blocks_never_cross_streams(make_pool):
+    pool = make_pool()
+    a = pool.malloc(MiB, stream=1)
+    pool.free(a)
+    b = pool.malloc(MiB, stream=2)  # the cached block belongs to stream 1
+    assert b != a
+    segs = {s["stream"]: s for s in pool.snapshot()["segments"]}
+    assert set(segs) == {1, 2}
+    assert pool.malloc(MiB, stream=1) == a
+    big = pool.malloc(5 * MiB, stream=3)
+    assert blocks_by_address(pool)[big][0]["stream"] == 3
+
+
+def test_record_stream_defers_reuse_until_the_event_completes(make_pool):
+    pool = make_pool()
+    a = pool.malloc(4096)
+    pool.record_stream(a, 7)
+    pool.free(a)
+    s = pool.stats()
+    assert s["allocation.all.current"] == 0
+    assert s["allocated_bytes.all.current"] == 0
+    assert s["active.all.current"] == 1  # still in use on stream 7
+    assert s["active_bytes.all.current"] == 4096
+    assert blocks_by_address(pool)[a][1]["state"] == "active_pending_free"
+    actions = [e["action"] for e in pool.snapshot()["device_traces"][0]]
+    assert actions[-1] == "free_requested"
+    b = pool.malloc(4096)
+    assert b != a  # pending memory must not be handed out
+    pool.check_invariants()
+    pool.complete_events()
+    assert pool.stats()["active.all.current"] == 1  # only b
+    assert blocks_by_address(pool)[a][1]["state"] == "inactive"
+    assert [e["action"] for e in pool.snapshot()["device_traces"][0]][-1] == "free_completed"
+    assert pool.malloc(4096) == a
+
+
+def test_record_stream_on_the_own_stream_frees_at_once(make_pool):
+    pool = make_pool()
+    a = pool.malloc(4096, stream=3)
+    pool.record_stream(a, 3)
+    pool.free(a)
+    assert pool.stats()["active.all.current"] == 0
+    assert pool.malloc(4096, stream=3) == a
+
+
+def test_pending_block_is_not_merged_until_its_event_completes(make_pool):
+    pool = make_pool()
+    a, b, c = (pool.malloc(4096) for _ in range(3))
+    pool.record_stream(b, 1)
+    pool.free(a)
+    pool.free(b)
+    pool.free(c)
+    states = [(blk["address"], blk["state"]) for blk in pool.snapshot()["segments"][0]["blocks"]]
+    assert states[:2] == [(a, "inactive"), (b, "active_pending_free")]
+    pool.check_invariants()
+    pool.complete_events()
+    [seg] = pool.snapshot()["segments"]
+    assert [blk["state"] for blk in seg["blocks"]] == ["inactive"]
+
+
+def test_block_used_on_several_streams_waits_for_all(make_pool):
+    pool = make_pool()
+    a = pool.malloc(8192)
+    pool.record_stream(a, 1)
+    pool.record_stream(a, 2)
+    pool.record_stream(a, 2)  # recorded twice: one event
+    pool.free(a)
+    assert pool.stats()["active.all.current"] == 1
+    pool.empty_cache()  # synchronizes: events complete, then releases
+    s = pool.stats()
+    assert s["active.all.current"] == 0
+    assert s["segment.all.current"] == 0
+    assert s["num_sync_all_streams"] == 1
+
+
+def test_oom_path_waits_for_pending_events(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:40M")
+    a = pool.malloc(30 * MiB)
+    pool.record_stream(a, 5)
+    pool.free(a)
+    b = pool.malloc(30 * MiB)  # only possible once a's event is waited for
+    assert b == a
+    s = pool.stats()
+    assert s["num_sync_all_streams"] == 1
+    assert s["num_ooms"] == 0
+
+
+# --------------------------------------------------------------------------
+# the budget and the fallback ladder
+
+
+def test_budget_caps_reserved_and_fails_with_oom(make_pool):
+    pool = make_pool(backend="virtual", capacity="1G", conf="budget:64M")
+    held = [pool.malloc(20 * MiB) for _ in range(3)]
+    with pytest.raises(dtralloc.OutOfMemoryError) as excinfo:
+        pool.malloc(20 * MiB)
+    assert isinstance(excinfo.value, MemoryError)
+    s = pool.stats()
+    assert s["reserved_bytes.all.current"] <= 64 * MiB
+    assert s["reserved_bytes.all.peak"] <= 64 * MiB
+    assert s["num_ooms"] == 1
+    for h in held:
+        pool.free(h)
+    pool.malloc(20 * MiB)  # fine again
+
+
+def test_budget_fraction_of_capacity(make_pool):
+    pool = make_pool(backend="virtual", capacity="100M", conf="budget:0.5")
+    assert pool.budget_bytes == 50 * MiB
+    a = pool.malloc(40 * MiB)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(12 * MiB)
+    pool.free(a)
+
+
+def test_set_memory_fraction_lowers_the_budget(make_pool):
+    pool = make_pool(backend="virtual", capacity="1G")
+    pool.set_memory_fraction(0.25)
+    assert pool.budget_bytes == 256 * MiB
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(300 * MiB)
+    with pytest.raises(ValueError):
+        pool.set_memory_fraction(1.5)
+
+
+def test_without_a_budget_the_capacity_is_the_limit(make_pool):
+    pool = make_pool(backend="host", capacity="30M")
+    assert pool.budget_bytes == 30 * MiB
+    a = pool.malloc(15 * MiB)  # own segment of 16 MiB
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(15 * MiB)  # would need another 16 MiB
+    pool.free(a)
+
+
+def test_cached_segments_are_released_and_the_malloc_retried(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:64M")
+    a = pool.malloc(40 * MiB)
+    pool.free(a)  # cached, entirely free, but on the wrong stream for what follows
+    b = pool.malloc(40 * MiB, stream=1)
+    s = pool.stats()
+    assert s["num_alloc_retries"] == 1
+    assert s["num_device_free"] == 1
+    assert s["reserved_bytes.all.current"] == 40 * MiB
+    assert s["num_ooms"] == 0
+    pool.free(b)
+
+
+def test_no_release_while_the_budget_has_room(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:1G")
+    a = pool.malloc(40 * MiB)
+    pool.free(a)
+    pool.malloc(40 * MiB, stream=1)
+    s = pool.stats()
+    assert s["num_alloc_retries"] == 0
+    assert s["reserved_bytes.all.current"] == 80 * MiB
+
+
+def test_split_segments_are_not_released_by_the_retry(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:40M")
+    a = pool.malloc(5 * MiB)
+    b = pool.malloc(5 * MiB)  # same 20 MiB segment, 10 MiB free in it
+    pool.free(a)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(30 * MiB)  # 20 + 30 > 40: the split segment stays
+    assert pool.owns(b)
+    assert pool.stats()["segment.all.current"] == 1
+    pool.free(b)
+
+
+# --------------------------------------------------------------------------
+# max_split_size_mb, max_non_split_rounding_mb, garbage_collection_threshold
+
+
+def test_oversize_block_is_not_used_for_small_requests(make_pool):
+    pool = make_pool(backend="virtual", conf="max_split_size_mb:40")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    b = pool.malloc(5 * MiB)
+    assert blocks_by_address(pool)[b][0]["address"] != a
+    s = pool.stats()
+    assert s["oversize_segments.current"] == 1
+    assert s["oversize_allocations.current"] == 0
+    pool.free(b)
+
+
+def test_oversize_request_takes_a_cached_block_within_the_rounding_limit(make_pool):
+    pool = make_pool(backend="virtual", conf="max_split_size_mb:40")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    b = pool.malloc(90 * MiB)  # 100 < 90 + 20: taken whole, not split
+    assert b == a
+    _, block = held_block(pool, b)
+    assert block["size"] == 100 * MiB
+    assert pool.stats()["oversize_allocations.current"] == 1
+    pool.free(b)
+    c = pool.malloc(70 * MiB)  # 100 >= 70 + 20: too wasteful, new segment
+    assert c != a
+    pool.free(c)
+
+
+def test_max_non_split_rounding_mb_widens_the_limit(make_pool):
+    pool = make_pool(backend="virtual", conf="max_split_size_mb:40,max_non_split_rounding_mb:50")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    assert pool.malloc(70 * MiB) == a
+
+
+def test_max_non_split_rounding_none_means_no_limit(make_pool):
+    """`none` is an accepted value ("or none"); it must mean no limit, so any
+    cached oversize block that fits is reused. (A limit of 'none' stored as
+    SIZE_MAX must not overflow `rounded + limit` into 'never'.)"""
+    pool = make_pool(backend="virtual", conf="max_split_size_mb:40,max_non_split_rounding_mb:none")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    assert pool.malloc(90 * MiB) == a
+    assert pool.stats()["segment.all.current"] == 1
+
+
+def test_oversize_cached_segment_is_released_for_a_new_one(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:150M,max_split_size_mb:40")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    b = pool.malloc(60 * MiB)  # can't take the 100 MiB block; 100 + 60 > 150
+    s = pool.stats()
+    assert s["reserved_bytes.all.current"] == 60 * MiB
+    assert s["num_device_free"] == 1
+    assert s["num_ooms"] == 0
+    pool.free(b)
+
+
+def test_garbage_collection_releases_least_recently_freed_first(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:100M,garbage_collection_threshold:0.6")
+    old = pool.malloc(30 * MiB)
+    new = pool.malloc(30 * MiB)
+    pool.free(old)
+    pool.free(new)
+    pool.malloc(12 * MiB, stream=1)  # 60 + 12 > 60: release the oldest (30 + 12 <= 60)
+    segs = pool.snapshot()["segments"]
+    assert sorted(s["total_size"] for s in segs) == [12 * MiB, 30 * MiB]
+    trace = pool.snapshot()["device_traces"][0]
+    [freed] = [e for e in trace if e["action"] == "segment_free"]
+    assert freed["addr"] == old
+    assert pool.stats()["num_alloc_retries"] == 0
+
+
+def test_without_garbage_collection_the_cache_is_kept(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:100M")
+    a, b = pool.malloc(30 * MiB), pool.malloc(30 * MiB)
+    pool.free(a)
+    pool.free(b)
+    pool.malloc(12 * MiB, stream=1)
+    assert pool.stats()["reserved_bytes.all.current"] == 72 * MiB
+
+
+# --------------------------------------------------------------------------
+# the eviction hook
+
+
+class Holder:
+    """A simple evictor: holds blocks and frees them, oldest first, on request."""
+
+    def __init__(self, pool, frees_per_call=1, answer=None):
+        self.pool = pool
+        self.held = []
+        self.calls = []
+        self.frees_per_call = frees_per_call
+        self.answer = answer
+
+    def __call__(self, nbytes, stream):
+        self.calls.append((nbytes, stream))
+        freed = 0
+        while self.held and freed < self.frees_per_call:
+            self.pool.free(self.held.pop(0))
+            freed += 1
+        return bool(freed) if self.answer is None else self.answer
+
+
+def test_hook_that_frees_enough_makes_the_malloc_succeed(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:64M")
+    hook = Holder(pool)
+    hook.held = [pool.malloc(20 * MiB) for _ in range(3)]
+    pool.set_eviction_hook(hook)
+    a = pool.malloc(30 * MiB, stream=0)
+    # Asked with the rounded size and the stream; retried while it freed something.
+    assert hook.calls == [(30 * MiB, 0), (30 * MiB, 0)]
+    s = pool.stats()
+    assert s["num_eviction_calls"] == 2
+    assert s["num_ooms"] == 0
+    assert s["reserved_bytes.all.current"] <= 64 * MiB
+    assert len(hook.held) == 1
+    pool.free(a)
+
+
+def test_hook_is_not_called_when_the_pool_can_serve(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:64M")
+    hook = Holder(pool)
+    pool.set_eviction_hook(hook)
+    pool.free(pool.malloc(10 * MiB))
+    assert hook.calls == []
+    assert pool.stats()["num_eviction_calls"] == 0
+
+
+def test_hook_returning_false_gives_oom(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:64M")
+    blocker = pool.malloc(50 * MiB)
+    calls = []
+
+    def hook(nbytes, stream):
+        calls.append((nbytes, stream))
+        return False
+
+    pool.set_eviction_hook(hook)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(30 * MiB, stream=4)
+    assert calls == [(30 * MiB, 4)]
+    s = pool.stats()
+    assert s["num_eviction_calls"] == 1
+    assert s["num_ooms"] == 1
+    pool.free(blocker)
+
+
+def test_hook_that_keeps_freeing_too_little_ends_in_oom(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:64M")
+    hook = Holder(pool)
+    hook.held = [pool.malloc(2 * MiB) for _ in range(3)]  # one segment: never whole-free
+    keep = pool.malloc(40 * MiB)
+    pool.set_eviction_hook(hook)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(30 * MiB)
+    assert len(hook.calls) == 4  # three frees, then a call that found nothing
+    assert pool.stats()["num_eviction_calls"] == 4
+    pool.free(keep)
+
+
+def test_hook_raising_propagates_and_leaves_the_pool_consistent(make_pool):
+    pool = make_pool(backend="host", capacity="1G", conf="budget:64M")
+    held = [pool.malloc(20 * MiB) for _ in range(3)]
+    ctypes.memset(held[0], 0x5A, 20 * MiB)
+
+    class Boom(RuntimeError):
+        pass
+
+    def hook(nbytes, stream):
+        pool.free(held.pop())  # it did some work before failing
+        raise Boom("evictor failed")
+
+    pool.set_eviction_hook(hook)
+    before = pool.stats()
+    with pytest.raises(Boom, match="evictor failed"):
+        pool.malloc(30 * MiB)
+    pool.check_invariants()
+    s = pool.stats()
+    assert s["num_ooms"] == before["num_ooms"]  # not an OOM: the hook's error
+    assert s["num_eviction_calls"] == before["num_eviction_calls"] + 1
+    assert s["allocation.all.current"] == 2
+    assert ctypes.string_at(held[0], 20 * MiB) == b"\x5a" * (20 * MiB)
+    pool.set_eviction_hook(None)
+    a = pool.malloc(10 * MiB)  # the pool still works
+    pool.free(a)
+
+
+def test_hook_can_be_removed(make_pool):
+    pool = make_pool(backend="virtual", conf="budget:64M")
+    hook = Holder(pool)
+    hook.held = [pool.malloc(60 * MiB)]
+    pool.set_eviction_hook(hook)
+    pool.set_eviction_hook(None)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(30 * MiB)
+    assert hook.calls == []
+
+
+# --------------------------------------------------------------------------
+# bad frees
+
+
+def _all_but_invalid(stats):
+    return {k: v for k, v in stats.items() if k != "num_invalid_frees"}
+
+
+@pytest.mark.parametrize("kind", ["double", "unknown", "interior", "pending", "record_stream"])
+def test_bad_pointer_is_rejected_counted_and_changes_nothing(make_pool, kind):
+    pool = make_pool()
+    keep = pool.malloc(3000)
+    victim = pool.malloc(3000)
+    ctypes.memset(keep, 0x33, 3000)
+    pool.free(victim)
+    if kind == "pending":
+        victim = pool.malloc(3000)
+        pool.record_stream(victim, 9)
+        pool.free(victim)  # freed, waiting on stream 9
+    snap_before = pool.snapshot()["segments"]
+    before = pool.stats()
+    bad = {"double": victim, "unknown": 0x1000, "interior": keep + 512,
+           "pending": victim, "record_stream": victim}[kind]
+    with pytest.raises(dtralloc.InvalidPointerError) as excinfo:
+        if kind == "record_stream":
+            pool.record_stream(bad, 1)
+        else:
+            pool.free(bad)
+    assert isinstance(excinfo.value, ValueError)
+    assert hex(bad) in str(excinfo.value)
+    after = pool.stats()
+    assert after["num_invalid_frees"] == before["num_invalid_frees"] + 1
+    assert stats_delta(_all_but_invalid(before), _all_but_invalid(after)) == {}
+    assert pool.snapshot()["segments"] == snap_before
+    pool.check_invariants()
+    assert ctypes.string_at(keep, 3000) == b"\x33" * 3000
+    pool.free(keep)
+
+
+def test_owns(make_pool):
+    pool = make_pool()
+    a = pool.malloc(100)
+    assert pool.owns(a)
+    assert not pool.owns(a + 512)
+    pool.free(a)
+    assert not pool.owns(a)
+
+
+# --------------------------------------------------------------------------
+# the Pool object
+
+
+def test_host_memory_is_real_and_writable(make_pool):
+    pool = make_pool(backend="host")
+    assert pool.host_accessible
+    a = pool.malloc(3 * MiB + 5)
+    b = pool.malloc(700)
+    ctypes.memset(a, 0xAB, 3 * MiB + 5)
+    ctypes.memset(b, 0xCD, 700)
+    assert ctypes.string_at(a, 3 * MiB + 5) == b"\xab" * (3 * MiB + 5)
+    assert ctypes.string_at(b, 700) == b"\xcd" * 700
+
+
+def test_pool_properties_and_repr(make_pool):
+    pool = make_pool(backend="virtual", capacity="2G", conf="budget:1G", device=3)
+    assert (pool.backend, pool.device, pool.capacity_bytes, pool.budget_bytes) == ("virtual", 3, 2 << 30, 1 << 30)
+    assert not pool.host_accessible
+    text = repr(pool)
+    assert "virtual" in text and "1 GiB" in text
+
+
+def test_bad_backend_and_capacity_are_value_errors():
+    with pytest.raises(ValueError, match="backend"):
+        dtralloc.Pool(backend="tpu", capacity="1G")
+    with pytest.raises(ValueError, match="capacity"):
+        dtralloc.Pool(backend="host", capacity=0)
