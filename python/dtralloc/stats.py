@@ -16,7 +16,9 @@ def _current_device() -> int:
     try:
         import torch
 
-        if torch.cuda.is_available():
+        # Only ask torch once CUDA is up: torch.cuda.current_device() would
+        # initialize CUDA, after which dtralloc.install() is too late.
+        if torch.cuda.is_initialized():
             return torch.cuda.current_device()
     except ImportError:
         pass
