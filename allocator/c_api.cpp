@@ -24,28 +24,35 @@ void report(const char* where, const std::exception& e) {
 
 dtralloc::Stream to_stream(void* stream) { return reinterpret_cast<dtralloc::Stream>(stream); }
 
+// The one allocation path of both malloc entry points: reports a failure
+// (stderr, dtralloc_last_error) and rethrows it for the caller to translate.
+void* allocate_or_report(ssize_t size, int device, void* stream, const char* where) {
+  if (size <= 0) return nullptr;
+  last_error.clear();
+  try {
+    return dtralloc::global::allocator(device).malloc(static_cast<std::size_t>(size), to_stream(stream));
+  } catch (const std::exception& e) {
+    report(where, e);
+    throw;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 void* dtralloc_malloc(ssize_t size, int device, void* stream) {
-  if (size <= 0) return nullptr;
   try {
-    last_error.clear();
-    return dtralloc::global::allocator(device).malloc(static_cast<std::size_t>(size), to_stream(stream));
-  } catch (const std::exception& e) {
-    report("dtralloc_malloc", e);
-    return nullptr;
+    return allocate_or_report(size, device, stream, "dtralloc_malloc");
+  } catch (const std::exception&) {
+    return nullptr;  // already reported
   }
 }
 
 void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream) {
-  if (size <= 0) return nullptr;
   try {
-    last_error.clear();
-    return dtralloc::global::allocator(device).malloc(static_cast<std::size_t>(size), to_stream(stream));
+    return allocate_or_report(size, device, stream, "dtralloc_malloc_or_throw");
   } catch (const std::exception& e) {
-    report("dtralloc_malloc_or_throw", e);
     // A plain std::runtime_error: the one exception type torch's bindings are
     // sure to translate (to RuntimeError) whatever torch version loaded us.
     throw std::runtime_error(e.what());

@@ -15,9 +15,6 @@ Targets: <= 100 ns per pair single-threaded on the CPU pool; on a GPU within
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -83,20 +80,11 @@ def main() -> int:
 
     from dtralloc.microbench import run_hot_path_bench
 
+    from _report import emit, header
+
     command = "python bench/bench_hot_path.py" + (" --quick" if args.quick else "")
-    header = (
-        f"# dtralloc hot-path benchmark\n\n"
-        f"date: {datetime.date.today().isoformat()}  \n"
-        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
-        f"{platform.python_implementation()} {platform.python_version()}  \n"
-        f"command: `{command}`\n"
-    )
     body = run_hot_path_bench(quick=args.quick) + "\n\n" + gpu_section(args.quick)
-    report = header + "\n```\n" + body + "\n```\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit(header("dtralloc hot-path benchmark", command) + "\n```\n" + body + "\n```\n", args.out)
     return 0
 
 

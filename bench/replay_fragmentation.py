@@ -13,9 +13,6 @@ the GPU and replays it, so replayed and real peaks can be compared.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -95,19 +92,15 @@ def main() -> int:
     args = parser.parse_args()
     command = "python bench/replay_fragmentation.py" + (
         " --traces " + " ".join(args.traces) if args.traces else "")
+    from _report import emit, header
+
     report = (
-        f"# Replay fragmentation of the bundled traces\n\n"
-        f"date: {datetime.date.today().isoformat()}  \n"
-        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores  \n"
-        f"command: `{command}`\n\n"
+        header("Replay fragmentation of the bundled traces", command) + "\n"
         "Columns: peak reserved / peak allocated over the step; mean over ops of "
         "1 - allocated/reserved and of 1 - largest free block / free bytes (external).\n\n"
         "```\n" + replay_table(args.traces) + "\n```\n\n```\n" + gpu_table(args.traces) + "\n```\n"
     )
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit(report, args.out)
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, millions
+from .workload import Workload, causal_lm_loss, millions
 
 
 def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
@@ -26,11 +26,6 @@ def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
     tokens = torch.randint(0, vocab, (batch, seq))
 
-    def loss_fn(model, tokens):
-        # use_cache=False: a training step keeps no KV cache (it would hold a copy
-        # of every layer's keys and values until the step ends).
-        return model(input_ids=tokens, labels=tokens, use_cache=False).loss
-
     params = sum(p.numel() for p in model.parameters())
     return Workload(
         name="llama",
@@ -39,7 +34,7 @@ def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
             f"intermediate {intermediate}, vocab {vocab}, {millions(params)} params, no dropout, "
             f"attn_implementation={attn}) batch {batch} x seq {seq}, causal-LM loss, AdamW (foreach)"
         ),
-        model=model, optimizer=optimizer, batch=(tokens,), loss_fn=loss_fn,
+        model=model, optimizer=optimizer, batch=(tokens,), loss_fn=causal_lm_loss,
     )
 
 

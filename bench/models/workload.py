@@ -40,3 +40,12 @@ class Workload:
 
 def millions(n: int) -> str:
     return f"{n / 1e6:.1f}M"
+
+
+def causal_lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss of a transformers causal LM on its own input.
+
+    use_cache=False: a training step keeps no KV cache (it would hold a copy
+    of every layer's keys and values until the step ends).
+    """
+    return model(input_ids=tokens, labels=tokens, use_cache=False).loss
