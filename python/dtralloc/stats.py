@@ -7,7 +7,6 @@ adds ``budget_bytes`` and ``fragmentation.*`` keys.
 from __future__ import annotations
 
 import collections
-from typing import Optional
 
 from . import _core
 

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import lzma
-import threading
-import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
