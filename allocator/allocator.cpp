@@ -326,6 +326,21 @@ void Allocator::set_eviction_hook(std::shared_ptr<EvictionHook> hook) {
   hook_ = std::move(hook);
 }
 
+void Allocator::set_history_entries(std::size_t entries) {
+  if (entries > kMaxHistoryEntries)
+    throw std::invalid_argument("dtralloc: history entries must be at most " +
+                                std::to_string(kMaxHistoryEntries) + ", got " + std::to_string(entries));
+  std::lock_guard<std::mutex> lock(mutex_);
+  history_.assign(entries, TraceEntry{});
+  history_next_ = 0;
+  history_wrapped_ = false;
+}
+
+std::size_t Allocator::history_entries() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return history_.size();
+}
+
 std::size_t Allocator::reserved_bytes() const {
   return static_cast<std::size_t>(pool_.stats().reserved_bytes[kStatAll].current);
 }

@@ -44,6 +44,33 @@ double bench_pool_pairs(Allocator& pool, const std::vector<std::size_t>& sizes,
   return median_ns_per_pair(pairs_per_thread, threads, repeats, loop);
 }
 
+double bench_pool_churn(Allocator& pool, const std::vector<std::size_t>& sizes,
+                        std::size_t live_copies, std::size_t pairs_per_thread, int threads,
+                        int repeats, bool stream_per_thread) {
+  if (sizes.empty() || live_copies == 0) throw std::invalid_argument("bench: no sizes or copies");
+  auto loop = [&](int t) {
+    Stream stream = stream_per_thread ? static_cast<Stream>(t + 1) : 0;
+    std::vector<std::size_t> slot_size;
+    std::vector<void*> slot;
+    for (std::size_t c = 0; c < live_copies; ++c)
+      for (std::size_t s : sizes) {
+        slot_size.push_back(s);
+        slot.push_back(pool.malloc(s, stream));
+      }
+    const std::size_t n = slot.size();
+    // A fixed stride coprime to n visits the slots in a scrambled order.
+    const std::size_t stride = n > 7 && n % 7 ? 7 : 1;
+    std::size_t i = 0;
+    for (std::size_t k = 0; k < pairs_per_thread; ++k) {
+      i = (i + stride) % n;
+      pool.free(slot[i]);
+      slot[i] = pool.malloc(slot_size[i], stream);
+    }
+    for (void* p : slot) pool.free(p);
+  };
+  return median_ns_per_pair(pairs_per_thread, threads, repeats, loop);
+}
+
 double bench_libc_pairs(const std::vector<std::size_t>& sizes, std::size_t pairs_per_thread,
                         int threads, int repeats) {
   if (sizes.empty()) throw std::invalid_argument("bench: no sizes");

@@ -38,12 +38,12 @@ def run_worker(scenario: str, conf: str | None = None, cudart: str | None = None
 
 
 def test_malloc_free_round_trip_shares_one_pool_with_the_python_api():
-    proc = run_worker("round_trip")
+    proc = run_worker("round_trip", conf="history_entries:4096")  # the worker reads the history
     assert proc.stderr == ""  # nothing went wrong, so nothing was printed
 
 
 def test_absolute_budget_turns_into_null_and_a_clear_oom():
-    proc = run_worker("budget_absolute", conf="budget:64M")
+    proc = run_worker("budget_absolute", conf="budget:64M,history_entries:4096")
     assert "dtralloc: out of memory on device 0: tried to allocate 8 MiB" in proc.stderr
     assert "Budget 64 MiB" in proc.stderr
     assert "raise DTRALLOC_CONF=budget" in proc.stderr

@@ -44,12 +44,14 @@ def test_demo_rejects_a_bad_conf_naming_the_key():
 
 def test_bench_quick_prints_ratios():
     out = run("bench", "--quick").stdout
-    assert "training-step mix" in out and "random mix" in out
-    rows = [line for line in out.splitlines() if line.startswith(("training-step", "random"))]
-    assert len(rows) == 6
+    rows = [line for line in out.splitlines()
+            if line.split()[:2] in (["steady", "training-step"], ["steady", "random"],
+                                     ["pair", "training-step"], ["pair", "random"])]
+    assert len(rows) == 12  # 2 patterns x 2 size mixes x 3 thread counts
+    assert {row.split()[0] for row in rows} == {"steady", "pair"}
     for row in rows:
-        pool_ns, quiet_ns, libc_ns, ratio = (float(v) for v in row.split()[-4:])
-        assert pool_ns > 0 and quiet_ns > 0 and libc_ns > 0
+        pool_ns, history_ns, libc_ns, ratio = (float(v) for v in row.split()[-4:])
+        assert pool_ns > 0 and history_ns > 0 and libc_ns > 0
         assert ratio == pytest.approx(pool_ns / libc_ns, abs=0.006)
 
 

@@ -237,7 +237,7 @@ def test_blocks_never_cross_streams(make_pool):
 
 
 def test_record_stream_defers_reuse_until_the_event_completes(make_pool):
-    pool = make_pool()
+    pool = make_pool(conf="history_entries:1024")
     a = pool.malloc(4096)
     pool.record_stream(a, 7)
     pool.free(a)
@@ -454,7 +454,7 @@ def test_oversize_cached_segment_is_released_for_a_new_one(make_pool):
 
 
 def test_garbage_collection_releases_least_recently_freed_first(make_pool):
-    pool = make_pool(backend="virtual", conf="budget:100M,garbage_collection_threshold:0.6")
+    pool = make_pool(backend="virtual", conf="budget:100M,garbage_collection_threshold:0.6,history_entries:1024")
     old = pool.malloc(30 * MiB)
     new = pool.malloc(30 * MiB)
     pool.free(old)

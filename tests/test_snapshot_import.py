@@ -145,7 +145,7 @@ SIZES = (100, 4000, 300_000, 2 * MiB, 5 * MiB, 12 * MiB + 7)
 
 
 def test_dtralloc_pool_snapshot_imports_and_replays(make_pool, tmp_path):
-    pool = make_pool("host", capacity="1G")
+    pool = make_pool("host", capacity="1G", conf="history_entries:16384")
     live = _drive(pool, random.Random(1), 300, SIZES)
     snap, stats = pool.snapshot(), pool.stats()
     path = tmp_path / "pool.pickle"

@@ -305,7 +305,7 @@ def test_memory_viz_flamegraph_input_covers_every_byte(make_pool, fn):
 
 
 def test_memory_viz_trace_replays_the_history(make_pool):
-    pool = make_pool(backend="virtual", capacity="1G", conf="budget:64M")
+    pool = make_pool(backend="virtual", capacity="1G", conf="budget:64M,history_entries:1024")
     a = pool.malloc(3 * MiB)
     b = pool.malloc(700)
     pool.free(b)
@@ -358,7 +358,7 @@ def test_every_free_completed_follows_a_free_requested(make_pool):
 
 
 def test_trace_records_each_kind_of_event_in_order(make_pool):
-    pool = make_pool(backend="virtual", capacity="1G", conf="budget:64M")
+    pool = make_pool(backend="virtual", capacity="1G", conf="budget:64M,history_entries:1024")
     a = pool.malloc(1000)
     pool.record_stream(a, 1)
     pool.free(a)
@@ -417,7 +417,7 @@ def test_no_history_when_history_entries_is_zero(make_pool):
 
 
 def test_device_index_shapes_the_snapshot(make_pool):
-    pool = make_pool(backend="virtual", device=2)
+    pool = make_pool(backend="virtual", device=2, conf="history_entries:16")
     pool.malloc(100)
     snap = pool.snapshot()
     assert [len(t) for t in snap["device_traces"]] == [0, 0, 2]
@@ -547,3 +547,21 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_history_is_off_by_default_and_record_history_turns_it_on(make_pool):
+    pool = make_pool(backend="virtual", capacity="1G")
+    pool.free(pool.malloc(1000))
+    assert pool.history_entries == 0 and pool.snapshot()["device_traces"] == [[]]
+    pool.record_history(3)
+    a = pool.malloc(2000)
+    pool.free(a)
+    actions = [(e["action"], e["size"]) for e in pool.snapshot()["device_traces"][0]]
+    assert actions == [("alloc", 2000), ("free_requested", 2000), ("free_completed", 2000)]
+    pool.malloc(4000)  # the ring keeps the newest three
+    assert [e["action"] for e in pool.snapshot()["device_traces"][0]] == [
+        "free_requested", "free_completed", "alloc"]
+    pool.record_history(0)
+    assert pool.snapshot()["device_traces"] == [[]]
+    with pytest.raises(ValueError, match="at most"):
+        pool.record_history(1 << 40)

@@ -33,31 +33,43 @@ def random_sizes(n: int = 256, seed: int = 0) -> list[int]:
 
 
 def measure(sizes, threads: int = 1, pairs: int = 200_000, repeats: int = 7, backend: str = "virtual",
-            conf: str = ""):
-    """(dtralloc ns/pair, libc ns/pair) medians for one size mix."""
+            conf: str = "", pattern: str = "pair"):
+    """Median ns per malloc+free pair of the pool for one size mix.
+
+    pattern "pair": malloc then free at once, nothing else live (each pair
+    splits a cached block and merges it back: the pool's worst cache hit).
+    pattern "steady": a working set of 4 blocks of every size stays live and
+    one block at a time is freed and allocated again (exact-size reuse, no
+    split or merge: the steady state of a training loop).
+    """
     pool = Pool(backend=backend, capacity=1 << 40, conf=conf)
-    pool_ns = _core.bench_pool_pairs(pool, sizes, pairs, threads, repeats, True)
-    libc_ns = _core.bench_libc_pairs(sizes, pairs, threads, repeats)
-    return pool_ns, libc_ns
+    if pattern == "pair":
+        return _core.bench_pool_pairs(pool, sizes, pairs, threads, repeats, True)
+    if pattern == "steady":
+        return _core.bench_pool_churn(pool, sizes, 4, pairs, threads, repeats, True)
+    raise ValueError(f"unknown pattern {pattern!r}; use 'pair' or 'steady'")
 
 
 def run_hot_path_bench(quick: bool = False) -> str:
     pairs, repeats = (50_000, 3) if quick else (300_000, 9)
-    rows = []
-    for label, sizes in (("training-step mix", TRAINING_STEP_SIZES), ("random mix", random_sizes())):
-        for threads in (1, 2, 4):
-            pool_ns, libc_ns = measure(sizes, threads, pairs, repeats)
-            quiet_ns, _ = measure(sizes, threads, pairs, repeats, conf="history_entries:0")
-            rows.append((label, threads, pool_ns, quiet_ns, libc_ns))
+    mixes = (("training-step mix", TRAINING_STEP_SIZES), ("random mix", random_sizes()))
     out = [
         "dtralloc hot path: ns per malloc+free pair (cache hit), median of "
         f"{repeats} runs x {pairs} pairs per thread, virtual backend",
-        f"{'size mix':<20}{'threads':>8}{'dtralloc':>11}{'no history':>12}{'libc':>9}{'ratio':>8}",
+        f"{'pattern':<8}{'size mix':<19}{'threads':>8}{'dtralloc':>10}{'+history':>10}{'libc':>9}{'ratio':>8}",
     ]
-    for label, threads, pool_ns, quiet_ns, libc_ns in rows:
-        out.append(f"{label:<20}{threads:>8}{pool_ns:>11.1f}{quiet_ns:>12.1f}{libc_ns:>9.1f}"
-                   f"{pool_ns / libc_ns:>8.2f}")
-    out.append("dtralloc = defaults (event history on); no history = history_entries:0")
-    out.append("ratio = dtralloc / libc malloc+free on the same sizes; "
-               "target: dtralloc <= 100 ns single-threaded")
+    for pattern in ("steady", "pair"):
+        for label, sizes in mixes:
+            for threads in (1, 2, 4):
+                pool_ns = measure(sizes, threads, pairs, repeats, pattern=pattern)
+                history_ns = measure(sizes, threads, pairs, repeats, conf="history_entries:16384",
+                                     pattern=pattern)
+                libc_ns = _core.bench_libc_pairs(sizes, pairs, threads, repeats)
+                out.append(f"{pattern:<8}{label:<19}{threads:>8}{pool_ns:>10.1f}{history_ns:>10.1f}"
+                           f"{libc_ns:>9.1f}{pool_ns / libc_ns:>8.2f}")
+    out.append("steady = working set live, one block freed and reallocated at a time (exact reuse); "
+               "pair = malloc+free with nothing else live (split + merge every time)")
+    out.append("dtralloc = defaults; +history = with the event history on (history_entries:16384); "
+               "ratio = dtralloc / libc malloc+free of the same sizes")
+    out.append("target: dtralloc <= 100 ns single-threaded")
     return "\n".join(out)

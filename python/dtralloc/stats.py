@@ -60,6 +60,16 @@ def reset_accumulated_memory_stats(device=None) -> None:
     _pool(device).reset_accumulated_stats()
 
 
+def record_memory_history(max_entries: int = 16384, device=None) -> None:
+    """Keep the newest `max_entries` alloc/free/segment events of `device` for
+    snapshot()'s ``device_traces`` (0 stops recording), like torch's
+    ``torch.cuda.memory._record_memory_history(max_entries=...)``. Off by
+    default, as in torch: it costs about 15 ns per malloc+free pair. Starting
+    or resizing clears what was recorded. ``history_entries:N`` in
+    DTRALLOC_CONF turns it on from the start."""
+    _pool(device).record_history(int(max_entries))
+
+
 def empty_cache() -> None:
     """Release every cached, entirely free segment on every device."""
     for device in range(64):

@@ -33,11 +33,17 @@ using namespace dtralloc;
 
 constexpr std::size_t kGiB = 1024 * kMiB;
 
+// The history is off by default (as in torch); these tests read it, so they
+// turn it on unless the conf says otherwise.
+Config with_history(const std::string& conf) {
+  if (conf.find("history_entries") != std::string::npos) return parse_config(conf);
+  return parse_config(conf.empty() ? "history_entries:4096" : "history_entries:4096," + conf);
+}
 std::unique_ptr<Allocator> make_virtual(const std::string& conf, std::size_t capacity = kGiB) {
-  return std::make_unique<Allocator>(make_virtual_backend(capacity), parse_config(conf));
+  return std::make_unique<Allocator>(make_virtual_backend(capacity), with_history(conf));
 }
 std::unique_ptr<Allocator> make_host(const std::string& conf, std::size_t capacity) {
-  return std::make_unique<Allocator>(make_host_backend(capacity), parse_config(conf));
+  return std::make_unique<Allocator>(make_host_backend(capacity), with_history(conf));
 }
 
 std::uintptr_t addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
