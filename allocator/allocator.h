@@ -140,6 +140,17 @@ class Allocator {
   void set_memory_fraction(double fraction);
 
   void set_eviction_hook(std::shared_ptr<EvictionHook> hook);
+  // Resizes the event history ring (0 turns it off) and clears it, like
+  // torch.cuda.memory._record_memory_history(max_entries=...).
+  void set_history_entries(std::size_t entries);
+  std::size_t history_entries();
+  // Read-only look at the blocks under the lock (the Evictor walks address
+  // neighbours). `fn` must not call back into this allocator.
+  template <typename Fn>
+  void inspect_pool(Fn&& fn) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fn(static_cast<const BlockPool&>(pool_));
+  }
 
   StatsReport stats_report();
   Snapshot snapshot();

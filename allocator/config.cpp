@@ -10,8 +10,6 @@
 namespace dtralloc {
 namespace {
 
-constexpr std::size_t kMaxHistoryEntries = std::size_t{1} << 24;
-
 std::string trim(const std::string& s) {
   std::size_t b = 0, e = s.size();
   while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
@@ -119,12 +117,45 @@ struct CountKind {
   static std::string format(std::size_t v) { return std::to_string(v); }
 };
 
+struct PolicyKind {
+  static constexpr const char* accepts = "one of: " DTRALLOC_EVICTION_POLICIES;
+  static std::string parse(const std::string& key, const std::string& text) {
+    const std::string v = lower(trim(text));
+    const std::string known = std::string(", ") + DTRALLOC_EVICTION_POLICIES + ",";
+    if (v.empty() || v.find(',') != std::string::npos || known.find(" " + v + ",") == std::string::npos)
+      bad_value(key, text, accepts);
+    return v;
+  }
+  static std::string format(const std::string& v) { return v; }
+};
+
+struct RealKind {
+  static constexpr const char* accepts = "a number >= 1";
+  static double parse(const std::string& key, const std::string& text) {
+    double v = 0;
+    if (!parse_number(text, &v) || v < 1) bad_value(key, text, accepts);
+    return v;
+  }
+  static std::string format(double v) { return format_double(v); }
+};
+
+struct SizeKind {
+  static constexpr const char* accepts = "a size such as 0, 512, 64K, 1M";
+  static std::size_t parse(const std::string& key, const std::string& text) {
+    return parse_size(key, text, 1);
+  }
+  static std::string format(std::size_t v) { return format_bytes(v); }
+};
+
 template <typename Option> struct KindOf;
 template <> struct KindOf<BudgetOption> { using type = BudgetKind; };
 template <> struct KindOf<SizeMbOption> { using type = SizeMbKind; };
 template <> struct KindOf<DivisionsOption> { using type = DivisionsKind; };
 template <> struct KindOf<FractionOption> { using type = FractionKind; };
 template <> struct KindOf<CountOption> { using type = CountKind; };
+template <> struct KindOf<PolicyOption> { using type = PolicyKind; };
+template <> struct KindOf<RealOption> { using type = RealKind; };
+template <> struct KindOf<SizeOption> { using type = SizeKind; };
 
 // PYTORCH_CUDA_ALLOC_CONF keys we deliberately do not implement: say so
 // instead of "unknown key", so a copied torch setting gets a precise answer.

@@ -22,6 +22,8 @@ namespace dtralloc {
 
 constexpr std::size_t kMiB = 1024 * 1024;
 constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+// The history ring is allocated up front (48 bytes an entry): at most 768 MiB.
+constexpr std::size_t kMaxHistoryEntries = std::size_t{1} << 24;
 
 class ConfigError : public std::invalid_argument {
  public:
@@ -43,6 +45,13 @@ struct SizeMbOption { using value_type = std::size_t; };    // stored in bytes
 struct DivisionsOption { using value_type = std::size_t; }; // 0, 1 or power of 2
 struct FractionOption { using value_type = double; };       // [0, 1)
 struct CountOption { using value_type = std::size_t; };
+struct PolicyOption { using value_type = std::string; };    // kEvictionPolicies
+struct RealOption { using value_type = double; };           // a number >= 1
+struct SizeOption { using value_type = std::size_t; };      // bytes
+
+// Eviction policies the Evictor implements (evictor.h); "none" = no eviction.
+#define DTRALLOC_EVICTION_POLICIES \
+  "none, lru, size, msps, dtr, dtr_eq, dtr_local, dte, coop, dtralloc"
 
 // X(name, kind, default, doc). The doc is one line; it is what users read.
 #define DTRALLOC_OPTIONS(X)                                                    \
@@ -61,9 +70,25 @@ struct CountOption { using value_type = std::size_t; };
   X(garbage_collection_threshold, FractionOption, 0.0,                         \
     "when reserved passes this fraction of the budget, release the least "     \
     "recently used cached segments before growing (0 = off)")                  \
-  X(history_entries, CountOption, 16384,                                       \
+  X(history_entries, CountOption, 0,                                           \
     "size of the alloc/free event ring buffer kept for snapshot() "            \
-    "device_traces (0 = no history)")
+    "device_traces; 0 = off, as in torch (costs ~15 ns a malloc+free pair). "  \
+    "dtralloc.record_memory_history() changes it at run time")                \
+  X(policy, PolicyOption, "none",                                              \
+    "eviction policy under the budget (replay and live DTR): none, lru, "     \
+    "size, msps, dtr, dtr_eq, dtr_local, dte, coop, dtralloc")                 \
+  X(recompute_penalty, RealOption, 2.0,                                        \
+    "dtralloc policy: a tensor's cost is multiplied by this per recompute it " \
+    "already had; 2 makes a tensor evicted twice 4x dearer, ending thrash")    \
+  X(small_tensor_cutoff, SizeOption, 64 * 1024,                                \
+    "dtralloc policy: tensors smaller than this are never evicted on their "   \
+    "own (freeing them rarely makes room; they only join windows)")            \
+  X(eviction_sample_threshold, CountOption, 1024,                              \
+    "dtralloc policy: with more candidate windows than this, score only "      \
+    "sqrt(N) of them (fixed-seed sample) to bound the search time")            \
+  X(eviction_seed, CountOption, 1,                                             \
+    "seed of the eviction sampler; the same trace, budget and seed always "   \
+    "evict the same tensors")
 
 struct Config {
 #define DTRALLOC_DECLARE_FIELD(name, kind, def, doc) \

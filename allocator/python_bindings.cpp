@@ -14,6 +14,7 @@
 #include "config.h"
 #include "global.h"
 #include "microbench.h"
+#include "replay_driver.h"
 
 namespace py = pybind11;
 using namespace dtralloc;
@@ -139,6 +140,42 @@ std::unique_ptr<Backend> make_backend(const std::string& name, std::size_t capac
                               "'; use one of 'cuda', 'host', 'virtual'");
 }
 
+// ---- remat replay (replay with eviction) ---------------------------------
+// The trace arrives as its columns (python/dtralloc/replay.py builds them);
+// the result is a plain dict that replay.py turns into a ReplayResult.
+py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::string& policy,
+                      const std::string& conf, bool check_invariants) {
+  ReplayOptions options;
+  options.config = parse_config(conf);
+  options.policy = parse_policy(policy);
+  options.budget_bytes = budget_bytes;
+  options.check_invariants = check_invariants;
+  ReplayOutcome r;
+  {
+    py::gil_scoped_release release;
+    r = run_replay(trace, options);
+  }
+  py::dict d;
+  d["feasible"] = r.feasible;
+  d["oom_op"] = r.oom_op;
+  d["message"] = r.message;
+  d["peak_reserved_bytes"] = r.peak_reserved_bytes;
+  d["peak_allocated_bytes"] = r.peak_allocated_bytes;
+  d["invariant_checks"] = r.invariant_checks;
+  d["base_cost"] = r.engine.base_cost;
+  d["remat_cost"] = r.engine.remat_cost;
+  d["evictions"] = r.engine.evictions;
+  d["remats"] = r.engine.remats;
+  d["random_replays"] = r.engine.random_replays;
+  d["fake_deletions"] = r.engine.fake_deletions;
+  d["eviction_calls"] = r.evictor.calls;
+  d["window_evictions"] = r.evictor.windows;
+  d["search_ns"] = r.evictor.search_ns;
+  d["free_fraction"] = r.evictor.free_fraction;
+  return d;
+}
+// ---- end remat replay ------------------------------------------------------
+
 std::uintptr_t to_addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 void* to_ptr(std::uintptr_t a) { return reinterpret_cast<void*>(a); }
 
@@ -198,6 +235,9 @@ PYBIND11_MODULE(_core, m) {
            }, "(allocated, reserved, largest free block, free cached bytes, segments): "
               "the few numbers a replay samples after every op, without building stats()")
       .def("snapshot", [](Allocator& a) { return snapshot_dict(a.snapshot(), a.device()); })
+      .def("record_history", &Allocator::set_history_entries, py::arg("entries"),
+           "Resize (and clear) the event history ring; 0 turns it off.")
+      .def_property_readonly("history_entries", &Allocator::history_entries)
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
       .def("reset_accumulated_stats", &Allocator::reset_accumulated_stats)
       .def("check_invariants", &Allocator::check_invariants)
@@ -236,9 +276,39 @@ PYBIND11_MODULE(_core, m) {
   m.def("bench_pool_pairs", &bench_pool_pairs, py::arg("pool"), py::arg("sizes"), py::arg("pairs_per_thread"),
         py::arg("threads"), py::arg("repeats"), py::arg("stream_per_thread"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("bench_pool_churn", &bench_pool_churn, py::arg("pool"), py::arg("sizes"), py::arg("live_copies"),
+        py::arg("pairs_per_thread"), py::arg("threads"), py::arg("repeats"), py::arg("stream_per_thread"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("bench_libc_pairs", &bench_libc_pairs, py::arg("sizes"), py::arg("pairs_per_thread"),
         py::arg("threads"), py::arg("repeats"),
         py::call_guard<py::gil_scoped_release>());
+  // ---- remat replay (replay with eviction) -------------------------------
+  m.def("remat_replay",
+        [](std::vector<std::size_t> nbytes, std::vector<int> initial, std::vector<int> frees_before,
+           std::vector<int> inputs_offsets, std::vector<int> inputs, std::vector<int> created_offsets,
+           std::vector<int> created, std::vector<int> mutated_offsets, std::vector<int> mutated,
+           std::vector<int> frees_offsets, std::vector<int> frees, std::vector<double> cost,
+           std::vector<int> random, std::size_t budget_bytes, const std::string& policy,
+           const std::string& conf, bool check_invariants) {
+          ReplayTrace t;
+          t.nbytes = std::move(nbytes);
+          t.initial.assign(initial.begin(), initial.end());
+          t.frees_before = std::move(frees_before);
+          t.inputs_offsets = std::move(inputs_offsets);
+          t.inputs = std::move(inputs);
+          t.created_offsets = std::move(created_offsets);
+          t.created = std::move(created);
+          t.mutated_offsets = std::move(mutated_offsets);
+          t.mutated = std::move(mutated);
+          t.frees_offsets = std::move(frees_offsets);
+          t.frees = std::move(frees);
+          t.cost = std::move(cost);
+          t.random.assign(random.begin(), random.end());
+          return remat_replay(std::move(t), budget_bytes, policy, conf, check_invariants);
+        },
+        "Replay a trace (as columns) with eviction and rematerialization under a budget "
+        "(0 = none); returns a dict of results.");
+  // ---- end remat replay ---------------------------------------------------
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_path", &cuda_runtime_path);
 }

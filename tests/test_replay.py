@@ -191,8 +191,8 @@ def test_invalid_budgets_raise(budget, error, match):
 
 
 def test_unknown_policy_lists_the_policies():
-    with pytest.raises(ValueError, match="unknown policy 'dtr'.*available: none") as info:
-        dtralloc.replay(_exact_trace(), policy="dtr")
+    with pytest.raises(ValueError, match="unknown policy 'belady'.*available: none") as info:
+        dtralloc.replay(_exact_trace(), policy="belady")
     assert all(p in str(info.value) for p in POLICIES)
 
 

@@ -17,12 +17,13 @@ from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
 from .pool import Pool
-from .replay import ReplayResult, replay
+from .replay import ReplayResult, min_feasible_budget, replay
 from . import trace
 from .stats import (
     empty_cache,
     memory_stats,
     memory_summary,
+    record_memory_history,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
     snapshot,
@@ -47,7 +48,9 @@ __all__ = [
     "library_path",
     "memory_stats",
     "memory_summary",
+    "record_memory_history",
     "replay",
+    "min_feasible_budget",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "snapshot",

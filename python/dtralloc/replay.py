@@ -17,7 +17,7 @@ from .config import ConfLike, conf_text
 from .pool import Pool
 from .trace import Trace
 
-POLICIES = ("none",)
+POLICIES = ("none", "lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
 
 # Capacity of the simulated device when the budget does not bound it: large
 # enough for any trace we record, so only the budget limits the pool.
@@ -43,6 +43,15 @@ class ReplayResult:
     conf: str = ""
     policy: str = "none"
     name: str = ""
+    # With an eviction policy (zero for "none"):
+    compute_overhead: float = 0.0      # recompute cost / cost of running every op once
+    evictions: int = 0
+    remats: int = 0
+    fragmentation: float = 0.0         # mean (budget - allocated) / budget at forced evictions
+    search_ns: float = 0.0             # median time to choose victims
+    eviction_calls: int = 0
+    fake_deletions: int = 0
+    random_replays: int = 0            # recomputes of random ops (saved RNG state)
 
     @property
     def reserved_over_allocated(self) -> float:
@@ -106,6 +115,14 @@ def replay(
     settings = {o["name"]: o["value"] for o in _core.describe_config(text)}  # validates too
     if settings["budget"] != "none":
         raise ValueError("dtralloc.replay: pass the budget as replay(budget=...), not inside conf")
+    if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
+        policy = settings["policy"]
+    if policy != "none":
+        baseline = _run(trace, None, text, False, None)
+        budget_bytes = None if budget is None else _resolve_budget(budget, baseline.peak_reserved_bytes)
+        result = _run_remat(trace, budget_bytes, policy, text, check_invariants)
+        result.baseline_peak_bytes = baseline.peak_reserved_bytes
+        return result
 
     if budget is None:  # the replay is its own baseline
         return _run(trace, None, text, check_invariants, progress)
@@ -199,6 +216,81 @@ def _run(trace: Trace, budget_bytes, conf: str, check: bool, progress) -> Replay
     if check:
         pool.check_invariants()
     return result
+
+
+def _columns(trace: Trace) -> tuple:
+    """The trace as the columns _core.remat_replay takes (CSR lists)."""
+    def csr(lists):
+        offsets, values = [0], []
+        for item in lists:
+            values.extend(item)
+            offsets.append(len(values))
+        return offsets, values
+
+    ops = trace.ops
+    return (
+        [s.nbytes for s in trace.storages],
+        [int(s.initial) for s in trace.storages],
+        list(trace.frees_before),
+        *csr([o.inputs for o in ops]),
+        *csr([o.created for o in ops]),
+        *csr([o.mutated for o in ops]),
+        *csr([o.frees for o in ops]),
+        # Measured duration when the trace has one, else the FLOP estimate.
+        [float(o.duration_ns if o.duration_ns > 0 else max(o.flops, 1)) for o in ops],
+        [int(o.random) for o in ops],
+    )
+
+
+def _run_remat(trace: Trace, budget_bytes, policy: str, conf: str, check: bool) -> ReplayResult:
+    r = _core.remat_replay(*_columns(trace), budget_bytes or 0, policy, conf, check)
+    oom_op = None if r["feasible"] else r["oom_op"]
+    result = ReplayResult(
+        r["feasible"], budget_bytes, r["peak_allocated_bytes"], r["peak_reserved_bytes"],
+        r["peak_reserved_bytes"], 0, 0, 0, 0, oom_op=oom_op, oom_message=r["message"],
+        conf=conf, policy=policy, name=str(trace.meta.get("name", "")))
+    result.compute_overhead = r["remat_cost"] / r["base_cost"] if r["base_cost"] else 0.0
+    result.evictions = r["evictions"]
+    result.remats = r["remats"]
+    fractions = r["free_fraction"]
+    result.fragmentation = sum(fractions) / len(fractions) if fractions else 0.0
+    ns = sorted(r["search_ns"])
+    result.search_ns = float(ns[len(ns) // 2]) if ns else 0.0
+    result.eviction_calls = r["eviction_calls"]
+    result.fake_deletions = r["fake_deletions"]
+    result.random_replays = r["random_replays"]
+    return result
+
+
+def min_feasible_budget(
+    trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01
+) -> Optional[float]:
+    """Smallest budget fraction (of the no-eviction peak reserved) at which
+    `policy` completes the trace, by bisection to `tolerance`; None if even
+    1.0 fails. Feasibility is assumed monotone in the budget (it nearly is;
+    bisection reports a point on the boundary it finds)."""
+    if isinstance(trace, str):
+        from .trace import load
+
+        trace = load(trace)
+    if policy == "none":
+        raise ValueError("dtralloc.min_feasible_budget: needs an eviction policy, not 'none'")
+    text = conf_text(conf if conf is not None else "")
+    baseline = _run(trace, None, text, False, None).peak_reserved_bytes
+
+    def feasible(fraction: float) -> bool:
+        return _run_remat(trace, max(1, int(fraction * baseline)), policy, text, False).feasible
+
+    if not feasible(1.0):
+        return None
+    lo, hi = 0.0, 1.0
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def format_results(results: list[ReplayResult]) -> str:

@@ -1,0 +1,95 @@
+// Evictor: the pool's last resort under the budget (Allocator step 5). It
+// knows candidates and scores; it asks the pool about address neighbours
+// (Allocator::inspect_pool) and the engine about costs and states.
+//
+// Policies (DTRALLOC_CONF policy:..., or replay(policy=...)); every score is
+// "lower = evict first":
+//   lru        least recently used (staleness only)
+//   size       largest first
+//   msps       Capuchin: recompute time of the chain / bytes saved
+//   dtr        h_DTR = e*(t) / (size * staleness), e* walking the evicted
+//              neighbourhood exactly
+//   dtr_eq     the same with e* from union-find classes (h_DTR-eq)
+//   dtr_local  cost(t) / (size * staleness): no neighbourhood
+//   dte        MegEngine's eval_func: e* / ((size + free_left + free_right)
+//              * staleness), free_* the free blocks beside t in the pool
+//   coop       Coop: the run of address-adjacent free + evictable blocks
+//              that reaches the request with the least total op cost
+//   dtralloc   ours: the run of address-adjacent blocks with the least
+//              sum(e* * penalty^recomputes / staleness) per byte it frees
+//              (DESIGN.md 4, generalized from one tensor to a run), free
+//              blocks on either side counted; tensors below
+//              small_tensor_cutoff only join runs; with more than
+//              eviction_sample_threshold window starts, sqrt(N) of them are
+//              scored (fixed-seed sampler)
+// Single-tensor policies evict one tensor per call; the Allocator retries
+// and calls again while room is missing. Window policies evict one run, which
+// frees a contiguous range the request fits; when no run can fit (a request
+// larger than every segment) they free the cheapest segment made only of free
+// and evictable blocks, then fall back to their single-tensor score.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "allocator.h"
+#include "config.h"
+#include "remat_engine.h"
+
+namespace dtralloc {
+
+enum class Policy { kNone, kLru, kSize, kMsps, kDtr, kDtrEq, kDtrLocal, kDte, kCoop, kDtralloc };
+// Throws ConfigError for an unknown name.
+Policy parse_policy(const std::string& name);
+
+struct EvictorStats {
+  std::size_t calls = 0;                 // make_room calls (forced evictions)
+  std::size_t windows = 0;               // calls served by a window
+  std::size_t segment_fallbacks = 0;
+  std::size_t single_fallbacks = 0;
+  std::vector<std::int64_t> search_ns;   // time to choose victims, per call
+  std::vector<double> free_fraction;     // (budget - allocated) / budget, per call
+};
+
+class Evictor : public EvictionHook {
+ public:
+  Evictor(Allocator& allocator, RematEngine& engine, Policy policy, const Config& config);
+  bool make_room(std::size_t bytes, Stream stream) override;
+  // The victims the policy picks now for `bytes` (rounded), evicting nothing.
+  std::vector<int> choose(std::size_t bytes, Stream stream);
+  const EvictorStats& stats() const { return stats_; }
+
+ private:
+  struct Item {             // one block of the address walk
+    std::uintptr_t addr;
+    std::size_t size;
+    int value;              // resident value; kFree or kBlocked otherwise
+    int segment;            // index of its segment in the walk
+  };
+  static constexpr int kFree = -1;
+  static constexpr int kBlocked = -2;
+
+  void walk(Stream stream, bool only_pool, PoolKind pool);
+  double single_score(int v, std::size_t free_around);
+  double window_weight(int v);
+  std::vector<int> choose_single(bool use_cutoff);
+  std::vector<int> choose_window(std::size_t bytes);
+  std::vector<int> choose_segment();
+  std::size_t free_beside(std::size_t i) const;
+  std::uint64_t next_random();
+
+  Allocator& allocator_;
+  RematEngine& engine_;
+  const Policy policy_;
+  const double penalty_;
+  const std::size_t cutoff_bytes_;
+  const std::size_t sample_threshold_;
+  std::uint64_t rng_;
+  std::vector<Item> items_;                 // reused between calls
+  std::vector<std::size_t> free_around_;    // per value while scoring (dte)
+  EvictorStats stats_;
+};
+
+}  // namespace dtralloc

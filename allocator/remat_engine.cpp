@@ -1,0 +1,428 @@
+// RematEngine: states, recipes, recompute, fake deletion (remat_engine.h).
+#include "remat_engine.h"
+
+#include <algorithm>
+#include <string>
+
+namespace dtralloc {
+namespace {
+
+// Recursion guard: a recompute chain deeper than this is a bug (a cycle).
+constexpr int kMaxRematDepth = 1 << 20;
+
+[[noreturn]] void broken(int v, const std::string& what) {
+  throw std::logic_error("remat engine invariant broken at value " + std::to_string(v) + ": " + what);
+}
+
+}  // namespace
+
+int RematEngine::new_value(std::size_t nbytes, int producer, double cost) {
+  const int id = static_cast<int>(values_.size());
+  values_.emplace_back();
+  Value& v = values_.back();
+  v.nbytes = nbytes;
+  v.producer = producer;
+  v.cost = cost;
+  v.last_access = clock_;
+  uf_parent_.push_back(id);
+  uf_cost_.push_back(0);
+  return id;
+}
+
+void RematEngine::take_block(int v, std::uintptr_t addr) {
+  Value& x = values_[v];
+  x.state = ValueState::kResident;
+  x.addr = addr;
+  if (addr) by_addr_[addr] = v;
+  x.resident_pos = static_cast<int>(resident_.size());
+  resident_.push_back(v);
+}
+
+std::uintptr_t RematEngine::drop_block(int v) {
+  Value& x = values_[v];
+  const std::uintptr_t addr = x.addr;
+  if (addr) by_addr_.erase(addr);
+  const int pos = x.resident_pos;
+  const int last = resident_.back();
+  resident_[pos] = last;
+  values_[last].resident_pos = pos;
+  resident_.pop_back();
+  x.resident_pos = -1;
+  x.addr = 0;
+  return addr;
+}
+
+int RematEngine::add_initial(std::size_t nbytes) {
+  const int v = new_value(nbytes, -1, 0);
+  values_[v].pinned = true;
+  take_block(v, nbytes ? memory_.allocate(nbytes) : 0);
+  return v;
+}
+
+int RematEngine::begin_op(double cost, bool random) {
+  OpRecord op;
+  op.cost = cost;
+  op.random = random;
+  if (random) {  // a stand-in for the generator's state at first run
+    rng_counter_ = rng_counter_ * 6364136223846793005ull + 1442695040888963407ull;
+    op.rng_state = rng_counter_;
+  }
+  ops_.push_back(std::move(op));
+  counters_.base_cost += cost;
+  return static_cast<int>(ops_.size()) - 1;
+}
+
+void RematEngine::use_input(int op, int v) {
+  if (values_[v].state == ValueState::kReleased) broken(v, "an op reads a released value");
+  if (values_[v].state != ValueState::kResident)
+    rematerialize(v, 0);  // returns it locked
+  else
+    lock(v);
+  values_[v].last_access = clock_;
+  ops_[op].inputs.push_back(v);
+  ops_[op].locked.push_back(v);
+}
+
+int RematEngine::create_output(int op, std::size_t nbytes, const std::vector<int>& not_read) {
+  const int v = new_value(nbytes, op, ops_[op].cost);
+  for (int r : ops_[op].inputs) {
+    if (std::find(not_read.begin(), not_read.end(), r) != not_read.end()) continue;
+    if (std::find(values_[v].recipe.begin(), values_[v].recipe.end(), r) != values_[v].recipe.end()) continue;
+    values_[v].recipe.push_back(r);
+    values_[r].dependents.push_back(v);
+    ++values_[r].needed_by;
+  }
+  lock(v);
+  ops_[op].locked.push_back(v);
+  // Not resident yet, so the evictor cannot pick it while making room.
+  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes) : 0;
+  take_block(v, addr);
+  values_[v].last_access = clock_;
+  return v;
+}
+
+void RematEngine::prepare_write(int v) {
+  if (!values_[v].pinned) return;  // the old version stays recomputable
+  // Overwriting a value nobody can recompute: whatever depends on it must be
+  // brought back now and becomes pinned. Ids ascend in creation order, which
+  // is a topological order of the recipes.
+  std::vector<int> todo{v}, seen;
+  std::vector<char> mark(values_.size(), 0);
+  while (!todo.empty()) {
+    const int x = todo.back();
+    todo.pop_back();
+    for (int d : values_[x].dependents) {
+      if (mark[d] || values_[d].state == ValueState::kReleased || values_[d].pinned) continue;
+      mark[d] = 1;
+      seen.push_back(d);
+      todo.push_back(d);
+    }
+  }
+  std::sort(seen.begin(), seen.end());
+  std::vector<int> locked;
+  for (int d : seen) {
+    if (!values_[d].alive) continue;
+    if (values_[d].state != ValueState::kResident)
+      rematerialize(d, 0);
+    else
+      lock(d);
+    locked.push_back(d);
+  }
+  pin_descendants(v);
+  for (int d : locked) unlock(d);
+}
+
+void RematEngine::pin_descendants(int v) {
+  std::vector<int> todo{v};
+  while (!todo.empty()) {
+    const int x = todo.back();
+    todo.pop_back();
+    for (int d : values_[x].dependents) {
+      Value& y = values_[d];
+      if (y.pinned || y.state == ValueState::kReleased) continue;
+      y.pinned = true;
+      // A pinned value is never recomputed: its recipe is no longer needed.
+      for (int r : y.recipe) {
+        --values_[r].needed_by;
+        if (r != v) maybe_release(r);
+      }
+      if (y.state != ValueState::kResident) {
+        if (y.alive) broken(d, "pinned while evicted (prepare_write was skipped)");
+        y.state = ValueState::kReleased;  // dead, memoryless, needed by no one now
+        ++counters_.releases;
+      }
+      todo.push_back(d);
+    }
+  }
+}
+
+int RematEngine::write_in_place(int op, int v) {
+  if (values_[v].state != ValueState::kResident || values_[v].locks == 0)
+    broken(v, "an in-place write needs the value resident and locked (use_input first)");
+  const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
+  for (int r : ops_[op].inputs) {
+    if (std::find(values_[n].recipe.begin(), values_[n].recipe.end(), r) != values_[n].recipe.end()) continue;
+    values_[n].recipe.push_back(r);
+    values_[r].dependents.push_back(n);
+    ++values_[r].needed_by;
+  }
+  // The block stays where it is; it now holds the new version.
+  const std::uintptr_t addr = drop_block(v);
+  take_block(n, addr);
+  lock(n);
+  ops_[op].locked.push_back(n);
+  values_[n].last_access = clock_;
+  Value& old = values_[v];
+  old.alive = false;
+  if (old.pinned) {
+    pin_descendants(v);  // n included: its recipe reads a value gone for good
+    old.state = ValueState::kReleased;
+    ++counters_.releases;
+  } else {
+    old.state = ValueState::kDeadNeeded;  // the recomputable old version
+    lose_memory(v);
+  }
+  return n;
+}
+
+void RematEngine::end_op(int op) {
+  std::vector<int> locked;
+  locked.swap(ops_[op].locked);
+  for (int v : locked) unlock(v);
+}
+
+// A dead value brought back for a recompute stays resident afterwards, an
+// ordinary eviction candidate (as in DTR): dropping it at once would make
+// every later recompute that reads it pay for it again.
+void RematEngine::unlock(int v) {
+  Value& x = values_[v];
+  if (x.locks <= 0) broken(v, "unlocked more often than locked");
+  if (--x.locks == 0 && !x.alive && x.needed_by <= 0) release(v);
+}
+
+void RematEngine::kill(int v) {
+  values_[v].alive = false;
+  maybe_release(v);
+}
+
+// Settles a value nobody references: released if no recipe needs it, else
+// memory dropped and recipe kept (fake deletion); pinned ones keep memory.
+void RematEngine::maybe_release(int v) {
+  Value& x = values_[v];
+  if (x.alive || x.locks > 0 || x.state == ValueState::kReleased) return;
+  if (x.needed_by <= 0) {
+    release(v);
+    return;
+  }
+  if (x.pinned) return;  // needed, not recomputable: must keep its bytes
+  if (x.state == ValueState::kResident) {
+    const std::uintptr_t addr = drop_block(v);
+    x.state = ValueState::kDeadNeeded;
+    ++counters_.fake_deletions;
+    lose_memory(v);
+    if (addr) memory_.release(addr);
+  } else {
+    x.state = ValueState::kDeadNeeded;
+  }
+}
+
+void RematEngine::release(int first) {
+  std::vector<int> todo{first};
+  while (!todo.empty()) {
+    const int v = todo.back();
+    todo.pop_back();
+    Value& x = values_[v];
+    if (x.state == ValueState::kReleased || x.alive || x.locks > 0 || x.needed_by > 0) continue;
+    std::uintptr_t addr = 0;
+    if (x.state == ValueState::kResident) addr = drop_block(v);
+    x.state = ValueState::kReleased;
+    ++counters_.releases;
+    if (!x.pinned)
+      for (int r : x.recipe)
+        if (--values_[r].needed_by == 0) todo.push_back(r);
+    if (addr) memory_.release(addr);
+  }
+}
+
+void RematEngine::rematerialize(int v, int depth) {
+  if (depth > kMaxRematDepth) broken(v, "recompute chain too deep (a cycle?)");
+  if (values_[v].pinned || values_[v].producer < 0) broken(v, "asked to recompute a pinned value");
+  const std::vector<int> recipe = values_[v].recipe;  // copy: values_ may not grow, but be safe
+  for (int r : recipe) {
+    if (values_[r].state == ValueState::kResident)
+      lock(r);
+    else
+      rematerialize(r, depth + 1);
+  }
+  lock(v);
+  const OpRecord& op = ops_[values_[v].producer];
+  const std::size_t nbytes = values_[v].nbytes;
+  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes) : 0;  // may evict others
+  take_block(v, addr);
+  Value& x = values_[v];
+  ++x.recomputes;
+  x.last_access = clock_;
+  ++counters_.remats;
+  counters_.remat_cost += op.cost;
+  if (op.random) ++counters_.random_replays;  // rerun with op.rng_state: bit-exact
+  // Union-find cannot split: the class just forgets this member's cost.
+  const int root = find(v);
+  uf_cost_[root] = std::max(0.0, uf_cost_[root] - x.cost);
+  for (int r : recipe) unlock(r);
+}
+
+bool RematEngine::evictable(int v) const {
+  const Value& x = values_[v];
+  return x.state == ValueState::kResident && !x.pinned && x.locks == 0 && x.nbytes > 0 &&
+         x.producer >= 0;
+}
+
+bool RematEngine::evict(int v) {
+  if (!evictable(v)) {
+    if (values_[v].locks > 0) ++counters_.refused_locked;
+    return false;
+  }
+  const std::uintptr_t addr = drop_block(v);
+  Value& x = values_[v];
+  x.state = x.alive ? ValueState::kEvicted : ValueState::kDeadNeeded;
+  ++counters_.evictions;
+  lose_memory(v);
+  memory_.release(addr);
+  return true;
+}
+
+void RematEngine::lose_memory(int v) {
+  uf_parent_[v] = v;
+  uf_cost_[v] = values_[v].cost;
+  auto join = [&](int n) {
+    const ValueState s = values_[n].state;
+    if (s == ValueState::kEvicted || s == ValueState::kDeadNeeded) unite(v, n);
+  };
+  for (int r : values_[v].recipe) join(r);
+  for (int d : values_[v].dependents) join(d);
+}
+
+int RematEngine::find(int v) {
+  while (uf_parent_[v] != v) {
+    uf_parent_[v] = uf_parent_[uf_parent_[v]];
+    v = uf_parent_[v];
+  }
+  return v;
+}
+
+void RematEngine::unite(int a, int b) {
+  a = find(a);
+  b = find(b);
+  if (a == b) return;
+  uf_parent_[b] = a;
+  uf_cost_[a] += uf_cost_[b];
+}
+
+double RematEngine::estar_eq(int v) {
+  double total = values_[v].cost;
+  int roots[64];
+  int nroots = 0;
+  auto add = [&](int n) {
+    const ValueState s = values_[n].state;
+    if (s != ValueState::kEvicted && s != ValueState::kDeadNeeded) return;
+    const int r = find(n);
+    for (int i = 0; i < nroots; ++i)
+      if (roots[i] == r) return;
+    if (nroots < 64) roots[nroots++] = r;
+    total += uf_cost_[r];
+  };
+  for (int r : values_[v].recipe) add(r);
+  for (int d : values_[v].dependents) add(d);
+  return total;
+}
+
+// Both walks mark visited values with a fresh epoch: no clearing, no search.
+double RematEngine::estar_exact(int v, int cap) {
+  if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
+  const std::uint32_t epoch = ++epoch_;
+  double total = values_[v].cost;
+  walk_.assign(1, v);
+  mark_[v] = epoch;
+  int visited = 1;
+  while (!walk_.empty() && visited < cap) {
+    const int x = walk_.back();
+    walk_.pop_back();
+    auto visit = [&](int n) {
+      const ValueState s = values_[n].state;
+      if (s != ValueState::kEvicted && s != ValueState::kDeadNeeded) return;
+      if (mark_[n] == epoch) return;
+      mark_[n] = epoch;
+      ++visited;
+      walk_.push_back(n);
+      total += values_[n].cost;
+    };
+    for (int r : values_[x].recipe) visit(r);
+    for (int d : values_[x].dependents) visit(d);
+  }
+  return total;
+}
+
+double RematEngine::chain_cost(int v, int cap) {
+  if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
+  const std::uint32_t epoch = ++epoch_;
+  double total = values_[v].cost;
+  walk_.assign(1, v);
+  mark_[v] = epoch;
+  int visited = 1;
+  while (!walk_.empty() && visited < cap) {
+    const int x = walk_.back();
+    walk_.pop_back();
+    for (int r : values_[x].recipe) {
+      if (values_[r].state == ValueState::kResident || mark_[r] == epoch) continue;
+      mark_[r] = epoch;
+      ++visited;
+      walk_.push_back(r);
+      total += values_[r].cost;
+    }
+  }
+  return total;
+}
+
+int RematEngine::value_at(std::uintptr_t addr) const {
+  auto it = by_addr_.find(addr);
+  return it == by_addr_.end() ? -1 : it->second;
+}
+
+void RematEngine::release_all() {
+  while (!resident_.empty()) {
+    const int v = resident_.back();
+    const std::uintptr_t addr = drop_block(v);
+    values_[v].state = ValueState::kReleased;
+    if (addr) memory_.release(addr);
+  }
+}
+
+void RematEngine::check_invariants() const {
+  std::vector<int> needed(values_.size(), 0);
+  std::size_t resident = 0;
+  for (std::size_t i = 0; i < values_.size(); ++i) {
+    const Value& x = values_[i];
+    const int v = static_cast<int>(i);
+    if (x.state != ValueState::kReleased && !x.pinned)
+      for (int r : x.recipe) ++needed[r];
+    if (x.state == ValueState::kResident) {
+      ++resident;
+      if ((x.addr != 0) != (x.nbytes != 0)) broken(v, "resident without its block (3.6)");
+      if (x.resident_pos < 0 || resident_[x.resident_pos] != v) broken(v, "not in the resident list");
+      if (x.addr && value_at(x.addr) != v) broken(v, "address map disagrees (3.6)");
+    } else {
+      if (x.addr != 0 || x.resident_pos >= 0) broken(v, "owns a block while not resident (3.6)");
+      if (x.state == ValueState::kEvicted && (!x.alive || x.pinned)) broken(v, "evicted but dead or pinned");
+      if (x.state == ValueState::kDeadNeeded && (x.alive || x.pinned)) broken(v, "dead-needed but alive or pinned");
+    }
+    if (x.locks < 0) broken(v, "negative lock count");
+  }
+  for (std::size_t i = 0; i < values_.size(); ++i)
+    if (values_[i].state != ValueState::kReleased && needed[i] != values_[i].needed_by)
+      broken(static_cast<int>(i), "needed_by is " + std::to_string(values_[i].needed_by) +
+                                      ", recount gives " + std::to_string(needed[i]));
+  if (resident != resident_.size()) broken(-1, "resident list size");
+  if (counters_.refused_locked) broken(-1, "an eviction of a locked value was attempted (3.7)");
+}
+
+}  // namespace dtralloc

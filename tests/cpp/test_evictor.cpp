@@ -1,0 +1,156 @@
+// Evictor: every policy picks the victims worked out by hand on a crafted
+// address layout, and make_room frees a contiguous range the request uses.
+#include <memory>
+#include <string>
+
+#include "allocator.h"
+#include "backend.h"
+#include "check.h"
+#include "evictor.h"
+#include "remat_engine.h"
+
+using namespace dtralloc;
+
+namespace {
+
+class PoolPort : public MemoryPort {
+ public:
+  explicit PoolPort(Allocator& a) : a_(a) {}
+  std::uintptr_t allocate(std::size_t bytes) override {
+    return reinterpret_cast<std::uintptr_t>(a_.malloc(bytes));
+  }
+  void release(std::uintptr_t addr) override { a_.free(reinterpret_cast<void*>(addr)); }
+
+ private:
+  Allocator& a_;
+};
+
+constexpr std::size_t kQuarter = 512 * 1024;  // four fill one 2 MiB small segment
+
+// One small-pool segment (the whole 2 MiB budget) holding, in address order,
+//   A (cost 10)  B (cost 1)  C (cost 1)  D (cost 100)
+// each 512 KiB, made by input-less ops at the same clock.
+struct Layout {
+  Allocator allocator;
+  PoolPort port;
+  RematEngine engine;
+  int a, b, c, d;
+
+  explicit Layout(const std::string& conf = "")
+      : allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:2M" + conf)),
+        port(allocator),
+        engine(port) {
+    const double costs[4] = {10, 1, 1, 100};
+    int* ids[4] = {&a, &b, &c, &d};
+    for (int i = 0; i < 4; ++i) {
+      const int op = engine.begin_op(costs[i], false);
+      *ids[i] = engine.create_output(op, kQuarter);
+      engine.end_op(op);
+    }
+    CHECK(engine.value(a).addr < engine.value(b).addr);
+    CHECK(engine.value(c).addr < engine.value(d).addr);
+  }
+  ~Layout() { engine.release_all(); }
+};
+
+std::vector<int> choose(const std::string& policy, Layout& l, std::size_t bytes) {
+  Evictor ev(l.allocator, l.engine, parse_policy(policy), l.allocator.config());
+  return ev.choose(bytes, 0);
+}
+
+void test_single_tensor_policies() {
+  Layout l;
+  l.engine.tick();
+  // lru: all equally stale -> lowest id; size: all equal -> lowest id.
+  CHECK(choose("lru", l, 1 << 20) == std::vector<int>{l.a});
+  CHECK(choose("size", l, 1 << 20) == std::vector<int>{l.a});
+  // Cost-based scores pick the cheapest (B before C on ties).
+  for (const char* p : {"msps", "dtr", "dtr_eq", "dtr_local", "dte"})
+    CHECK(choose(p, l, 1 << 20) == std::vector<int>{l.b});
+  // Touch B: now A is least recently used, and B's staleness shrinks.
+  const int op = l.engine.begin_op(0, false);
+  l.engine.tick();
+  l.engine.use_input(op, l.b);
+  l.engine.end_op(op);
+  l.engine.tick();
+  CHECK(choose("lru", l, 1 << 20) == std::vector<int>{l.a});
+  CHECK(choose("dtr_local", l, 1 << 20) == std::vector<int>{l.c});
+}
+
+void test_dte_counts_free_neighbours() {
+  Layout l;
+  // Evict C: it becomes a free 512 KiB block between B and D.
+  CHECK(l.engine.evict(l.c));
+  // dte: B = (1 + e* 1) / (512K + 512K free); A = 10 / 512K; D = (100 + 1) / 1M.
+  CHECK(choose("dte", l, 1 << 20) == std::vector<int>{l.b});
+  // dtr_eq ignores the free space: B (2 / 512K) still first, A next would be 10.
+  CHECK(choose("dtr_eq", l, 1 << 20) == std::vector<int>{l.b});
+}
+
+void test_window_policies() {
+  Layout l;
+  // 1 MiB windows: AB costs 11, BC 2, CD 101 -> both pick {B, C}.
+  CHECK(choose("coop", l, 1 << 20) == (std::vector<int>{l.b, l.c}));
+  CHECK(choose("dtralloc", l, 1 << 20) == (std::vector<int>{l.b, l.c}));
+  // One quarter: the cheapest single block, B (lower address than C).
+  CHECK(choose("coop", l, kQuarter) == (std::vector<int>{l.b}));
+  CHECK(choose("dtralloc", l, kQuarter) == (std::vector<int>{l.b}));
+  // Evict A: a free block beside B. Now 1 MiB is (free A, B) for cost 1,
+  // cheaper than B + C (2) for both policies.
+  CHECK(l.engine.evict(l.a));
+  CHECK(choose("dtralloc", l, 1 << 20) == (std::vector<int>{l.b}));
+  CHECK(choose("coop", l, 1 << 20) == (std::vector<int>{l.b}));
+}
+
+void test_dtralloc_recompute_penalty() {
+  Layout l(",recompute_penalty:8");
+  // B recomputed three times weighs 1 * 8^3 = 512 in dtralloc's score, so
+  // the 1 MiB windows cost AB 522, BC 513, CD 101 (same staleness): CD wins.
+  for (int i = 0; i < 3; ++i) {
+    CHECK(l.engine.evict(l.b));
+    const int op = l.engine.begin_op(0, false);
+    l.engine.use_input(op, l.b);
+    l.engine.end_op(op);
+  }
+  CHECK_EQ(l.engine.value(l.b).recomputes, 3);
+  CHECK(choose("dtralloc", l, 1 << 20) == (std::vector<int>{l.c, l.d}));
+  CHECK(choose("coop", l, 1 << 20) == (std::vector<int>{l.b, l.c}));  // coop has no penalty
+}
+
+void test_make_room_serves_request() {
+  Layout l;
+  auto ev = std::make_shared<Evictor>(l.allocator, l.engine, Policy::kDtralloc, l.allocator.config());
+  l.allocator.set_eviction_hook(ev);
+  const std::uintptr_t b_addr = l.engine.value(l.b).addr;
+  // A 1 MiB output does not fit under the budget: B and C go, it lands there.
+  const int op = l.engine.begin_op(5, false);
+  const int e = l.engine.create_output(op, 1 << 20);
+  l.engine.end_op(op);
+  CHECK_EQ(l.engine.value(e).addr, b_addr);
+  CHECK(l.engine.value(l.b).state == ValueState::kEvicted);
+  CHECK(l.engine.value(l.c).state == ValueState::kEvicted);
+  CHECK(l.engine.value(l.a).state == ValueState::kResident);
+  CHECK_EQ(ev->stats().calls, std::size_t{1});
+  CHECK_EQ(ev->stats().windows, std::size_t{1});
+  l.allocator.check_invariants();
+  l.engine.check_invariants();
+  l.allocator.set_eviction_hook(nullptr);
+}
+
+void test_unknown_policy() {
+  CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_policy("belady"); }), "belady");
+  CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "policy");
+  CHECK(parse_config("policy:dtr").policy == "dtr");
+}
+
+}  // namespace
+
+int main() {
+  test_single_tensor_policies();
+  test_dte_counts_free_neighbours();
+  test_window_policies();
+  test_dtralloc_recompute_penalty();
+  test_make_room_serves_request();
+  test_unknown_policy();
+  return check::check_summary("test_evictor");
+}

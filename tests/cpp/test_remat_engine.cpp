@@ -1,0 +1,205 @@
+// RematEngine: state machine, recompute chains, e*, in-place versions, fake
+// deletion, locks. Memory comes from a fake port that records live blocks.
+#include <map>
+
+#include "check.h"
+#include "remat_engine.h"
+
+using namespace dtralloc;
+
+namespace {
+
+class FakeMemory : public MemoryPort {
+ public:
+  std::uintptr_t allocate(std::size_t bytes) override {
+    const std::uintptr_t addr = next_;
+    next_ += (bytes + 511) / 512 * 512 + 512;
+    live[addr] = bytes;
+    return addr;
+  }
+  void release(std::uintptr_t addr) override {
+    CHECK(live.erase(addr) == 1);
+  }
+  std::map<std::uintptr_t, std::size_t> live;
+
+ private:
+  std::uintptr_t next_ = 0x10000;
+};
+
+// One op with no inputs making one value of `bytes` at `cost`.
+int leaf(RematEngine& e, std::size_t bytes, double cost) {
+  const int op = e.begin_op(cost, false);
+  const int v = e.create_output(op, bytes);
+  e.end_op(op);
+  return v;
+}
+
+// One op reading `inputs`, making one value.
+int apply(RematEngine& e, std::vector<int> inputs, std::size_t bytes, double cost, bool random = false) {
+  const int op = e.begin_op(cost, random);
+  for (int i : inputs) e.use_input(op, i);
+  const int v = e.create_output(op, bytes);
+  e.end_op(op);
+  return v;
+}
+
+void test_states_and_release() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int w = e.add_initial(4096);
+  CHECK(e.value(w).pinned);
+  CHECK(!e.evictable(w));
+  const int a = apply(e, {w}, 1024, 10);
+  CHECK(e.value(a).state == ValueState::kResident);
+  CHECK(e.evictable(a));
+  CHECK_EQ(mem.live.size(), std::size_t{2});
+  // Nobody needs a: killing it releases it and its memory.
+  e.kill(a);
+  CHECK(e.value(a).state == ValueState::kReleased);
+  CHECK_EQ(mem.live.size(), std::size_t{1});
+  e.check_invariants();
+  e.release_all();
+}
+
+void test_evict_and_recompute_chain() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(1024);
+  const int a = apply(e, {x}, 1024, 3);
+  const int b = apply(e, {a}, 1024, 5);
+  const int c = apply(e, {b}, 1024, 7);
+  // a dies but b's recipe reads it: fake deletion keeps the recipe only.
+  e.kill(a);
+  CHECK(e.value(a).state == ValueState::kDeadNeeded);
+  CHECK_EQ(e.counters().fake_deletions, std::size_t{1});
+  CHECK(e.evict(b));
+  CHECK(e.value(b).state == ValueState::kEvicted);
+  // e* of the resident c: its memoryless neighbourhood {b} -> {a} is one
+  // union-find class costing 5 + 3.
+  CHECK_EQ(e.estar_eq(c), 7.0 + 5.0 + 3.0);
+  CHECK_EQ(e.estar_exact(c), 15.0);
+  CHECK_EQ(e.chain_cost(c), 15.0);  // what recomputing c after evicting it costs
+  CHECK(e.evict(c));
+  CHECK_EQ(mem.live.size(), std::size_t{1});  // x only
+  e.check_invariants();
+  // Reading c recomputes a, then b, then c.
+  const int op = e.begin_op(1, false);
+  e.use_input(op, c);
+  e.end_op(op);
+  CHECK_EQ(e.counters().remats, std::size_t{3});
+  CHECK_EQ(e.counters().remat_cost, 15.0);
+  CHECK(e.value(c).state == ValueState::kResident);
+  CHECK(e.value(b).state == ValueState::kResident);
+  CHECK_EQ(e.value(c).recomputes, 1);
+  // a came back only for b: dead, resident, an ordinary candidate.
+  CHECK(e.value(a).state == ValueState::kResident);
+  CHECK(!e.value(a).alive);
+  CHECK(e.evictable(a));
+  e.check_invariants();
+  e.release_all();
+}
+
+void test_estar_classes() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(512);
+  const int a = apply(e, {x}, 512, 1);
+  const int b = apply(e, {a}, 512, 2);
+  const int c = apply(e, {b}, 512, 4);
+  const int d = apply(e, {c}, 512, 8);
+  CHECK_EQ(e.estar_eq(b), 2.0);  // no evicted neighbour
+  CHECK(e.evict(a));
+  CHECK(e.evict(c));
+  // b touches two classes: {a} and {c}.
+  CHECK_EQ(e.estar_eq(b), 2.0 + 1.0 + 4.0);
+  CHECK(e.evict(b));
+  // d touches one class {a, b, c}.
+  CHECK_EQ(e.estar_eq(d), 8.0 + 7.0);
+  CHECK_EQ(e.estar_exact(d), 15.0);
+  e.check_invariants();
+  e.release_all();
+}
+
+void test_in_place_versions() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(1024);
+  const int a = apply(e, {x}, 2048, 3);
+  const std::uintptr_t addr = e.value(a).addr;
+  // relu_(a): the block stays, the new version takes it.
+  const int op = e.begin_op(2, false);
+  e.use_input(op, a);
+  e.prepare_write(a);
+  const int a2 = e.write_in_place(op, a);
+  CHECK(e.value(a2).locks > 0);  // pinned while the write is live
+  CHECK(!e.evictable(a2));
+  e.end_op(op);
+  CHECK_EQ(e.value(a2).addr, addr);
+  CHECK(e.value(a).state == ValueState::kDeadNeeded);  // old version: recipe only
+  CHECK(e.evictable(a2));
+  CHECK_EQ(mem.live.size(), std::size_t{2});
+  e.check_invariants();
+  // Evict the new version; reading it recomputes the old one, then the write.
+  CHECK(e.evict(a2));
+  const int op2 = e.begin_op(1, false);
+  e.use_input(op2, a2);
+  e.end_op(op2);
+  CHECK_EQ(e.counters().remats, std::size_t{2});
+  CHECK_EQ(e.counters().remat_cost, 5.0);
+  e.check_invariants();
+  e.release_all();
+}
+
+void test_write_to_pinned_value() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int p = e.add_initial(1024);  // a parameter
+  const int a = apply(e, {p}, 1024, 3);
+  CHECK(e.evict(a));
+  // The optimizer overwrites p: a must come back first and is pinned after.
+  const int op = e.begin_op(1, false);
+  e.prepare_write(p);
+  CHECK(e.value(a).state == ValueState::kResident);
+  e.use_input(op, p);
+  const int p2 = e.write_in_place(op, p);
+  e.end_op(op);
+  CHECK(e.value(a).pinned);
+  CHECK(e.value(p2).pinned);
+  CHECK(!e.evictable(a));
+  CHECK(e.value(p).state == ValueState::kReleased);
+  e.check_invariants();
+  e.release_all();
+}
+
+void test_locked_never_evicted_and_random() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(1024);
+  const int r = apply(e, {x}, 1024, 4, /*random=*/true);
+  CHECK(e.op(e.value(r).producer).random);
+  CHECK(e.op(e.value(r).producer).rng_state != 0);
+  const int op = e.begin_op(1, false);
+  e.use_input(op, r);
+  CHECK(!e.evict(r));  // in use by the op in flight (3.7)
+  CHECK_EQ(e.counters().refused_locked, std::size_t{1});
+  CHECK_CONTAINS(check::thrown_message<std::logic_error>([&] { e.check_invariants(); }), "3.7");
+  e.end_op(op);
+  CHECK(e.evict(r));
+  const int op2 = e.begin_op(1, false);
+  e.use_input(op2, r);
+  e.end_op(op2);
+  CHECK_EQ(e.counters().random_replays, std::size_t{1});
+  e.release_all();
+}
+
+}  // namespace
+
+int main() {
+  test_states_and_release();
+  test_evict_and_recompute_chain();
+  test_estar_classes();
+  test_in_place_versions();
+  test_write_to_pinned_value();
+  test_locked_never_evicted_and_random();
+  return check::check_summary("test_remat_engine");
+}
