@@ -161,6 +161,10 @@ py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::st
   d["message"] = r.message;
   d["peak_reserved_bytes"] = r.peak_reserved_bytes;
   d["peak_allocated_bytes"] = r.peak_allocated_bytes;
+  d["final_reserved_bytes"] = r.final_reserved_bytes;
+  d["segments_peak"] = r.segments_peak;
+  d["device_alloc_calls"] = r.device_alloc_calls;
+  d["device_free_calls"] = r.device_free_calls;
   d["invariant_checks"] = r.invariant_checks;
   d["base_cost"] = r.engine.base_cost;
   d["remat_cost"] = r.engine.remat_cost;

@@ -145,6 +145,10 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   const StatsReport report = allocator.stats_report();
   out.peak_reserved_bytes = report.stats.reserved_bytes[kStatAll].peak;
   out.peak_allocated_bytes = report.stats.allocated_bytes[kStatAll].peak;
+  out.final_reserved_bytes = report.stats.reserved_bytes[kStatAll].current;
+  out.segments_peak = report.stats.segment[kStatAll].peak;
+  out.device_alloc_calls = report.stats.num_device_alloc;
+  out.device_free_calls = report.stats.num_device_free;
   out.engine = engine.counters();
   out.evictor = evictor->stats();
   engine.release_all();

@@ -50,6 +50,10 @@ struct ReplayOutcome {
   std::string message;
   std::size_t peak_reserved_bytes = 0;
   std::size_t peak_allocated_bytes = 0;
+  std::size_t final_reserved_bytes = 0;
+  std::int64_t segments_peak = 0;
+  std::int64_t device_alloc_calls = 0;
+  std::int64_t device_free_calls = 0;
   std::size_t invariant_checks = 0;
   EngineCounters engine;
   EvictorStats evictor;

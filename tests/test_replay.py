@@ -394,3 +394,22 @@ def test_cli_record_missing_module_says_why(step_module):
 
     with pytest.raises(SystemExit, match="error:.*no_such_module"):
         main(["record", "no_such_module_xyz:make_step"])
+
+
+def test_cli_replay_with_policies_adds_eviction_columns(tmp_path):
+    from dtralloc.traces import bundled_path
+
+    run = _dtralloc("replay", bundled_path("resnet50"), "--budget", "0.6", "--policy", "dtr",
+                    "--policy", "dtralloc")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    header = lines[0].split()
+    for column in ("policy", "overhead", "evictions", "remats"):
+        assert column in header
+    rows = lines[2:]
+    assert len(rows) == 2 and rows[0].split()[-4] == "dtr" and rows[1].split()[-4] == "dtralloc"
+    for row in rows:
+        overhead, evictions, remats = float(row.split()[-3]), int(row.split()[-2]), int(row.split()[-1])
+        assert overhead > 0 and evictions > 0 and remats > 0
+    bad = _dtralloc("replay", bundled_path("mlp"), "--budget", "0.5", "--policy", "bogus")
+    assert bad.returncode == 2 and "unknown policy 'bogus'" in bad.stderr

@@ -59,10 +59,10 @@ def _cmd_replay(args) -> int:
     for path in args.traces:
         trace = _load_trace(path)
         print(trace.summary(), file=sys.stderr)
-        budgets = args.budget or [None]
-        for budget in budgets:
-            results.append(replay(trace, budget=_parse_budget(budget), conf=args.conf,
-                                  progress=_progress_printer(trace.meta.get("name", path))))
+        for policy in args.policy or ["none"]:
+            for budget in args.budget or [None]:
+                results.append(replay(trace, budget=_parse_budget(budget), policy=policy, conf=args.conf,
+                                      progress=_progress_printer(trace.meta.get("name", path))))
     print(format_results(results))
     return 0 if all(r.feasible for r in results) else 1
 
@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", action="append",
                    help="cap on reserved bytes: a size (6G) or a fraction of the no-eviction peak "
                         "(0.5); repeatable")
+    p.add_argument("--policy", action="append",
+                   help="eviction policy under the budget (none, lru, size, msps, dtr, dtr_eq, "
+                        "dtr_local, dte, coop, dtralloc); repeatable; default none")
     p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the pool")
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("bench", help="hot-path malloc+free microbenchmark (ns per pair)")

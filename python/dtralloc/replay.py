@@ -67,9 +67,11 @@ class ReplayResult:
         f = self.external_fragmentation
         return sum(f) / len(f) if f else 0.0
 
-    def table_row(self) -> dict:
+    def table_row(self, eviction_columns: bool = False) -> dict:
+        """One table row; `eviction_columns` adds policy, overhead, evictions
+        and remats (format_results adds them when any row used a policy)."""
         fb = _core.format_bytes
-        return {
+        row = {
             "trace": self.name,
             "conf": self.conf or "(defaults)",
             "budget": fb(self.budget_bytes) if self.budget_bytes else "none",
@@ -78,11 +80,20 @@ class ReplayResult:
             "peak allocated": fb(self.peak_allocated_bytes),
             "peak reserved": fb(self.peak_reserved_bytes),
             "reserved/allocated": f"{self.reserved_over_allocated:.3f}",
-            "mean 1-alloc/res": f"{self.mean_reserved_fragmentation:.3f}",
-            "mean ext. frag": f"{self.mean_external_fragmentation:.3f}",
+            # Sampled per op by the allocation-only replay; "-" where not sampled.
+            "mean 1-alloc/res": f"{self.mean_reserved_fragmentation:.3f}" if self.reserved_fragmentation else "-",
+            "mean ext. frag": f"{self.mean_external_fragmentation:.3f}" if self.external_fragmentation else "-",
             "segments (peak)": str(self.segments_peak),
             "cudaMalloc calls": str(self.device_alloc_calls),
         }
+        if eviction_columns:
+            row.update({
+                "policy": self.policy,
+                "overhead": f"{self.compute_overhead:.3f}",
+                "evictions": str(self.evictions),
+                "remats": str(self.remats),
+            })
+        return row
 
 
 def replay(
@@ -247,7 +258,8 @@ def _run_remat(trace: Trace, budget_bytes, policy: str, conf: str, check: bool) 
     oom_op = None if r["feasible"] else r["oom_op"]
     result = ReplayResult(
         r["feasible"], budget_bytes, r["peak_allocated_bytes"], r["peak_reserved_bytes"],
-        r["peak_reserved_bytes"], 0, 0, 0, 0, oom_op=oom_op, oom_message=r["message"],
+        r["peak_reserved_bytes"], r["final_reserved_bytes"], r["segments_peak"],
+        r["device_alloc_calls"], r["device_free_calls"], oom_op=oom_op, oom_message=r["message"],
         conf=conf, policy=policy, name=str(trace.meta.get("name", "")))
     result.compute_overhead = r["remat_cost"] / r["base_cost"] if r["base_cost"] else 0.0
     result.evictions = r["evictions"]
@@ -297,7 +309,8 @@ def format_results(results: list[ReplayResult]) -> str:
     """A plain-text table of replay results, one row each."""
     if not results:
         return "(no results)"
-    rows = [r.table_row() for r in results]
+    evicting = any(r.policy != "none" for r in results)
+    rows = [r.table_row(eviction_columns=evicting) for r in results]
     cols = list(rows[0])
     width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     lines = ["  ".join(c.ljust(width[c]) for c in cols), "  ".join("-" * width[c] for c in cols)]
