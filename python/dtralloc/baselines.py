@@ -545,9 +545,13 @@ def _initial_bytes_per_stage(g: _Graph) -> list:
 
 def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
                      res: BaselineResult) -> BaselineResult:
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError as e:
+        raise ImportError("the Checkmate baseline solves a MILP with scipy's HiGHS: "
+                          "pip install 'dtralloc[baselines]' (or scipy>=1.9)") from e
 
     groups, nb = g.groups, g.nbytes
     G = len(groups)
