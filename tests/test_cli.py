@@ -60,3 +60,12 @@ def test_help_lists_every_command_and_no_command_is_an_error():
     for command in ("config", "demo", "record", "replay", "bench"):
         assert command in out
     assert run(check=False).returncode == 2
+
+
+def test_replay_policies_bench_runs_on_one_trace(tmp_path):
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "bench/replay_policies.py", "--traces", "mlp", "--out-dir",
+                           str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "## Minimum feasible budget" in proc.stdout and "| mlp |" in proc.stdout
+    assert any(p.name.startswith("replay_policies-") and p.suffix == ".md" for p in tmp_path.iterdir())

@@ -1,0 +1,178 @@
+"""Eviction policies side by side, by replay of the bundled training steps.
+
+For every bundled trace x budget {0.9, 0.7, 0.5, 0.4, 0.3, 0.2} of the
+no-eviction peak x every policy: feasible?, compute overhead, fragmentation at
+forced evictions and median victim-search time; then each policy's minimum
+feasible budget (bisection), next to the static baselines (Chen's sqrt(n)
+checkpointing; Checkmate's MILP with --checkmate, on graphs small enough).
+Writes a markdown report and, if matplotlib is installed, two plots.
+
+    python bench/replay_policies.py [--traces NAME ...] [--checkmate] [--out-dir bench/results]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
+POLICIES = ("lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
+
+
+def sweep(names, echo):
+    import dtralloc
+    from dtralloc.traces import load_bundled
+
+    grid, floors = {}, {}
+    for name in names:
+        trace = load_bundled(name)
+        t0 = time.perf_counter()
+        for policy in POLICIES:
+            for budget in BUDGETS:
+                grid[name, policy, budget] = dtralloc.replay(trace, budget=budget, policy=policy)
+            floors[name, policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
+        echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection: "
+             f"{time.perf_counter() - t0:.1f}s")
+    return grid, floors
+
+
+def baselines(names, checkmate: bool, echo):
+    from dtralloc import baselines as B
+    from dtralloc.traces import load_bundled
+
+    out = {}
+    for name in names:
+        trace = load_bundled(name)
+        chen = B.checkpoint_sqrt_n(trace)
+        out[name, "chen"] = chen
+        if checkmate:
+            for budget in (0.9, 0.7, 0.5):
+                t0 = time.perf_counter()
+                out[name, "checkmate", budget] = B.checkmate(trace, budget, time_limit_s=60)
+                echo(f"{name:<9} checkmate {budget}: {out[name, 'checkmate', budget].status} "
+                     f"({time.perf_counter() - t0:.0f}s)")
+    return out
+
+
+def fmt_cell(r) -> str:
+    if not r.feasible:
+        return "OOM"
+    return f"{r.compute_overhead:.3f}"
+
+
+def report(names, grid, floors, base, command: str) -> str:
+    from _report import header
+
+    lines = [header("Eviction policies by replay of the bundled traces", command), ""]
+    lines.append("## Minimum feasible budget (fraction of the no-eviction peak reserved; lower is better)\n")
+    lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak |")
+    lines.append("|---|" + "---|" * (len(POLICIES) + 1))
+    for name in names:
+        cells = [f"{floors[name, p]:.2f}" if floors[name, p] is not None else "-" for p in POLICIES]
+        chen = base[name, "chen"]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} |")
+    lines.append("\n## Compute overhead (extra compute / one pass; OOM = infeasible)\n")
+    for name in names:
+        lines.append(f"### {name}\n")
+        lines.append("| policy | " + " | ".join(str(b) for b in BUDGETS) + " |")
+        lines.append("|---|" + "---|" * len(BUDGETS))
+        for p in POLICIES:
+            lines.append(f"| {p} | " + " | ".join(fmt_cell(grid[name, p, b]) for b in BUDGETS) + " |")
+        chen = base[name, "chen"]
+        lines.append(f"\nChen sqrt(n): overhead {chen.compute_overhead:.3f} at peak fraction "
+                     f"{chen.peak_fraction:.2f}.")
+        for b in (0.9, 0.7, 0.5):
+            cm = base.get((name, "checkmate", b))
+            if cm is not None:
+                value = f"{cm.compute_overhead:.3f}" if cm.feasible else "infeasible"
+                lines.append(f"Checkmate at {b}: {value} ({cm.status}, {cm.solve_seconds:.0f}s).")
+        lines.append("")
+    lines.append("## dtr vs dtralloc: fragmentation at forced evictions and victim search\n")
+    lines.append("| trace | budget | dtr overhead | dtralloc overhead | dtr frag | dtralloc frag | "
+                 "dtr search us | dtralloc search us |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for name in names:
+        for b in BUDGETS:
+            d, o = grid[name, "dtr", b], grid[name, "dtralloc", b]
+            if not (d.feasible or o.feasible):
+                continue
+            lines.append(f"| {name} | {b} | {fmt_cell(d)} | {fmt_cell(o)} | {d.fragmentation:.3f} | "
+                         f"{o.fragmentation:.3f} | {d.search_ns / 1e3:.1f} | {o.search_ns / 1e3:.1f} |")
+    lines.append("\nfrag = mean (budget - allocated) / budget when the evictor is forced to act; "
+                 "search = median time to choose victims.")
+    return "\n".join(lines) + "\n"
+
+
+def plots(names, grid, floors, out_dir: str, stamp: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(5 * ((len(names) + 1) // 2), 8),
+                             squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for p in POLICIES:
+            xs = [b for b in BUDGETS if grid[name, p, b].feasible]
+            ys = [grid[name, p, b].compute_overhead for b in xs]
+            ax.plot(xs, ys, marker="o", label=p, linewidth=2.5 if p == "dtralloc" else 1)
+        ax.set_title(name)
+        ax.set_xlabel("budget / no-eviction peak")
+        ax.set_ylabel("compute overhead")
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.invert_xaxis()
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"replay_policies-overhead-{stamp}.png")
+    fig.savefig(path, dpi=90)
+    files.append(path)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(POLICIES)
+    for i, p in enumerate(POLICIES):
+        ax.bar([j + i * width for j in range(len(names))],
+               [floors[n, p] if floors[n, p] is not None else 1.0 for n in names], width, label=p)
+    ax.set_xticks([j + 0.4 for j in range(len(names))], names)
+    ax.set_ylabel("min feasible budget (fraction)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"replay_policies-min-budget-{stamp}.png")
+    fig.savefig(path, dpi=90)
+    files.append(path)
+    return files
+
+
+def main() -> int:
+    from dtralloc.traces import list_bundled
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", nargs="*", help="bundled trace names (default: all)")
+    parser.add_argument("--checkmate", action="store_true", help="also solve Checkmate's MILP (slow)")
+    parser.add_argument("--out-dir", help="write the report and plots here")
+    args = parser.parse_args()
+    names = args.traces or list_bundled()
+
+    def echo(text):
+        print(text, file=sys.stderr, flush=True)
+
+    command = "python bench/replay_policies.py" + (" --traces " + " ".join(args.traces) if args.traces else "") \
+        + (" --checkmate" if args.checkmate else "")
+    grid, floors = sweep(names, echo)
+    base = baselines(names, args.checkmate, echo)
+    text = report(names, grid, floors, base, command)
+    print(text)
+    if args.out_dir:
+        stamp = f"{datetime.date.today().isoformat()}-cpu"
+        with open(os.path.join(args.out_dir, f"replay_policies-{stamp}.md"), "w") as f:
+            f.write(text)
+        for path in plots(names, grid, floors, args.out_dir, stamp):
+            echo(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
