@@ -17,18 +17,28 @@ def run(*args, check=True):
 
 def test_demo_replays_every_bundled_trace_under_each_setting():
     out = run("demo").stdout
-    table = out[out.index("trace "):].splitlines()
-    rows = [line for line in table[2:] if line and not line.startswith(("reserved/", "done"))]
+    first, second = out.split("Under a budget below the peak")
+    table = first[first.index("trace "):].split("\n\n")[0].splitlines()
+    rows = table[2:]
     assert len(rows) == 3 * len(list_bundled())
     for name in list_bundled():
         assert sum(row.split()[0] == name for row in rows) == 3
     assert all(" yes " in row for row in rows), "no budget: every replay must be feasible"
-    assert "[18/18]" in out  # progress lines
+    assert "[18/18]" in first  # progress lines
+    # The budget table: 3 policies x 2 budgets per trace, with eviction columns.
+    table = second[second.index("trace "):].split("\n\n")[0].splitlines()
+    assert {"policy", "overhead", "evictions", "remats"} <= set(table[0].split())
+    rows = table[2:]
+    assert len(rows) == 6 * len(list_bundled())
+    assert any(" yes " in row and float(row.split()[-3]) > 0 for row in rows), \
+        "some step must fit its budget by recomputing"
 
 
 def test_demo_takes_a_subset_and_custom_settings():
-    out = run("demo", "--trace", "mlp", "--conf", "", "--conf", "max_split_size_mb:64").stdout
+    out = run("demo", "--trace", "mlp", "--conf", "", "--conf", "max_split_size_mb:64",
+              "--policy", "dtralloc", "--budget", "0.99").stdout
     assert "[ 2/2]" in out and "max_split_size_mb:64" in out and "gpt2" not in out
+    assert "[ 1/1] mlp       dtralloc  0.99" in out
 
 
 def test_demo_rejects_an_unknown_trace_with_the_list():

@@ -24,7 +24,8 @@ def _cmd_bench(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(traces=args.trace, confs=args.conf)
+    run_demo(traces=args.trace, confs=args.conf, policies=args.policy,
+             budgets=[float(b) for b in args.budget] if args.budget else None)
     return 0
 
 
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="replay the bundled training steps under several settings")
     p.add_argument("--trace", action="append", help="a bundled trace to replay (repeatable; default all)")
     p.add_argument("--conf", action="append", help="a DTRALLOC_CONF to compare (repeatable)")
+    p.add_argument("--policy", action="append",
+                   help="an eviction policy for the budget table (repeatable; default dtr, coop, dtralloc)")
+    p.add_argument("--budget", action="append",
+                   help="a budget fraction of the peak for the budget table (repeatable; default 0.7, 0.5)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
     p.add_argument("target", help="a zoo model name (from bench/models) or module:function "
