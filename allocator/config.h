@@ -77,9 +77,10 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
   X(policy, PolicyOption, "none",                                              \
     "eviction policy under the budget (replay and live DTR): none, lru, "     \
     "size, msps, dtr, dtr_eq, dtr_local, dte, coop, dtralloc")                 \
-  X(recompute_penalty, RealOption, 2.0,                                        \
+  X(recompute_penalty, RealOption, 1.0,                                        \
     "dtralloc policy: a tensor's cost is multiplied by this per recompute it " \
-    "already had; 2 makes a tensor evicted twice 4x dearer, ending thrash")    \
+    "already had (1 = off: on the bundled traces every value > 1 raised the " \
+    "min feasible budget; raise it if a workload thrashes)")                   \
   X(small_tensor_cutoff, SizeOption, 64 * 1024,                                \
     "dtralloc policy: tensors smaller than this are never evicted on their "   \
     "own (freeing them rarely makes room; they only join windows)")            \

@@ -16,9 +16,11 @@
 //   coop       Coop: the run of address-adjacent free + evictable blocks
 //              that reaches the request with the least total op cost
 //   dtralloc   ours: the run of address-adjacent blocks with the least
-//              sum(e* * penalty^recomputes / staleness) per byte it frees
-//              (DESIGN.md 4, generalized from one tensor to a run), free
-//              blocks on either side counted; tensors below
+//              sum(chain(t) * penalty^recomputes(t)) per byte it frees,
+//              chain(t) = t's producer plus its evicted ancestors (what
+//              recomputing t runs, as in msps), free blocks on either side
+//              counted (DESIGN.md 4 generalized from one tensor to a run;
+//              staleness dropped, see window_weight); tensors below
 //              small_tensor_cutoff only join runs; with more than
 //              eviction_sample_threshold window starts, sqrt(N) of them are
 //              scored (fixed-seed sampler)
@@ -89,6 +91,7 @@ class Evictor : public EvictionHook {
   std::uint64_t rng_;
   std::vector<Item> items_;                 // reused between calls
   std::vector<std::size_t> free_around_;    // per value while scoring (dte)
+  std::vector<double> weight_;              // per item of the walk; < 0: not yet computed
   EvictorStats stats_;
 };
 

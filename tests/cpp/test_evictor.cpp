@@ -117,6 +117,30 @@ void test_dtralloc_recompute_penalty() {
   CHECK(choose("coop", l, 1 << 20) == (std::vector<int>{l.b, l.c}));  // coop has no penalty
 }
 
+void test_dtralloc_charges_the_recompute_chain() {
+  // P (cost 50)  Q = f(P) (cost 1)  R (cost 1)  S (cost 3), 512 KiB each.
+  Allocator allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:2M"));
+  PoolPort port(allocator);
+  RematEngine engine(port);
+  auto make = [&](double cost, int input) {
+    const int op = engine.begin_op(cost, false);
+    if (input >= 0) engine.use_input(op, input);
+    const int v = engine.create_output(op, kQuarter);
+    engine.end_op(op);
+    return v;
+  };
+  const int p = make(50, -1), q = make(1, p), r = make(1, -1), s = make(3, -1);
+  CHECK(engine.evict(p));  // free 512 KiB beside Q; recomputing Q now reruns P
+  CHECK_EQ(engine.chain_cost(q), 51.0);
+  // 1 MiB: (free P, Q) costs 51 with the chain, (R, S) 4: dtralloc takes R, S.
+  // Coop charges Q's own op only (1) and takes Q.
+  Evictor dtralloc_ev(allocator, engine, Policy::kDtralloc, allocator.config());
+  CHECK(dtralloc_ev.choose(1 << 20, 0) == (std::vector<int>{r, s}));
+  Evictor coop_ev(allocator, engine, Policy::kCoop, allocator.config());
+  CHECK(coop_ev.choose(1 << 20, 0) == (std::vector<int>{q}));
+  engine.release_all();
+}
+
 void test_make_room_serves_request() {
   Layout l;
   auto ev = std::make_shared<Evictor>(l.allocator, l.engine, Policy::kDtralloc, l.allocator.config());
@@ -150,6 +174,7 @@ int main() {
   test_dte_counts_free_neighbours();
   test_window_policies();
   test_dtralloc_recompute_penalty();
+  test_dtralloc_charges_the_recompute_chain();
   test_make_room_serves_request();
   test_unknown_policy();
   return check::check_summary("test_evictor");
