@@ -121,6 +121,9 @@ def plots(names, grid, floors, out_dir: str, stamp: str) -> list[str]:
             xs = [b for b in BUDGETS if grid[name, p, b].feasible]
             ys = [grid[name, p, b].compute_overhead for b in xs]
             ax.plot(xs, ys, marker="o", label=p, linewidth=2.5 if p == "dtralloc" else 1)
+        if not any(grid[name, p, b].feasible for p in POLICIES for b in BUDGETS):
+            ax.text(0.5, 0.5, "no policy fits any budget shown", ha="center", va="center",
+                    transform=ax.transAxes)
         ax.set_title(name)
         ax.set_xlabel("budget / no-eviction peak")
         ax.set_ylabel("compute overhead")
