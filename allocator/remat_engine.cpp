@@ -336,8 +336,12 @@ double RematEngine::estar_eq(int v) {
   return total;
 }
 
-// Both walks mark visited values with a fresh epoch: no clearing, no search.
-double RematEngine::estar_exact(int v, int cap) {
+// Cost of `v` plus every value reachable from it through recipes (and
+// dependents, when `both_ways`) for which `counts` holds, visiting at most
+// `cap` values. Visited values are marked with a fresh epoch: no clearing,
+// no search.
+template <typename Counts>
+double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts) {
   if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
   const std::uint32_t epoch = ++epoch_;
   double total = values_[v].cost;
@@ -348,39 +352,27 @@ double RematEngine::estar_exact(int v, int cap) {
     const int x = walk_.back();
     walk_.pop_back();
     auto visit = [&](int n) {
-      const ValueState s = values_[n].state;
-      if (s != ValueState::kEvicted && s != ValueState::kDeadNeeded) return;
-      if (mark_[n] == epoch) return;
+      if (!counts(values_[n].state) || mark_[n] == epoch) return;
       mark_[n] = epoch;
       ++visited;
       walk_.push_back(n);
       total += values_[n].cost;
     };
     for (int r : values_[x].recipe) visit(r);
-    for (int d : values_[x].dependents) visit(d);
+    if (both_ways)
+      for (int d : values_[x].dependents) visit(d);
   }
   return total;
 }
 
+double RematEngine::estar_exact(int v, int cap) {
+  return reachable_cost(v, cap, true, [](ValueState s) {
+    return s == ValueState::kEvicted || s == ValueState::kDeadNeeded;
+  });
+}
+
 double RematEngine::chain_cost(int v, int cap) {
-  if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
-  const std::uint32_t epoch = ++epoch_;
-  double total = values_[v].cost;
-  walk_.assign(1, v);
-  mark_[v] = epoch;
-  int visited = 1;
-  while (!walk_.empty() && visited < cap) {
-    const int x = walk_.back();
-    walk_.pop_back();
-    for (int r : values_[x].recipe) {
-      if (values_[r].state == ValueState::kResident || mark_[r] == epoch) continue;
-      mark_[r] = epoch;
-      ++visited;
-      walk_.push_back(r);
-      total += values_[r].cost;
-    }
-  }
-  return total;
+  return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; });
 }
 
 int RematEngine::value_at(std::uintptr_t addr) const {

@@ -142,6 +142,9 @@ class RematEngine {
   void check_invariants() const;
 
  private:
+  // The walk behind estar_exact and chain_cost (remat_engine.cpp).
+  template <typename Counts>
+  double reachable_cost(int v, int cap, bool both_ways, Counts counts);
   int new_value(std::size_t nbytes, int producer, double cost);
   void rematerialize(int v, int depth);
   void lock(int v) { ++values_[v].locks; }
@@ -162,7 +165,7 @@ class RematEngine {
   std::unordered_map<std::uintptr_t, int> by_addr_;
   std::vector<int> uf_parent_;
   std::vector<double> uf_cost_;
-  std::vector<std::uint32_t> mark_;  // visit marks of estar_exact / chain_cost
+  std::vector<std::uint32_t> mark_;  // visit marks of reachable_cost
   std::uint32_t epoch_ = 0;
   std::vector<int> walk_;
   std::uint64_t clock_ = 1;
