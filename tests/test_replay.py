@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+from _steps import training_step
 from conftest import MiB
 
 import dtralloc
@@ -51,14 +52,7 @@ def _mlp_trace() -> Trace:
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 10))
     opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = training_step(model, opt, nn.functional.cross_entropy, x, y)
     step()
     return dtralloc.trace.record(step, name="mlp")
 

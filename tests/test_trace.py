@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 import dtralloc
 from dtralloc.trace import FORMAT_NAME, FORMAT_VERSION, Op, Storage, Trace
 
+from _steps import training_step
+
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
@@ -35,15 +37,7 @@ def _mlp_step():
                           nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
     opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(512, 512), torch.randint(0, 10, (512,))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return training_step(model, opt, nn.functional.cross_entropy, x, y)
 
 
 def _convnet_step():
@@ -54,15 +48,7 @@ def _convnet_step():
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return training_step(model, opt, nn.functional.cross_entropy, x, y)
 
 
 class _Block(nn.Module):
@@ -85,15 +71,7 @@ def _transformer_step():
     model = _Block()
     opt = torch.optim.AdamW(model.parameters())
     x, y = torch.randn(16, 64, 128), torch.randn(16, 64, 128)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return training_step(model, opt, nn.functional.mse_loss, x, y)
 
 
 MODELS = {"mlp": _mlp_step, "convnet": _convnet_step, "transformer": _transformer_step}
