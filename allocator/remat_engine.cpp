@@ -83,15 +83,34 @@ void RematEngine::use_input(int op, int v) {
   ops_[op].locked.push_back(v);
 }
 
-int RematEngine::create_output(int op, std::size_t nbytes, const std::vector<int>& not_read) {
-  const int v = new_value(nbytes, op, ops_[op].cost);
+// A fresh visit mark (mark_ sized to every value); marks are never cleared
+// except when the counter wraps.
+std::uint32_t RematEngine::next_epoch() {
+  if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
+  if (++epoch_ == 0) {
+    std::fill(mark_.begin(), mark_.end(), 0);
+    epoch_ = 1;
+  }
+  return epoch_;
+}
+
+// v's recipe: the op's inputs, each once, except `not_read`. Marks instead
+// of searches: a foreach op reads hundreds of values and writes hundreds.
+void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
+  const std::uint32_t epoch = next_epoch();
+  for (int r : not_read) mark_[r] = epoch;
   for (int r : ops_[op].inputs) {
-    if (std::find(not_read.begin(), not_read.end(), r) != not_read.end()) continue;
-    if (std::find(values_[v].recipe.begin(), values_[v].recipe.end(), r) != values_[v].recipe.end()) continue;
+    if (mark_[r] == epoch) continue;
+    mark_[r] = epoch;
     values_[v].recipe.push_back(r);
     values_[r].dependents.push_back(v);
     ++values_[r].needed_by;
   }
+}
+
+int RematEngine::create_output(int op, std::size_t nbytes, const std::vector<int>& not_read) {
+  const int v = new_value(nbytes, op, ops_[op].cost);
+  set_recipe(v, op, not_read);
   lock(v);
   ops_[op].locked.push_back(v);
   // Not resident yet, so the evictor cannot pick it while making room.
@@ -160,12 +179,7 @@ int RematEngine::write_in_place(int op, int v) {
   if (values_[v].state != ValueState::kResident || values_[v].locks == 0)
     broken(v, "an in-place write needs the value resident and locked (use_input first)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
-  for (int r : ops_[op].inputs) {
-    if (std::find(values_[n].recipe.begin(), values_[n].recipe.end(), r) != values_[n].recipe.end()) continue;
-    values_[n].recipe.push_back(r);
-    values_[r].dependents.push_back(n);
-    ++values_[r].needed_by;
-  }
+  set_recipe(n, op, {});
   // The block stays where it is; it now holds the new version.
   const std::uintptr_t addr = drop_block(v);
   take_block(n, addr);
@@ -271,12 +285,6 @@ void RematEngine::rematerialize(int v, int depth) {
   for (int r : recipe) unlock(r);
 }
 
-bool RematEngine::evictable(int v) const {
-  const Value& x = values_[v];
-  return x.state == ValueState::kResident && !x.pinned && x.locks == 0 && x.nbytes > 0 &&
-         x.producer >= 0;
-}
-
 bool RematEngine::evict(int v) {
   if (!evictable(v)) {
     if (values_[v].locks > 0) ++counters_.refused_locked;
@@ -342,8 +350,7 @@ double RematEngine::estar_eq(int v) {
 // no search.
 template <typename Counts>
 double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts) {
-  if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
-  const std::uint32_t epoch = ++epoch_;
+  const std::uint32_t epoch = next_epoch();
   double total = values_[v].cost;
   walk_.assign(1, v);
   mark_[v] = epoch;
@@ -373,6 +380,13 @@ double RematEngine::estar_exact(int v, int cap) {
 
 double RematEngine::chain_cost(int v, int cap) {
   return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; });
+}
+
+std::size_t RematEngine::unevictable_resident_bytes() const {
+  std::size_t total = 0;
+  for (int v : resident_)
+    if (!evictable(v)) total += values_[v].nbytes;
+  return total;
 }
 
 int RematEngine::value_at(std::uintptr_t addr) const {

@@ -119,7 +119,11 @@ class RematEngine {
   void kill(int v);
 
   // --- eviction interface (the Evictor) --------------------------------
-  bool evictable(int v) const;
+  bool evictable(int v) const {
+    const Value& x = values_[v];
+    return x.state == ValueState::kResident && !x.pinned && x.locks == 0 && x.nbytes > 0 &&
+           x.producer >= 0;
+  }
   // Frees `v`'s block. Returns false (and counts) if `v` is not evictable.
   bool evict(int v);
   // DTR's e*: cost plus the cost of memoryless neighbours.
@@ -128,6 +132,8 @@ class RematEngine {
   double chain_cost(int v, int cap = 256);   // producer plus evicted ancestors (MSPS)
   int value_at(std::uintptr_t addr) const;   // resident value at addr, or -1
   const std::vector<int>& resident() const { return resident_; }
+  // Bytes of resident values no eviction can free now (pinned or locked).
+  std::size_t unevictable_resident_bytes() const;
 
   const Value& value(int v) const { return values_[v]; }
   const OpRecord& op(int o) const { return ops_[o]; }
@@ -146,6 +152,8 @@ class RematEngine {
   template <typename Counts>
   double reachable_cost(int v, int cap, bool both_ways, Counts counts);
   int new_value(std::size_t nbytes, int producer, double cost);
+  void set_recipe(int v, int op, const std::vector<int>& not_read);
+  std::uint32_t next_epoch();
   void rematerialize(int v, int depth);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);

@@ -128,6 +128,8 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
         const int sid = t.mutated[k];
         current[sid] = engine.write_in_place(op, current[sid]);
       }
+      if (options.policy == Policy::kNone)
+        out.resident_floor_bytes = std::max(out.resident_floor_bytes, engine.unevictable_resident_bytes());
       engine.end_op(op);
       for (int k = t.frees_offsets[i]; k < t.frees_offsets[i + 1]; ++k)
         engine.kill(current[t.frees[k]]);

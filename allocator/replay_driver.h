@@ -55,6 +55,11 @@ struct ReplayOutcome {
   std::int64_t device_alloc_calls = 0;
   std::int64_t device_free_calls = 0;
   std::size_t invariant_checks = 0;
+  // Policy none only: the most bytes that had to be resident at once, pinned
+  // values plus what the op in flight holds locked, sampled when the op's
+  // outputs are allocated. No eviction policy can run the trace with less
+  // allocated (the pool adds its fragmentation on top).
+  std::size_t resident_floor_bytes = 0;
   EngineCounters engine;
   EvictorStats evictor;
 };

@@ -74,3 +74,44 @@ def test_min_feasible_budget(traces):
     assert dtralloc.replay(trace, budget=f, policy="dtralloc").feasible
     with pytest.raises(ValueError):
         dtralloc.min_feasible_budget(trace, "none")
+
+
+def test_resident_floor_by_hand():
+    """P (initial) -> a0 -> a1 -> a2 -> a3, backward reads them back; every
+    storage 16 MiB. The most that must be resident at once is P plus an op's
+    inputs and outputs: 4 storages (g3, a2 -> g2 or g1, a0, P -> gp)."""
+    from dtralloc.trace import Op, Storage, Trace
+
+    M = 16 << 20
+    P, a0, a1, a2, a3, g3, g2, g1, gp = range(9)
+    storages = [Storage(M, "cuda:0", "float32", i == P) for i in range(9)]
+    ops = [
+        Op("f0", inputs=[P], created=[a0], duration_ns=10),
+        Op("f1", inputs=[a0], created=[a1], duration_ns=20),
+        Op("f2", inputs=[a1], created=[a2], duration_ns=30),
+        Op("f3", inputs=[a2], created=[a3], duration_ns=40),
+        Op("b3", inputs=[a3], created=[g3], frees=[a3], backward=True, duration_ns=1),
+        Op("b2", inputs=[g3, a2], created=[g2], frees=[g3, a2], backward=True, duration_ns=1),
+        Op("b1", inputs=[g2, a1], created=[g1], frees=[g2, a1], backward=True, duration_ns=1),
+        Op("b0", inputs=[g1, a0, P], created=[gp], frees=[g1, a0], backward=True, duration_ns=1),
+    ]
+    for i, op in enumerate(ops):
+        op.outputs = list(op.created)
+        for s in op.created:
+            storages[s].producer = i
+    storages[gp].outlives = storages[P].outlives = True
+    t = Trace(storages, ops, [], {"name": "hand"})
+    t.validate()
+    baseline = dtralloc.replay(t).peak_reserved_bytes
+    floor = dtralloc.resident_floor(t)
+    assert floor == pytest.approx(4 * M / baseline)
+    for policy in EVICTING:  # nothing runs below the floor
+        assert not dtralloc.replay(t, budget=int(4 * M) - (2 << 20), policy=policy).feasible
+
+
+def test_no_policy_beats_the_resident_floor(traces):
+    for name in ("unet", "llama"):
+        floor = dtralloc.resident_floor(traces[name])
+        assert 0 < floor < 1
+        for policy in ("dtralloc", "dtr"):
+            assert not dtralloc.replay(traces[name], budget=floor * 0.98, policy=policy).feasible

@@ -17,7 +17,7 @@ from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
 from .pool import Pool
-from .replay import ReplayResult, min_feasible_budget, replay
+from .replay import ReplayResult, min_feasible_budget, replay, resident_floor
 from . import trace
 from .stats import (
     empty_cache,
@@ -50,6 +50,7 @@ __all__ = [
     "memory_summary",
     "record_memory_history",
     "replay",
+    "resident_floor",
     "min_feasible_budget",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",

@@ -274,6 +274,25 @@ def _run_remat(trace: Trace, budget_bytes, policy: str, conf: str, check: bool) 
     return result
 
 
+def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
+    """The budget fraction below which no eviction policy can run `trace`.
+
+    At every op some bytes cannot be evicted: initial storages (parameters,
+    optimizer state), values made unrecomputable by an in-place write to
+    them, and the op's own inputs and outputs. The largest such sum over the
+    step, as a fraction of the no-eviction peak reserved, bounds every
+    policy's ``min_feasible_budget`` from below (the pool's fragmentation
+    comes on top)."""
+    if isinstance(trace, str):
+        from .trace import load
+
+        trace = load(trace)
+    text = conf_text(conf if conf is not None else "")
+    baseline = _run(trace, None, text, False, None).peak_reserved_bytes
+    r = _core.remat_replay(*_columns(trace), 0, "none", text, False)
+    return r["resident_floor_bytes"] / baseline if baseline else 0.0
+
+
 def min_feasible_budget(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01
 ) -> Optional[float]:
