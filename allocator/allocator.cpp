@@ -66,7 +66,7 @@ Allocator::~Allocator() {
 // much memory anyway (2^62 bytes = 4 EiB).
 constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 62;
 
-void* Allocator::malloc(std::size_t size, Stream stream) {
+void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
   if (size == 0) return nullptr;
   if (size > kMaxRequestBytes) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -80,6 +80,7 @@ void* Allocator::malloc(std::size_t size, Stream stream) {
       std::lock_guard<std::mutex> lock(mutex_);
       stamp();
       if (Block* b = try_allocate(rounded, size, stream)) {
+        b->owner = owner;
         record(TraceAction::kAlloc, b->addr, size, stream);
         return reinterpret_cast<void*>(b->addr);
       }

@@ -120,8 +120,10 @@ class Allocator {
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
 
-  // size 0 returns nullptr. Throws OutOfMemoryError.
-  void* malloc(std::size_t size, Stream stream = 0);
+  // size 0 returns nullptr. Throws OutOfMemoryError. `owner` tags the block
+  // for whoever asked (the remat engine's value id, read back by the
+  // evictor's address walk without a lookup); the pool never reads it.
+  void* malloc(std::size_t size, Stream stream = 0, std::int32_t owner = -1);
   // nullptr is a no-op. Throws InvalidPointerError (and counts it).
   void free(void* ptr);
   // `ptr` is used on `stream` too: it returns to the pool only once an event

@@ -82,6 +82,7 @@ struct Block {
   bool counted_inactive_split = false;  // what insert_free added to the stat
   FreeSet::iterator free_it;       // valid while in_free_set (O(1) erase)
   int event_count = 0;             // record_stream events still outstanding
+  std::int32_t owner = -1;         // caller's tag while allocated (Allocator::malloc)
   std::vector<Stream> stream_uses; // other streams that used it (record_stream)
 
   bool is_split() const { return prev != nullptr || next != nullptr; }

@@ -82,8 +82,8 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "already had (1 = off: on the bundled traces every value > 1 raised the " \
     "min feasible budget; raise it if a workload thrashes)")                   \
   X(small_tensor_cutoff, SizeOption, 64 * 1024,                                \
-    "dtralloc policy: tensors smaller than this are never evicted on their "   \
-    "own (freeing them rarely makes room; they only join windows)")            \
+    "dtralloc policy: no window starts at a tensor smaller than this (fewer "  \
+    "windows to score); small tensors still join windows that need them")      \
   X(eviction_sample_threshold, CountOption, 1024,                              \
     "dtralloc policy: with more candidate windows than this, score only "      \
     "sqrt(N) of them (fixed-seed sample) to bound the search time")            \

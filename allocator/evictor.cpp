@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <algorithm>
 #include <limits>
 
 namespace dtralloc {
@@ -26,7 +27,14 @@ Evictor::Evictor(Allocator& allocator, RematEngine& engine, Policy policy, const
       penalty_(config.recompute_penalty),
       cutoff_bytes_(config.small_tensor_cutoff),
       sample_threshold_(config.eviction_sample_threshold),
-      rng_(config.eviction_seed * 0x9e3779b97f4a7c15ull + 0x2545f4914f6cdd1dull) {}
+      rng_(config.eviction_seed * 0x9e3779b97f4a7c15ull + 0x2545f4914f6cdd1dull) {
+  // Scratch for the address walk, sized up front: the first forced eviction
+  // should not also pay for growing it.
+  items_.reserve(4096);
+  weight_.reserve(4096);
+  starts_.reserve(4096);
+  segs_.reserve(512);
+}
 
 std::uint64_t Evictor::next_random() {  // xorshift64*: deterministic, seeded
   rng_ ^= rng_ >> 12;
@@ -51,26 +59,38 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
   return freed;
 }
 
-// Snapshot of the blocks, in address order, of the stream's segments (of one
-// pool kind when only_pool). Taken under the pool lock, scored without it.
-void Evictor::walk(Stream stream, bool only_pool, PoolKind pool) {
+// Snapshot of the blocks, in address order, of the stream's segments (of the
+// large pool only when `large_only`), and the budget's headroom. Taken under
+// the pool lock, scored without it.
+void Evictor::walk(Stream stream, bool large_only) {
   items_.clear();
+  segs_.clear();
   allocator_.inspect_pool([&](const BlockPool& bp) {
-    int seg_index = 0;
+    const std::size_t reserved = static_cast<std::size_t>(bp.stats().reserved_bytes[kStatAll].current);
+    const std::size_t budget = allocator_.budget_bytes();
+    headroom_ = budget > reserved ? budget - reserved : 0;
     for (const auto& entry : bp.segments()) {
       const Segment* seg = entry.second;
-      if (seg->stream != stream || (only_pool && seg->pool != pool)) continue;
+      if (seg->stream != stream || (large_only && seg->pool != kLargePool)) continue;
+      SegSpan span{items_.size(), items_.size(), seg->size, seg->pool, false};
+      const int index = static_cast<int>(segs_.size());
       for (const Block* b = seg->head; b; b = b->next) {
         int value = kBlocked;
         if (b->in_free_set) {
           value = kFree;
         } else if (b->allocated) {
-          const int v = engine_.value_at(b->addr);
+          // The block's owner tag names the value without a lookup; blocks
+          // allocated by others (no tag) are looked up by address.
+          int v = b->owner;
+          if (v < 0 || static_cast<std::size_t>(v) >= engine_.num_values() || engine_.value(v).addr != b->addr)
+            v = engine_.value_at(b->addr);
           if (v >= 0 && engine_.evictable(v)) value = v;
         }
-        items_.push_back({b->addr, b->size, value, seg_index});
+        span.blocked |= value == kBlocked;
+        items_.push_back({b->addr, b->size, value, index});
       }
-      ++seg_index;
+      span.end = items_.size();
+      segs_.push_back(span);
     }
   });
 }
@@ -96,10 +116,9 @@ double Evictor::single_score(int v, std::size_t free_around) {
     case Policy::kDtrEq: return engine_.estar_eq(v) / (size * stale);
     case Policy::kDtrLocal: return x.cost / (size * stale);
     case Policy::kDte: return engine_.estar_eq(v) / ((size + free_around) * stale);
-    case Policy::kCoop: return x.cost / size;
-    case Policy::kDtralloc:
-      return window_weight(v) / (size + free_around);
-    case Policy::kNone: break;
+    case Policy::kNone:
+    case Policy::kCoop:      // window policies score runs (choose_window)
+    case Policy::kDtralloc: break;
   }
   return 0;
 }
@@ -116,48 +135,48 @@ double Evictor::single_score(int v, std::size_t free_around) {
 double Evictor::window_weight(int v) {
   const Value& x = engine_.value(v);
   if (policy_ == Policy::kCoop) return x.cost;
-  return engine_.chain_cost(v) * std::pow(penalty_, x.recomputes);
+  const double chain = engine_.chain_cost(v);
+  return x.recomputes == 0 || penalty_ == 1.0 ? chain : chain * std::pow(penalty_, x.recomputes);
 }
 
 std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
   if (policy_ == Policy::kNone) return {};
   if (policy_ == Policy::kCoop || policy_ == Policy::kDtralloc) {
-    walk(stream, true, BlockPool::pool_for(bytes));
-    std::vector<int> run = choose_window(bytes);
-    if (!run.empty()) {
+    // A large request is served by a large-pool run or by releasing segments;
+    // the small pool (2 MiB segments of tiny tensors, often half the blocks)
+    // can do little for it, so it is not walked.
+    walk(stream, BlockPool::pool_for(bytes) == kLargePool);
+    weight_.assign(items_.size(), -1.0);
+    Plan window = choose_window(bytes);
+    Plan release = choose_release(bytes);
+    if (!window.found() && !release.found()) {
+      ++stats_.no_plan;
+      return {};
+    }
+    if (window.found() && window.score <= release.score) {
       ++stats_.windows;
-      return run;
+      return std::move(window.victims);
     }
-    walk(stream, false, kLargePool);
-    run = choose_segment();
-    if (!run.empty()) {
-      ++stats_.segment_fallbacks;
-      return run;
-    }
-    ++stats_.single_fallbacks;
-    std::vector<int> one = choose_single(true);
-    return one.empty() ? choose_single(false) : one;
+    ++stats_.segment_releases;
+    return std::move(release.victims);
   }
-  if (policy_ == Policy::kDte) walk(stream, false, kLargePool);
-  return choose_single(false);
+  if (policy_ == Policy::kDte) walk(stream, false);
+  return choose_single();
 }
 
-std::vector<int> Evictor::choose_single(bool use_cutoff) {
-  if (policy_ == Policy::kDte || policy_ == Policy::kDtralloc) {
+std::vector<int> Evictor::choose_single() {
+  int best = -1;
+  double best_score = std::numeric_limits<double>::infinity();
+  if (policy_ == Policy::kDte) {
     // Scored from the address walk: neighbours' free bytes are known there.
-    int best = -1;
-    double best_score = std::numeric_limits<double>::infinity();
     for (std::size_t i = 0; i < items_.size(); ++i) {
       const int v = items_[i].value;
       if (v < 0) continue;
-      if (use_cutoff && engine_.value(v).nbytes < cutoff_bytes_) continue;
       const double s = single_score(v, free_beside(i));
       if (s < best_score) best_score = s, best = v;
     }
     return best < 0 ? std::vector<int>{} : std::vector<int>{best};
   }
-  int best = -1;
-  double best_score = std::numeric_limits<double>::infinity();
   // resident() is in no stable order; ties break on the lower value id so the
   // choice never depends on hash or swap order.
   for (int v : engine_.resident()) {
@@ -168,87 +187,152 @@ std::vector<int> Evictor::choose_single(bool use_cutoff) {
   return best < 0 ? std::vector<int>{} : std::vector<int>{best};
 }
 
-// Least-cost minimal run of free + evictable blocks reaching `bytes`, within
-// one segment. Two pointers: for each start, the shortest run that fits.
-std::vector<int> Evictor::choose_window(std::size_t bytes) {
-  const std::size_t n = items_.size();
-  // Weights are computed when a scanned run first reaches a block (a chain
-  // walk each): with sampling most blocks are never reached.
-  weight_.assign(n, -1.0);
-  auto weight = [&](std::size_t i) {
-    if (items_[i].value < 0) return 0.0;
-    if (weight_[i] < 0) weight_[i] = window_weight(items_[i].value);
-    return weight_[i];
+// Weight of item i in a run (free blocks cost nothing), computed when a scan
+// first reaches it: a chain walk each, and with sampling most are never reached.
+double Evictor::weight(std::size_t i) {
+  if (items_[i].value < 0) return 0.0;
+  if (weight_[i] < 0) weight_[i] = window_weight(items_[i].value);
+  return weight_[i];
+}
+
+// The best minimal run of free + evictable blocks reaching `bytes` inside one
+// segment of the request's pool. Within each stretch of unblocked blocks the
+// shortest run that fits only moves right as its start does (two pointers),
+// so a stretch costs one pass. Coop scores a run by its total cost, dtralloc
+// by cost per byte freed, free neighbours outside the run included.
+Evictor::Plan Evictor::choose_window(std::size_t bytes) {
+  const PoolKind pool = BlockPool::pool_for(bytes);
+  const bool sampling_allowed = policy_ == Policy::kDtralloc;
+  // Window starts: free blocks and evictable values; below the small-tensor
+  // cutoff a value only joins runs (unless the request itself is that small).
+  auto is_start = [&](std::size_t i) {
+    const int v = items_[i].value;
+    if (v == kBlocked) return false;
+    if (v == kFree || policy_ != Policy::kDtralloc || bytes < cutoff_bytes_) return true;
+    return engine_.value(v).nbytes >= cutoff_bytes_;
   };
-  std::vector<std::size_t> starts;
-  for (std::size_t i = 0; i < n; ++i)
-    if (items_[i].value != kBlocked) starts.push_back(i);
-  if (policy_ == Policy::kDtralloc && starts.size() > sample_threshold_) {
+  std::vector<std::size_t>& starts = starts_;
+  starts.clear();
+  for (const SegSpan& seg : segs_) {
+    if (seg.pool != pool || seg.bytes < bytes) continue;
+    for (std::size_t i = seg.begin; i < seg.end; ++i)
+      if (is_start(i)) starts.push_back(i);
+  }
+  if (sampling_allowed && starts.size() > sample_threshold_) {
     const auto k = static_cast<std::size_t>(std::ceil(std::sqrt(static_cast<double>(starts.size()))));
     std::vector<std::size_t> sample;
     for (std::size_t j = 0; j < k; ++j) sample.push_back(starts[next_random() % starts.size()]);
+    std::sort(sample.begin(), sample.end());
+    sample.erase(std::unique(sample.begin(), sample.end()), sample.end());
     starts.swap(sample);
   }
-  double best_score = std::numeric_limits<double>::infinity();
+  Plan best;
   std::size_t best_l = 0, best_r = 0;
+  // Two pointers over the starts in address order: [l, r) is the run, `have`
+  // its bytes, `cost` its weight, `evicting` its evictable blocks.
+  std::size_t r = 0, have = 0, evicting = 0;
+  double cost = 0;
+  constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  std::size_t run_begin = kNone;  // l of the current [l, r)
+  std::size_t dead_until = 0;     // starts below it (same stretch) cannot fit
   bool found = false;
   for (std::size_t l : starts) {
-    std::size_t have = 0, r = l;
-    double cost = 0;
-    bool evicts = false;
-    for (; r < n && items_[r].segment == items_[l].segment && items_[r].value != kBlocked; ++r) {
-      have += items_[r].size;
-      cost += weight(r);
-      evicts |= items_[r].value >= 0;
-      if (have >= bytes) break;
-    }
-    if (have < bytes || !evicts) continue;
-    double score = cost;
-    if (policy_ == Policy::kDtralloc) {
-      // Per byte it frees, free neighbours outside the run included.
-      std::size_t total = have;
-      if (l > 0 && items_[l - 1].segment == items_[l].segment && items_[l - 1].value == kFree)
-        total += items_[l - 1].size;
-      if (r + 1 < n && items_[r + 1].segment == items_[r].segment && items_[r + 1].value == kFree)
-        total += items_[r + 1].size;
-      score = cost / static_cast<double>(total);
-    }
-    if (score < best_score) best_score = score, best_l = l, best_r = r, found = true;
-  }
-  std::vector<int> victims;
-  if (!found) return victims;
-  for (std::size_t i = best_l; i <= best_r; ++i)
-    if (items_[i].value >= 0) victims.push_back(items_[i].value);
-  return victims;
-}
-
-// The cheapest segment (per byte) made only of free and evictable blocks:
-// evicting all of it lets the pool release it and grow where it must.
-std::vector<int> Evictor::choose_segment() {
-  const std::size_t n = items_.size();
-  double best_score = std::numeric_limits<double>::infinity();
-  std::size_t best_begin = 0, best_end = 0;
-  for (std::size_t b = 0; b < n;) {
-    std::size_t e = b;
-    bool ok = true, evicts = false;
-    std::size_t bytes = 0;
-    double cost = 0;
-    for (; e < n && items_[e].segment == items_[b].segment; ++e) {
-      bytes += items_[e].size;
-      if (items_[e].value == kBlocked) ok = false;
-      if (items_[e].value >= 0) {
-        evicts = true;
-        cost += window_weight(items_[e].value);
+    const int segment = items_[l].segment;
+    if (l < dead_until && items_[dead_until - 1].segment == segment) continue;
+    const bool same_stretch = run_begin != kNone && l < r && items_[run_begin].segment == segment;
+    if (!same_stretch) {  // a new stretch (or the run fell behind): start over at l
+      r = l, have = 0, evicting = 0, cost = 0;
+    } else {  // drop the blocks between the previous start and this one
+      for (std::size_t i = run_begin; i < l; ++i) {
+        have -= items_[i].size;
+        cost -= weight(i);
+        evicting -= items_[i].value >= 0;
       }
     }
-    if (ok && evicts && cost / static_cast<double>(bytes) < best_score)
-      best_score = cost / static_cast<double>(bytes), best_begin = b, best_end = e;
-    b = e;
+    run_begin = l;
+    const std::size_t seg_end = segs_[segment].end;
+    while (have < bytes && r < seg_end && items_[r].value != kBlocked) {
+      have += items_[r].size;
+      cost += weight(r);
+      evicting += items_[r].value >= 0;
+      ++r;
+    }
+    if (have < bytes) {  // nothing from here on fits before a blocked block or the end
+      run_begin = kNone;
+      dead_until = r;
+      continue;
+    }
+    if (evicting == 0) continue;  // the pool would have found this hole itself
+    double score = std::max(cost, 0.0);
+    if (policy_ == Policy::kDtralloc) {
+      std::size_t total = have;
+      if (l > segs_[segment].begin && items_[l - 1].value == kFree) total += items_[l - 1].size;
+      if (r < seg_end && items_[r].value == kFree) total += items_[r].size;
+      score /= static_cast<double>(total);
+    }
+    if (score < best.score) best.score = score, best_l = l, best_r = r, found = true;
   }
-  std::vector<int> victims;
-  for (std::size_t i = best_begin; i < best_end; ++i)
-    if (items_[i].value >= 0) victims.push_back(items_[i].value);
-  return victims;
+  if (!found) return best;
+  for (std::size_t i = best_l; i < best_r; ++i)
+    if (items_[i].value >= 0) best.victims.push_back(items_[i].value);
+  if (policy_ == Policy::kCoop) best.score /= static_cast<double>(bytes);  // comparable per byte
+  return best;
+}
+
+// Whole segments made only of free and evictable blocks, enough that once
+// they are released the budget has room for the segment the request needs:
+// the cheapest single segment that suffices, or the cheapest-per-byte ones
+// taken greedily, whichever costs less. Scored per byte released.
+Evictor::Plan Evictor::choose_release(std::size_t bytes) {
+  Plan plan;
+  const bool large = BlockPool::pool_for(bytes) == kLargePool;
+  // What the Allocator will ask the backend for: a standard segment, or under
+  // a tight budget one of the request's own 2 MiB-rounded size.
+  std::size_t segment = BlockPool::segment_size(bytes);
+  if (large) segment = std::min(segment, kRoundLarge * ((bytes + kRoundLarge - 1) / kRoundLarge));
+  if (segment <= headroom_) return plan;  // not a question of releasing
+  const std::size_t need = segment - headroom_;
+  struct Candidate { std::size_t seg; double cost, per_byte; };
+  std::vector<Candidate> candidates;
+  for (std::size_t s = 0; s < segs_.size(); ++s) {
+    const SegSpan& seg = segs_[s];
+    if (seg.blocked) continue;
+    double cost = 0;
+    bool evicts = false;
+    for (std::size_t i = seg.begin; i < seg.end; ++i) {
+      evicts |= items_[i].value >= 0;
+      cost += weight(i);
+    }
+    if (evicts) candidates.push_back({s, cost, cost / static_cast<double>(seg.bytes)});
+  }
+  if (candidates.empty()) return plan;
+  double best_cost = std::numeric_limits<double>::infinity();
+  std::vector<std::size_t> chosen;
+  for (const Candidate& c : candidates)  // one segment that suffices
+    if (segs_[c.seg].bytes >= need && c.cost < best_cost) best_cost = c.cost, chosen.assign(1, c.seg);
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.per_byte < b.per_byte || (a.per_byte == b.per_byte && a.seg < b.seg);
+  });
+  std::vector<std::size_t> greedy;
+  std::size_t got = 0;
+  double greedy_cost = 0;
+  for (const Candidate& c : candidates) {
+    if (got >= need) break;
+    greedy.push_back(c.seg);
+    got += segs_[c.seg].bytes;
+    greedy_cost += c.cost;
+  }
+  if (got >= need && greedy_cost < best_cost) best_cost = greedy_cost, chosen = greedy;
+  if (chosen.empty()) return plan;
+  std::size_t released = 0;
+  for (std::size_t s : chosen) {
+    released += segs_[s].bytes;
+    for (std::size_t i = segs_[s].begin; i < segs_[s].end; ++i)
+      if (items_[i].value >= 0) plan.victims.push_back(items_[i].value);
+  }
+  plan.score = best_cost / static_cast<double>(released);
+  if (policy_ == Policy::kCoop) plan.score = best_cost / static_cast<double>(bytes);
+  return plan;
 }
 
 }  // namespace dtralloc

@@ -21,18 +21,25 @@
 //              recomputing t runs, as in msps), free blocks on either side
 //              counted (DESIGN.md 4 generalized from one tensor to a run;
 //              staleness dropped, see window_weight); tensors below
-//              small_tensor_cutoff only join runs; with more than
-//              eviction_sample_threshold window starts, sqrt(N) of them are
-//              scored (fixed-seed sampler)
+//              small_tensor_cutoff only join runs, never start one; with more
+//              than eviction_sample_threshold window starts, sqrt(N) of them
+//              are scored (fixed-seed sampler)
 // Single-tensor policies evict one tensor per call; the Allocator retries
-// and calls again while room is missing. Window policies evict one run, which
-// frees a contiguous range the request fits; when no run can fit (a request
-// larger than every segment) they free the cheapest segment made only of free
-// and evictable blocks, then fall back to their single-tensor score.
+// and calls again while room is missing. Window policies make room in one
+// call, whichever of two plans costs less per byte it frees:
+//   window   a run inside one segment of the request's pool that the
+//            request fits once the run is evicted;
+//   release  whole segments made only of free and evictable blocks, enough
+//            of them that, released, the budget has room for the segment the
+//            request needs (a request larger than every segment's runs).
+// With neither plan no eviction can serve the request now (every candidate
+// run or segment holds a pinned or locked block), and they evict nothing:
+// the Allocator reports OOM instead of recomputing for nothing.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -48,9 +55,9 @@ Policy parse_policy(const std::string& name);
 
 struct EvictorStats {
   std::size_t calls = 0;                 // make_room calls (forced evictions)
-  std::size_t windows = 0;               // calls served by a window
-  std::size_t segment_fallbacks = 0;
-  std::size_t single_fallbacks = 0;
+  std::size_t windows = 0;               // calls served by a window plan
+  std::size_t segment_releases = 0;      // calls served by a release plan
+  std::size_t no_plan = 0;               // calls where no eviction could help
   std::vector<std::int64_t> search_ns;   // time to choose victims, per call
   std::vector<double> free_fraction;     // (budget - allocated) / budget, per call
 };
@@ -68,17 +75,29 @@ class Evictor : public EvictionHook {
     std::uintptr_t addr;
     std::size_t size;
     int value;              // resident value; kFree or kBlocked otherwise
-    int segment;            // index of its segment in the walk
+    int segment;            // index into segs_
+  };
+  struct SegSpan {          // one segment of the walk: items_[begin, end)
+    std::size_t begin, end;
+    std::size_t bytes;
+    PoolKind pool;
+    bool blocked;           // holds a block no eviction can free
+  };
+  struct Plan {             // victims and their score (cost per byte freed)
+    std::vector<int> victims;
+    double score = std::numeric_limits<double>::infinity();
+    bool found() const { return !victims.empty(); }
   };
   static constexpr int kFree = -1;
   static constexpr int kBlocked = -2;
 
-  void walk(Stream stream, bool only_pool, PoolKind pool);
+  void walk(Stream stream, bool large_only);
   double single_score(int v, std::size_t free_around);
   double window_weight(int v);
-  std::vector<int> choose_single(bool use_cutoff);
-  std::vector<int> choose_window(std::size_t bytes);
-  std::vector<int> choose_segment();
+  double weight(std::size_t i);
+  std::vector<int> choose_single();
+  Plan choose_window(std::size_t bytes);
+  Plan choose_release(std::size_t bytes);
   std::size_t free_beside(std::size_t i) const;
   std::uint64_t next_random();
 
@@ -90,7 +109,9 @@ class Evictor : public EvictionHook {
   const std::size_t sample_threshold_;
   std::uint64_t rng_;
   std::vector<Item> items_;                 // reused between calls
-  std::vector<std::size_t> free_around_;    // per value while scoring (dte)
+  std::vector<SegSpan> segs_;
+  std::size_t headroom_ = 0;                // budget - reserved at the walk
+  std::vector<std::size_t> starts_;         // window starts (choose_window)
   std::vector<double> weight_;              // per item of the walk; < 0: not yet computed
   EvictorStats stats_;
 };

@@ -174,8 +174,8 @@ py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::st
   d["fake_deletions"] = r.engine.fake_deletions;
   d["eviction_calls"] = r.evictor.calls;
   d["window_evictions"] = r.evictor.windows;
-  d["segment_fallbacks"] = r.evictor.segment_fallbacks;
-  d["single_fallbacks"] = r.evictor.single_fallbacks;
+  d["segment_releases"] = r.evictor.segment_releases;
+  d["no_plan"] = r.evictor.no_plan;
   d["resident_floor_bytes"] = r.resident_floor_bytes;
   d["search_ns"] = r.evictor.search_ns;
   d["free_fraction"] = r.evictor.free_fraction;

@@ -36,6 +36,7 @@ void RematEngine::take_block(int v, std::uintptr_t addr) {
   if (addr) by_addr_[addr] = v;
   x.resident_pos = static_cast<int>(resident_.size());
   resident_.push_back(v);
+  for (int d : x.dependents) --values_[d].missing;
 }
 
 std::uintptr_t RematEngine::drop_block(int v) {
@@ -49,13 +50,14 @@ std::uintptr_t RematEngine::drop_block(int v) {
   resident_.pop_back();
   x.resident_pos = -1;
   x.addr = 0;
+  for (int d : x.dependents) ++values_[d].missing;
   return addr;
 }
 
 int RematEngine::add_initial(std::size_t nbytes) {
   const int v = new_value(nbytes, -1, 0);
   values_[v].pinned = true;
-  take_block(v, nbytes ? memory_.allocate(nbytes) : 0);
+  take_block(v, nbytes ? memory_.allocate(nbytes, v) : 0);
   return v;
 }
 
@@ -105,6 +107,7 @@ void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
     values_[v].recipe.push_back(r);
     values_[r].dependents.push_back(v);
     ++values_[r].needed_by;
+    if (values_[r].state != ValueState::kResident) ++values_[v].missing;
   }
 }
 
@@ -114,7 +117,7 @@ int RematEngine::create_output(int op, std::size_t nbytes, const std::vector<int
   lock(v);
   ops_[op].locked.push_back(v);
   // Not resident yet, so the evictor cannot pick it while making room.
-  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes) : 0;
+  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes, v) : 0;
   take_block(v, addr);
   values_[v].last_access = clock_;
   return v;
@@ -271,7 +274,7 @@ void RematEngine::rematerialize(int v, int depth) {
   lock(v);
   const OpRecord& op = ops_[values_[v].producer];
   const std::size_t nbytes = values_[v].nbytes;
-  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes) : 0;  // may evict others
+  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes, v) : 0;  // may evict others
   take_block(v, addr);
   Value& x = values_[v];
   ++x.recomputes;
@@ -365,7 +368,10 @@ double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts
       walk_.push_back(n);
       total += values_[n].cost;
     };
-    for (int r : values_[x].recipe) visit(r);
+    // With every input resident the walk ends at x (most values, most of
+    // the time): no need to look at a recipe of hundreds (foreach ops).
+    if (both_ways || values_[x].missing > 0)
+      for (int r : values_[x].recipe) visit(r);
     if (both_ways)
       for (int d : values_[x].dependents) visit(d);
   }
@@ -379,6 +385,7 @@ double RematEngine::estar_exact(int v, int cap) {
 }
 
 double RematEngine::chain_cost(int v, int cap) {
+  if (values_[v].missing == 0) return values_[v].cost;  // the common case: one op
   return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; });
 }
 
@@ -422,6 +429,15 @@ void RematEngine::check_invariants() const {
       if (x.state == ValueState::kDeadNeeded && (x.alive || x.pinned)) broken(v, "dead-needed but alive or pinned");
     }
     if (x.locks < 0) broken(v, "negative lock count");
+  }
+  for (std::size_t i = 0; i < values_.size(); ++i) {
+    const Value& x = values_[i];
+    if (x.state == ValueState::kReleased) continue;
+    int missing = 0;
+    for (int r : x.recipe) missing += values_[r].state != ValueState::kResident;
+    if (missing != x.missing)
+      broken(static_cast<int>(i), "missing is " + std::to_string(x.missing) + ", recount gives " +
+                                      std::to_string(missing));
   }
   for (std::size_t i = 0; i < values_.size(); ++i)
     if (values_[i].state != ValueState::kReleased && needed[i] != values_[i].needed_by)

@@ -30,6 +30,7 @@
 //   evicted/dead-needed values are recomputable (not pinned)
 //   no locked value is ever evicted (evict() refuses; counted)     (DESIGN 3.7)
 //   needed_by(v) == #unreleased values whose recipe contains v
+//   missing(v) == #entries of v's recipe that are not resident (unreleased v)
 #pragma once
 
 #include <cstddef>
@@ -46,27 +47,31 @@ namespace dtralloc {
 class MemoryPort {
  public:
   virtual ~MemoryPort() = default;
-  virtual std::uintptr_t allocate(std::size_t bytes) = 0;
+  // Memory for `value` (its id tags the pool block for the evictor's walk).
+  virtual std::uintptr_t allocate(std::size_t bytes, int value) = 0;
   virtual void release(std::uintptr_t addr) = 0;
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
 
-struct Value {
+// Hot scalars first, in one 64-byte line: the evictor's address walk and its
+// weights read only these, once per block, mostly from cold cache.
+struct alignas(64) Value {
   std::size_t nbytes = 0;
-  int producer = -1;             // op index; -1: initial (no recipe)
-  std::vector<int> recipe;       // values the producer read (at those versions)
-  std::vector<int> dependents;   // values whose recipe contains this one
-  ValueState state = ValueState::kResident;
   std::uintptr_t addr = 0;       // block while resident; 0 otherwise (or 0-byte)
-  bool alive = true;             // the program still holds a reference
-  bool pinned = false;           // not recomputable: never evicted
+  double cost = 0;               // cost of the producer op (ns, or flops)
+  std::uint64_t last_access = 0; // engine clock at last use (staleness)
+  int producer = -1;             // op index; -1: initial (no recipe)
   int locks = 0;                 // op / recompute in flight
   int needed_by = 0;             // unreleased values with this in their recipe
+  int missing = 0;               // recipe entries not resident (0: recompute runs one op)
   int recomputes = 0;
-  std::uint64_t last_access = 0; // engine clock at last use (staleness)
-  double cost = 0;               // cost of the producer op (ns, or flops)
   int resident_pos = -1;         // index in resident_ while resident
+  ValueState state = ValueState::kResident;
+  bool alive = true;             // the program still holds a reference
+  bool pinned = false;           // not recomputable: never evicted
+  std::vector<int> recipe;       // values the producer read (at those versions)
+  std::vector<int> dependents;   // values whose recipe contains this one
 };
 
 struct OpRecord {

@@ -19,8 +19,8 @@ constexpr std::size_t kMaxRematsPerOp = 64;
 class PoolPort : public MemoryPort {
  public:
   explicit PoolPort(Allocator& allocator) : allocator_(allocator) {}
-  std::uintptr_t allocate(std::size_t bytes) override {
-    return reinterpret_cast<std::uintptr_t>(allocator_.malloc(bytes));
+  std::uintptr_t allocate(std::size_t bytes, int value) override {
+    return reinterpret_cast<std::uintptr_t>(allocator_.malloc(bytes, 0, value));
   }
   void release(std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
 

@@ -1,5 +1,6 @@
 // Evictor: every policy picks the victims worked out by hand on a crafted
 // address layout, and make_room frees a contiguous range the request uses.
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -16,8 +17,8 @@ namespace {
 class PoolPort : public MemoryPort {
  public:
   explicit PoolPort(Allocator& a) : a_(a) {}
-  std::uintptr_t allocate(std::size_t bytes) override {
-    return reinterpret_cast<std::uintptr_t>(a_.malloc(bytes));
+  std::uintptr_t allocate(std::size_t bytes, int value) override {
+    return reinterpret_cast<std::uintptr_t>(a_.malloc(bytes, 0, value));
   }
   void release(std::uintptr_t addr) override { a_.free(reinterpret_cast<void*>(addr)); }
 
@@ -161,6 +162,79 @@ void test_make_room_serves_request() {
   l.allocator.set_eviction_hook(nullptr);
 }
 
+// Large-pool segments of their own: X (cost 5), Y (cost 1), Z (initial,
+// pinned), 20 MiB each, in three 20 MiB segments.
+struct Segments {
+  Allocator allocator;
+  PoolPort port;
+  RematEngine engine;
+  int x, y, z;
+  explicit Segments(const std::string& budget)
+      : allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:" + budget)),
+        port(allocator),
+        engine(port) {
+    constexpr std::size_t k20 = 20 << 20;
+    auto make = [&](double cost) {
+      const int op = engine.begin_op(cost, false);
+      const int v = engine.create_output(op, k20);
+      engine.end_op(op);
+      return v;
+    };
+    x = make(5);
+    y = make(1);
+    z = engine.add_initial(k20);
+    CHECK_EQ(allocator.stats_report().stats.segment[kStatAll].current, 3);
+  }
+  ~Segments() { engine.release_all(); }
+};
+
+void test_release_plans() {
+  {
+    Segments s("60M");  // no headroom
+    // 40 MiB fits no segment: release X's and Y's (Z is pinned).
+    for (const char* p : {"dtralloc", "coop"}) {
+      Evictor ev(s.allocator, s.engine, parse_policy(p), s.allocator.config());
+      std::vector<int> v = ev.choose(40 << 20, 0);
+      std::sort(v.begin(), v.end());
+      CHECK(v == (std::vector<int>{s.x, s.y}));
+    }
+    // 20 MiB: Y's segment, as a window or a release (same cost per byte).
+    Evictor ev(s.allocator, s.engine, Policy::kDtralloc, s.allocator.config());
+    CHECK(ev.choose(20 << 20, 0) == std::vector<int>{s.y});
+    // 60 MiB: even X and Y together leave too little: no plan, nothing evicted.
+    CHECK(ev.choose(60 << 20, 0).empty());
+  }
+  {
+    Segments s("70M");  // 10 MiB of headroom: 30 MiB needs one segment released
+    Evictor ev(s.allocator, s.engine, Policy::kDtralloc, s.allocator.config());
+    CHECK(ev.choose(30 << 20, 0) == std::vector<int>{s.y});
+    CHECK(ev.choose(50 << 20, 0).size() == 2);
+  }
+  {
+    // Through the allocator: a 40 MiB output evicts X and Y in one call, and
+    // the pool releases their segments to make room.
+    Segments s("60M");
+    auto ev = std::make_shared<Evictor>(s.allocator, s.engine, Policy::kDtralloc, s.allocator.config());
+    s.allocator.set_eviction_hook(ev);
+    const int op = s.engine.begin_op(1, false);
+    const int big = s.engine.create_output(op, 40 << 20);
+    s.engine.end_op(op);
+    CHECK(s.engine.value(big).state == ValueState::kResident);
+    CHECK(s.engine.value(s.x).state == ValueState::kEvicted);
+    CHECK(s.engine.value(s.y).state == ValueState::kEvicted);
+    CHECK_EQ(ev->stats().calls, std::size_t{1});
+    CHECK_EQ(ev->stats().segment_releases, std::size_t{1});
+    // Now nothing can make 60 MiB: make_room says so at once, and malloc OOMs.
+    const int op2 = s.engine.begin_op(1, false);
+    CHECK_CONTAINS(check::thrown_message<OutOfMemoryError>([&] { s.engine.create_output(op2, 60 << 20); }),
+                   "out of memory");
+    CHECK_EQ(ev->stats().no_plan, std::size_t{1});
+    s.engine.end_op(op2);
+    s.allocator.check_invariants();
+    s.allocator.set_eviction_hook(nullptr);
+  }
+}
+
 void test_unknown_policy() {
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_policy("belady"); }), "belady");
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "policy");
@@ -176,6 +250,7 @@ int main() {
   test_dtralloc_recompute_penalty();
   test_dtralloc_charges_the_recompute_chain();
   test_make_room_serves_request();
+  test_release_plans();
   test_unknown_policy();
   return check::check_summary("test_evictor");
 }

@@ -11,7 +11,7 @@ namespace {
 
 class FakeMemory : public MemoryPort {
  public:
-  std::uintptr_t allocate(std::size_t bytes) override {
+  std::uintptr_t allocate(std::size_t bytes, int /*value*/) override {
     const std::uintptr_t addr = next_;
     next_ += (bytes + 511) / 512 * 512 + 512;
     live[addr] = bytes;
@@ -194,6 +194,33 @@ void test_locked_never_evicted_and_random() {
 
 }  // namespace
 
+// `missing` counts recipe entries without memory; chain_cost reads it to stop
+// at values whose inputs are all resident.
+void test_missing_inputs() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int a = leaf(e, 1024, 7);
+  const int b = apply(e, {a}, 1024, 2);
+  const int c = apply(e, {a, b}, 1024, 3);
+  CHECK_EQ(e.value(c).missing, 0);
+  CHECK_EQ(e.chain_cost(c), 3.0);
+  CHECK(e.evict(a));
+  CHECK_EQ(e.value(b).missing, 1);
+  CHECK_EQ(e.value(c).missing, 1);
+  CHECK_EQ(e.chain_cost(c), 10.0);  // c, then a
+  CHECK(e.evict(b));
+  CHECK_EQ(e.value(c).missing, 2);
+  CHECK_EQ(e.chain_cost(c), 12.0);  // c, b, a: a counted once
+  e.check_invariants();
+  const int op = e.begin_op(1, false);
+  e.use_input(op, b);  // recomputes a, then b
+  e.end_op(op);
+  CHECK_EQ(e.value(b).missing, 0);
+  CHECK_EQ(e.value(c).missing, 0);
+  e.check_invariants();
+  e.release_all();
+}
+
 int main() {
   test_states_and_release();
   test_evict_and_recompute_chain();
@@ -201,5 +228,6 @@ int main() {
   test_in_place_versions();
   test_write_to_pinned_value();
   test_locked_never_evicted_and_random();
+  test_missing_inputs();
   return check::check_summary("test_remat_engine");
 }
