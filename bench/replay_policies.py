@@ -33,6 +33,7 @@ def sweep(names, echo):
             for budget in BUDGETS:
                 grid[name, policy, budget] = dtralloc.replay(trace, budget=budget, policy=policy)
             floors[name, policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
+        floors[name, "resident floor"] = dtralloc.resident_floor(trace)
         echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection: "
              f"{time.perf_counter() - t0:.1f}s")
     return grid, floors
@@ -56,6 +57,34 @@ def baselines(names, checkmate: bool, echo):
     return out
 
 
+def targets(names, grid, floors) -> list:
+    """The issue's targets for dtralloc, computed from the sweep."""
+    dynamic = [p for p in POLICIES if p != "dtralloc"]
+    out = ["\n## Targets for dtralloc, from the numbers above\n",
+           "| trace | dtralloc min | best other (policy) | / dtr min | overhead <= dtr where both fit "
+           "| frag / dtr's (per budget) | median search us (per budget) |",
+           "|---|---|---|---|---|---|---|"]
+    for name in names:
+        mine = floors[name, "dtralloc"]
+        others = [(floors[name, p], p) for p in dynamic if floors[name, p] is not None]
+        best, who = min(others) if others else (None, "-")
+        dtr = floors[name, "dtr"]
+        ratio = f"{mine / dtr:.2f}" if mine is not None and dtr else "-"
+        both = [b for b in BUDGETS if grid[name, "dtr", b].feasible and grid[name, "dtralloc", b].feasible
+                and grid[name, "dtr", b].evictions > 0]
+        worse = [f"{b}: {grid[name, 'dtralloc', b].compute_overhead:.3f} vs {grid[name, 'dtr', b].compute_overhead:.3f}"
+                 for b in both if grid[name, "dtralloc", b].compute_overhead > grid[name, "dtr", b].compute_overhead]
+        overhead = "yes" if both and not worse else ("no forced eviction" if not both else "no (" + "; ".join(worse) + ")")
+        frag = ", ".join(
+            f"{b}: {grid[name, 'dtralloc', b].fragmentation / grid[name, 'dtr', b].fragmentation:.2f}"
+            for b in both if grid[name, "dtr", b].fragmentation > 0)
+        search = ", ".join(f"{b}: {grid[name, 'dtralloc', b].search_ns / 1e3:.0f}"
+                           for b in BUDGETS if grid[name, "dtralloc", b].eviction_calls)
+        out.append(f"| {name} | {mine:.2f} | {best:.2f} ({who}) | {ratio} | {overhead} | {frag or '-'} | "
+                   f"{search or '-'} |" if mine is not None else f"| {name} | - | - | - | - | - | - |")
+    return out
+
+
 def fmt_cell(r) -> str:
     if not r.feasible:
         return "OOM"
@@ -67,12 +96,18 @@ def report(names, grid, floors, base, command: str) -> str:
 
     lines = [header("Eviction policies by replay of the bundled traces", command), ""]
     lines.append("## Minimum feasible budget (fraction of the no-eviction peak reserved; lower is better)\n")
-    lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak |")
-    lines.append("|---|" + "---|" * (len(POLICIES) + 1))
+    lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak | resident floor |")
+    lines.append("|---|" + "---|" * (len(POLICIES) + 2))
     for name in names:
         cells = [f"{floors[name, p]:.2f}" if floors[name, p] is not None else "-" for p in POLICIES]
         chen = base[name, "chen"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} | "
+                     f"{floors[name, 'resident floor']:.2f} |")
+    lines.append("\nresident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
+                 "outputs at the worst op; no policy can run below it. Feasibility is not quite "
+                 "monotone in the budget, so the bisection (tolerance 0.01) can stop a little above a "
+                 "budget the grid below shows feasible.")
+    lines += targets(names, grid, floors)
     lines.append("\n## Compute overhead (extra compute / one pass; OOM = infeasible)\n")
     for name in names:
         lines.append(f"### {name}\n")
@@ -91,15 +126,16 @@ def report(names, grid, floors, base, command: str) -> str:
         lines.append("")
     lines.append("## dtr vs dtralloc: fragmentation at forced evictions and victim search\n")
     lines.append("| trace | budget | dtr overhead | dtralloc overhead | dtr frag | dtralloc frag | "
-                 "dtr search us | dtralloc search us |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+                 "dtr search us | dtralloc search us | dtr calls | dtralloc calls |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for b in BUDGETS:
             d, o = grid[name, "dtr", b], grid[name, "dtralloc", b]
             if not (d.feasible or o.feasible):
                 continue
             lines.append(f"| {name} | {b} | {fmt_cell(d)} | {fmt_cell(o)} | {d.fragmentation:.3f} | "
-                         f"{o.fragmentation:.3f} | {d.search_ns / 1e3:.1f} | {o.search_ns / 1e3:.1f} |")
+                         f"{o.fragmentation:.3f} | {d.search_ns / 1e3:.1f} | {o.search_ns / 1e3:.1f} | "
+                         f"{d.eviction_calls} | {o.eviction_calls} |")
     lines.append("\nfrag = mean (budget - allocated) / budget when the evictor is forced to act; "
                  "search = median time to choose victims.")
     return "\n".join(lines) + "\n"
@@ -169,6 +205,7 @@ def main() -> int:
     text = report(names, grid, floors, base, command)
     print(text)
     if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
         stamp = f"{datetime.date.today().isoformat()}-cpu"
         with open(os.path.join(args.out_dir, f"replay_policies-{stamp}.md"), "w") as f:
             f.write(text)
