@@ -43,14 +43,14 @@ def chain():
     P, a0, a1, a2, a3, g3, g2, g1, gp = range(9)
     sizes = {P: 512, a0: K, a1: K, a2: K, a3: K, g3: K, g2: K, g1: K, gp: 512}
     ops = [
-        dict(inputs=[P], created=[a0], duration_ns=10),
-        dict(inputs=[a0], created=[a1], duration_ns=20),
-        dict(inputs=[a1], created=[a2], duration_ns=30),
-        dict(inputs=[a2], created=[a3], duration_ns=40),
-        dict(inputs=[a3], created=[g3], frees=[a3], backward=True, duration_ns=1),
-        dict(inputs=[g3, a2], created=[g2], frees=[g3, a2], backward=True, duration_ns=1),
-        dict(inputs=[g2, a1], created=[g1], frees=[g2, a1], backward=True, duration_ns=1),
-        dict(inputs=[g1, a0, P], created=[gp], frees=[g1, a0], backward=True, duration_ns=1),
+        {"inputs": [P], "created": [a0], "duration_ns": 10},
+        {"inputs": [a0], "created": [a1], "duration_ns": 20},
+        {"inputs": [a1], "created": [a2], "duration_ns": 30},
+        {"inputs": [a2], "created": [a3], "duration_ns": 40},
+        {"inputs": [a3], "created": [g3], "frees": [a3], "backward": True, "duration_ns": 1},
+        {"inputs": [g3, a2], "created": [g2], "frees": [g3, a2], "backward": True, "duration_ns": 1},
+        {"inputs": [g2, a1], "created": [g1], "frees": [g2, a1], "backward": True, "duration_ns": 1},
+        {"inputs": [g1, a0, P], "created": [gp], "frees": [g1, a0], "backward": True, "duration_ns": 1},
     ]
     return make_trace(sizes, ops, initial={P}, name="chain")
 
@@ -66,13 +66,13 @@ def diamond():
     P, a, b, c, d, gd, gb, gp = range(8)
     sizes = {P: 512, a: K, b: K, c: K, d: K, gd: K, gb: K, gp: 512}
     ops = [
-        dict(inputs=[P], created=[a], duration_ns=5),
-        dict(inputs=[a], created=[b], duration_ns=7),
-        dict(inputs=[a], created=[c], duration_ns=11),
-        dict(inputs=[b, c], created=[d], frees=[a], duration_ns=13),
-        dict(inputs=[d, c], created=[gd], frees=[d, c], backward=True, duration_ns=1),
-        dict(inputs=[gd, b], created=[gb], frees=[gd, b], backward=True, duration_ns=1),
-        dict(inputs=[gb, P], created=[gp], frees=[gb], backward=True, duration_ns=1),
+        {"inputs": [P], "created": [a], "duration_ns": 5},
+        {"inputs": [a], "created": [b], "duration_ns": 7},
+        {"inputs": [a], "created": [c], "duration_ns": 11},
+        {"inputs": [b, c], "created": [d], "frees": [a], "duration_ns": 13},
+        {"inputs": [d, c], "created": [gd], "frees": [d, c], "backward": True, "duration_ns": 1},
+        {"inputs": [gd, b], "created": [gb], "frees": [gd, b], "backward": True, "duration_ns": 1},
+        {"inputs": [gb, P], "created": [gp], "frees": [gb], "backward": True, "duration_ns": 1},
     ]
     return make_trace(sizes, ops, initial={P}, name="diamond")
 
@@ -158,10 +158,10 @@ def test_in_place_op_joins_its_producers_group():
     # x = empty(); x.relu_(); y = f(x): the in-place op is re-run with its producer
     x, y, P = 0, 1, 2
     t = make_trace({x: K, y: K, P: 512}, [
-        dict(inputs=[P], created=[x], duration_ns=3),
-        dict(inputs=[x], mutated=[x], outputs=[x], duration_ns=4, name="aten::relu_"),
-        dict(inputs=[x], created=[y], frees=[x], duration_ns=5),
-        dict(inputs=[], created=[], outputs=[], duration_ns=0, flops=2),  # a view: cost 2
+        {"inputs": [P], "created": [x], "duration_ns": 3},
+        {"inputs": [x], "mutated": [x], "outputs": [x], "duration_ns": 4, "name": "aten::relu_"},
+        {"inputs": [x], "created": [y], "frees": [x], "duration_ns": 5},
+        {"inputs": [], "created": [], "outputs": [], "duration_ns": 0, "flops": 2},  # a view: cost 2
     ], initial={P})
     g = B._graph(t)
     assert [grp.ops for grp in g.groups] == [[0, 1], [2, 3]]
@@ -185,11 +185,11 @@ def test_deadline_after_input_is_written():
     # b = f(a); a.add_(1) in a later group; b may be recomputed only until then
     P, a, b, c, d = range(5)
     t = make_trace({P: 512, a: K, b: K, c: K, d: K}, [
-        dict(inputs=[P], created=[a]),
-        dict(inputs=[a], created=[b]),
-        dict(inputs=[P], created=[c]),
-        dict(inputs=[a], mutated=[a], outputs=[a]),  # joins c's group
-        dict(inputs=[b, c], created=[d]),
+        {"inputs": [P], "created": [a]},
+        {"inputs": [a], "created": [b]},
+        {"inputs": [P], "created": [c]},
+        {"inputs": [a], "mutated": [a], "outputs": [a]},  # joins c's group
+        {"inputs": [b, c], "created": [d]},
     ], initial={P})
     g = B._graph(t)
     assert g.groups[1].deadline == 2 and g.groups[0].recomputable is False
@@ -242,10 +242,10 @@ def test_checkmate_proves_infeasible_above_the_lower_bound():
     # P+x+a = 5.5K. Every stage alone fits 5K, so only the MILP sees it.
     P, a, b, x, x2, y = range(6)
     t = make_trace({P: 512, a: 2 * K, b: K, x: 3 * K, x2: K, y: 512}, [
-        dict(inputs=[P], created=[a], duration_ns=1),
-        dict(inputs=[a], created=[b], frees=[a], duration_ns=1),
-        dict(inputs=[P], created=[x, x2], frees=[x2], duration_ns=1),
-        dict(inputs=[b, x], created=[y], frees=[b, x], duration_ns=1),
+        {"inputs": [P], "created": [a], "duration_ns": 1},
+        {"inputs": [a], "created": [b], "frees": [a], "duration_ns": 1},
+        {"inputs": [P], "created": [x, x2], "frees": [x2], "duration_ns": 1},
+        {"inputs": [b, x], "created": [y], "frees": [b, x], "duration_ns": 1},
     ], initial={P})
     assert B.no_eviction(t).peak_bytes == 5 * K + 512
     r = B.checkmate(t, 5 * K)
@@ -323,3 +323,113 @@ def test_mlp_checkmate_solves():
     r = B.checkmate(cut, peak - 1, time_limit_s=30)
     assert r.status == "optimal" and r.feasible and r.compute_overhead == 0.0
     assert r.peak_bytes <= peak - 1
+
+
+# -- Checkmate's bounds for large graphs: LP relaxation and contracted graph ----------
+
+def long_chain(n):
+    """P -> a1 -> ... -> an, then a backward pass: g_i = f(a_i, g_{i+1}).
+
+    ids: P=0 (initial, 512 B), a_i = i (1K, forward op i costs 10 i),
+    g_i = n + i (1K, cost 1), gp = 2n + 1 (512 B). 2n + 1 groups.
+    """
+    P, gp = 0, 2 * n + 1
+    act = list(range(1, n + 1))
+    grad = list(range(n + 1, 2 * n + 1))
+    sizes = {P: 512, gp: 512, **{s: K for s in act + grad}}
+    ops, prev = [], P
+    for i, a in enumerate(act):
+        ops.append({"inputs": [prev], "created": [a], "duration_ns": 10 * (i + 1)})
+        prev = a
+    for i in reversed(range(n)):
+        upstream = [grad[i + 1]] if i + 1 < n else []
+        ops.append({"inputs": [act[i], *upstream], "created": [grad[i]],
+                    "frees": [act[i], *upstream], "backward": True, "duration_ns": 1})
+    ops.append({"inputs": [grad[0], P], "created": [gp], "frees": [grad[0]], "backward": True,
+                "duration_ns": 1})
+    return make_trace(sizes, ops, initial={P}, name=f"chain{n}")
+
+
+@pytest.mark.parametrize("make", [chain, diamond, lambda: long_chain(6)])
+def test_lp_bound_is_below_the_exact_optimum(make):
+    t = make()
+    peak = B.no_eviction(t).peak_bytes
+    solved = 0
+    for b in range(peak - 6 * 512, peak, 512):
+        exact = B.checkmate(t, b)
+        lp = B.checkmate(t, b, mode="lp_bound")
+        assert lp.method == "checkmate_lp_bound"
+        if exact.status == "infeasible" and not exact.details.get("solved"):
+            assert lp.status == "infeasible"  # the same simple lower bound, no solve
+            continue
+        assert exact.status == "optimal"
+        assert lp.status == "lower bound" and lp.details["bound"].startswith("lower")
+        # a bound, not a plan
+        assert lp.feasible is None and lp.peak_bytes is None and lp.recompute_ops is None
+        assert 0.0 <= lp.compute_overhead <= exact.compute_overhead + 1e-9
+        solved += 1
+    assert solved >= 2
+
+
+def test_lp_bound_at_the_peak_is_zero():
+    r = B.checkmate(chain(), 1.0, mode="lp_bound")
+    assert r.status == "lower bound" and r.compute_overhead == 0.0
+
+
+def test_restricted_plan_is_real_and_no_better_than_exact():
+    t = long_chain(8)  # 17 groups, contracted to 8
+    g = B._graph(t)
+    for b in (7680, 8704, 9216):
+        exact = B.checkmate(t, b)
+        r = B.checkmate(t, b, mode="restricted", max_groups=8)
+        assert r.method == "checkmate_restricted" and r.status == "restricted optimal"
+        assert r.details["contracted_groups"] <= 8 and r.details["bound"].startswith("upper")
+        seq = r.details["schedule"]
+        assert [j for j, orig in seq if orig] == list(range(len(g.groups)))
+        # the expanded plan replays: every read finds its storage, and it fits
+        assert g.simulate(seq, trace_frees=False) == r.peak_bytes <= b
+        assert r.feasible is True
+        assert r.compute_overhead >= exact.compute_overhead - 1e-12
+        recomputed = [j for j, orig in seq if not orig]
+        assert r.compute_overhead == pytest.approx(
+            sum(g.groups[j].recompute_cost for j in recomputed) / g.baseline_compute)
+
+
+def test_restricted_infeasible_says_nothing_about_the_exact_plan():
+    # 6.5K: the exact MILP has a plan, the contracted one (memory counted per
+    # super-group) has none -- the label must not claim infeasibility.
+    t = long_chain(8)
+    assert B.checkmate(t, 6656).status == "optimal"
+    r = B.checkmate(t, 6656, mode="restricted", max_groups=8)
+    assert r.status == "restricted infeasible" and r.feasible is None
+    # below the exact simple lower bound it is proved for every plan
+    r = B.checkmate(t, 1024, mode="restricted", max_groups=8)
+    assert r.status == "infeasible" and r.feasible is False
+
+
+def test_restricted_without_contraction_is_exact():
+    t = chain()
+    exact = B.checkmate(t, 3 * K + 512)
+    r = B.checkmate(t, 3 * K + 512, mode="restricted")  # 8 groups <= the default limit
+    assert r.method == "checkmate_restricted" and r.status == "optimal"
+    assert r.compute_overhead == exact.compute_overhead
+    assert r.details["schedule"] == exact.details["schedule"]
+
+
+def test_contraction_respects_the_limit_and_order():
+    g = B._graph(long_chain(8))
+    for k in (1, 3, 8, 17, 40):
+        runs = B._contract_runs(g, k)
+        assert len(runs) == min(k, len(g.groups))
+        assert [j for run in runs for j in run] == list(range(len(g.groups)))
+
+
+def test_checkmate_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="exact.*lp_bound.*restricted"):
+        B.checkmate(chain(), 0.9, mode="lp")
+    with pytest.raises(ValueError, match="max_groups must be a positive int"):
+        B.checkmate(chain(), 0.9, mode="restricted", max_groups=0)
+    with pytest.raises(ValueError, match="max_groups"):
+        B.checkmate(chain(), 0.9, max_groups=2.5)
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        B.checkmate(chain(), 0.9, time_limit_s=0)

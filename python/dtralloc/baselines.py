@@ -11,7 +11,9 @@ budget if the whole schedule were fixed in advance?":
 * :func:`checkmate` -- the optimal static plan under a budget, from a MILP in
   the formulation of Checkmate (Jain et al. 2020), solved by HiGHS through
   ``scipy.optimize.milp``; the lower bound on compute overhead among static
-  plans, on graphs small enough to solve.
+  plans, on graphs small enough to solve. On larger graphs it gives a lower
+  bound (LP relaxation) or an upper bound (a contracted graph's optimal plan)
+  instead, labelled as such (see the last section).
 
 :func:`min_feasible_budget` gives, per method, the smallest budget (a fraction
 of the no-eviction peak) at which the plan fits.
@@ -92,18 +94,43 @@ binary ``S[t,s]`` (storage s is in memory entering stage t), binary
   once, which over-counts and stays sound.
 
 Only variables that can matter are created (``R[t,j]`` for recomputable j up to
-its deadline and the last stage that may read its outputs; ``S[t,s]`` up to the
-last stage that may read s). The solved plan is replayed through the same
+its deadline and the last stage at which one of its outputs may still be read,
+and only where its inputs can be in memory; ``S[t,s]`` up to the last stage that
+may read s). The outputs of a group that cannot be recomputed are in memory
+from creation to their last original read in every plan, so their ``S`` there is
+the constant 1, folded into the stage's resident bytes. None of this changes the
+set of plans or the optimum. The solved plan is replayed through the same
 schedule simulator as Chen's, which checks that every read finds its storage
 and gives ``peak_bytes``. Graphs with more than ``max_groups`` groups are not
 solved (status ``"too large"``).
+
+Larger graphs: a bound from each side (``checkmate(..., mode=...)``)
+--------------------------------------------------------------------
+The exact MILP grows as groups squared; on 2 cores it solves unet (140 groups)
+in under a minute and finds no plan for resnet50 (360) in minutes. For
+bert/gpt2/llama (800-1000 groups) two labelled stand-ins bracket the static
+optimum ``OPT``; neither is ``OPT`` and neither may be reported as it:
+
+* ``mode="lp_bound"`` -- the LP relaxation of the exact MILP of the whole
+  graph: ``compute_overhead <= OPT``. Not a plan (no peak, no schedule);
+  status ``"lower bound"``. Checkmate's relaxation is weak (it may be far below
+  ``OPT``), so "dynamic overhead / LP bound" overstates the dynamic policy's gap.
+* ``mode="restricted"`` -- the exact MILP of a *contracted* graph: runs of
+  consecutive groups merged into at most ``max_groups`` super-groups, each kept,
+  dropped and recomputed as a unit, with memory counted so that it never undercounts
+  the expanded plan (see ``_Contracted``). The optimum is a real plan,
+  expanded to the original groups and replayed through the simulator:
+  ``compute_overhead >= OPT``, ``peak_bytes <= budget``; statuses
+  ``"restricted optimal"`` / ``"restricted time limit"`` /
+  ``"restricted infeasible"`` (no contracted plan fits: says nothing about
+  ``OPT``). ``result.method`` is ``"checkmate_lp_bound"`` /
+  ``"checkmate_restricted"``, never ``"checkmate"``.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from .trace import Trace
 
@@ -116,21 +143,22 @@ METHODS = ("no_eviction", "checkpoint_sqrt_n", "checkmate")
 class BaselineResult:
     """One static plan for one (trace, budget). Memory is live bytes (see module doc)."""
 
-    method: str                        # "no_eviction" | "checkpoint_sqrt_n" | "checkmate"
-    feasible: Optional[bool]           # None: unknown (graph too large, or solver gave up)
-    budget_bytes: Optional[int]        # None: no budget
-    peak_bytes: Optional[int]          # live-byte peak of the plan (512 B rounding per storage)
-    compute_overhead: Optional[float]  # recomputed cost / baseline_compute
+    method: str                        # no_eviction | checkpoint_sqrt_n | checkmate
+                                       # | checkmate_lp_bound | checkmate_restricted
+    feasible: bool | None              # None: unknown (too large, solver gave up, or a bound)
+    budget_bytes: int | None           # None: no budget
+    peak_bytes: int | None             # live-byte peak of the plan (512 B rounding per storage)
+    compute_overhead: float | None     # recomputed cost / baseline_compute (lp_bound: a bound)
     baseline_compute: float            # sum of op costs (duration_ns if > 0, else flops)
-    recompute_ops: Optional[int]       # trace ops re-executed by the plan
+    recompute_ops: int | None          # trace ops re-executed by the plan
     baseline_peak_bytes: int = 0       # no-eviction live-byte peak (trace frees)
-    status: str = "ok"                 # checkmate: optimal | time limit | infeasible | too large
-    solve_seconds: float = 0.0         # checkmate: wall time of the MILP solve
+    status: str = "ok"                 # checkmate: see checkmate() for each mode's statuses
+    solve_seconds: float = 0.0         # checkmate: wall time of the HiGHS solve
     name: str = ""                     # trace name
     details: dict = field(default_factory=dict)
 
     @property
-    def peak_fraction(self) -> Optional[float]:
+    def peak_fraction(self) -> float | None:
         """peak_bytes / baseline_peak_bytes."""
         if self.peak_bytes is None or not self.baseline_peak_bytes:
             return None
@@ -243,6 +271,12 @@ class _Graph:
     # -- schedules -------------------------------------------------------------------
     def simulate(self, seq: list, trace_frees: bool) -> int:
         """Live-byte peak of a schedule; raise ValueError if a read finds nothing.
+        (See :meth:`profile`.)"""
+        return max(self.profile(seq, trace_frees))
+
+    def profile(self, seq: list, trace_frees: bool) -> list:
+        """Live bytes before the first group (index 0) and right after each entry
+        of a schedule (index p + 1); raise ValueError if a read finds nothing.
 
         ``seq`` is a list of ``(group, original)``: each group appears exactly
         once with ``original=True``, in index order; recomputations
@@ -293,11 +327,11 @@ class _Graph:
         for s, start in last_start.items():
             close(s, start, True)
         # diff index 0: before the first group; index p+1: right after group p ran.
-        live = peak = 0
+        out, live = [], 0
         for p in range(P + 1):
             live += diff[p]
-            peak = max(peak, live)
-        return peak
+            out.append(live)
+        return out
 
     def original(self) -> list:
         return [(g, True) for g in range(len(self.groups))]
@@ -317,7 +351,7 @@ def _graph(trace: Trace) -> _Graph:
     return g
 
 
-def _resolve_budget(budget, baseline_peak: int) -> Optional[int]:
+def _resolve_budget(budget, baseline_peak: int) -> int | None:
     if budget is None:
         return None
     if isinstance(budget, bool):
@@ -339,7 +373,7 @@ def _name(trace: Trace) -> str:
 
 # -- no eviction ---------------------------------------------------------------------
 
-def no_eviction(trace: Trace, budget: Union[None, float] = None) -> BaselineResult:
+def no_eviction(trace: Trace, budget: None | float = None) -> BaselineResult:
     """The trace as recorded: no recomputation, storages freed where the trace frees them.
 
     ``peak_bytes`` is the live-byte peak (512 B rounding per storage; not
@@ -358,8 +392,8 @@ def no_eviction(trace: Trace, budget: Union[None, float] = None) -> BaselineResu
 
 # -- Chen et al.: sqrt(n) checkpointing ------------------------------------------------
 
-def checkpoint_sqrt_n(trace: Trace, budget: Union[None, float] = None,
-                      segments: Optional[int] = None) -> BaselineResult:
+def checkpoint_sqrt_n(trace: Trace, budget: None | float = None,
+                      segments: int | None = None) -> BaselineResult:
     """Chen et al. (2016) checkpointing: sqrt(n) forward segments, each recomputed once.
 
     The forward pass is the groups before the first op flagged ``backward``;
@@ -459,26 +493,74 @@ def _chen_schedule(g: _Graph, seg_of: dict, blocked: set):
 
 # -- Checkmate MILP ------------------------------------------------------------------
 
+CHECKMATE_MODES = ("exact", "lp_bound", "restricted")
+
+
+# Default group limits. 200: the exact MILP of unet (140 groups) solves in under
+# a minute on 2 cores, resnet50's (360) finds no plan in 120 s. 80: contracted
+# bert/gpt2/llama solve at 0.9 and 0.7 of the peak in 20-90 s; at 200
+# super-groups bert found no plan in 120 s.
+MAX_GROUPS = {"exact": 200, "lp_bound": None, "restricted": 80}
+
+
 def checkmate(trace: Trace, budget: float, time_limit_s: float = 60.0,
-              max_groups: int = 200, mip_rel_gap: float = 1e-4) -> BaselineResult:
-    """The optimal static rematerialization plan under ``budget`` (Checkmate's MILP).
+              max_groups: int | None = None, mip_rel_gap: float = 1e-4,
+              mode: str = "exact") -> BaselineResult:
+    """The optimal static rematerialization plan under ``budget`` (Checkmate's MILP),
+    or, with ``mode``, a labelled bound on it for graphs too large to solve.
 
     ``budget``: bytes (int) or a fraction of the no-eviction live-byte peak
     (float). The budget bounds live bytes (512 B rounding per storage), not
-    allocator segments. ``status``: ``"optimal"``; ``"time limit"`` (the best
-    plan found so far is reported, ``feasible`` is None when none was found);
-    ``"infeasible"`` (proved, or the budget is below a simple lower bound:
-    resident initial storages plus what one stage must hold at once);
-    ``"too large"`` (more than ``max_groups`` groups; nothing solved).
+    allocator segments. ``time_limit_s`` bounds the HiGHS solve. ``max_groups``
+    defaults to ``MAX_GROUPS[mode]`` (200 exact, 80 restricted).
+
+    ``mode="exact"`` (``method`` ``"checkmate"``): the MILP of the whole graph.
+    ``status``: ``"optimal"``; ``"time limit"`` (the best plan found so far is
+    reported, ``feasible`` is None when none was found); ``"infeasible"``
+    (proved, or the budget is below a simple lower bound: resident initial
+    storages plus what one stage must hold at once); ``"too large"`` (more
+    than ``max_groups`` groups; nothing solved).
+
+    ``mode="lp_bound"`` (``method`` ``"checkmate_lp_bound"``): the LP
+    relaxation of the same MILP, on the whole graph (``max_groups`` does not
+    apply). Not a plan: ``compute_overhead`` is a **lower bound** on the
+    overhead of every static plan, ``peak_bytes``/``recompute_ops``/``feasible``
+    are None. ``status``: ``"lower bound"``; ``"infeasible"`` (the relaxation
+    is infeasible, so no static plan fits); ``"time limit"`` (no bound).
+
+    ``mode="restricted"`` (``method`` ``"checkmate_restricted"``): the graph is
+    contracted to at most ``max_groups`` super-groups (runs of consecutive
+    groups kept, dropped and recomputed as a unit, memory counted
+    conservatively; see :class:`_Contracted`) and that MILP is solved. The plan
+    is expanded and replayed through the simulator, so ``peak_bytes`` and
+    ``compute_overhead`` are those of a real plan: an **upper bound** on the
+    static optimum. ``status``: ``"restricted optimal"`` (optimal among
+    contracted plans), ``"restricted time limit"``, ``"restricted infeasible"``
+    (no contracted plan fits; says nothing about other plans). When the graph
+    has at most ``max_groups`` groups nothing is contracted and the statuses are
+    the exact ones. ``details["contracted_groups"]`` is the super-group count.
     """
+    if mode not in CHECKMATE_MODES:
+        raise ValueError(f"unknown checkmate mode {mode!r}; use one of {', '.join(CHECKMATE_MODES)} "
+                         "('exact' solves the MILP, 'lp_bound' its relaxation, 'restricted' "
+                         "a contracted graph)")
+    if max_groups is None:
+        max_groups = MAX_GROUPS[mode] or 0
+    elif isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
+        raise ValueError(f"max_groups must be a positive int (how many groups the MILP may have), "
+                         f"got {max_groups!r}")
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be positive seconds, got {time_limit_s!r}")
     g = _graph(trace)
     base_peak = g.simulate(g.original(), trace_frees=True)
     b = _resolve_budget(budget, base_peak)
     if b is None:
         raise ValueError("checkmate needs a budget (bytes or a fraction of the no-eviction peak)")
-    res = BaselineResult("checkmate", None, b, None, None, g.baseline_compute, None, base_peak,
-                         name=_name(trace), details={"groups": len(g.groups)})
-    if len(g.groups) > max_groups:
+    method = {"exact": "checkmate", "lp_bound": "checkmate_lp_bound",
+              "restricted": "checkmate_restricted"}[mode]
+    res = BaselineResult(method, None, b, None, None, g.baseline_compute, None, base_peak,
+                         name=_name(trace), details={"groups": len(g.groups), "mode": mode})
+    if mode == "exact" and len(g.groups) > max_groups:
         res.status = "too large"
         return res
     lb = _checkmate_lower_bound(g)
@@ -488,12 +570,72 @@ def checkmate(trace: Trace, budget: float, time_limit_s: float = 60.0,
         res.details["infeasible_reason"] = "budget below the bytes one stage must hold"
         return res
     if b >= base_peak:  # the trace itself is a plan with no recomputation
+        if mode == "lp_bound":
+            res.status, res.compute_overhead = "lower bound", 0.0
+            return res
         peak = g.simulate(g.original(), trace_frees=False)
         res.feasible, res.status = True, "optimal"
         res.peak_bytes, res.compute_overhead, res.recompute_ops = peak, 0.0, 0
         res.details["solved"] = False
         return res
+    if mode == "lp_bound":
+        return _solve_checkmate_lp(g, b, time_limit_s, res)
+    if mode == "restricted" and len(g.groups) > max_groups:
+        return _solve_checkmate_restricted(g, b, time_limit_s, max_groups, mip_rel_gap, res)
     return _solve_checkmate(g, b, time_limit_s, mip_rel_gap, res)
+
+
+def _solve_checkmate_lp(g: _Graph, budget: int, time_limit_s: float,
+                        res: BaselineResult) -> BaselineResult:
+    model = _checkmate_model(g, budget)
+    m = model.milp
+    res.details.update(variables=len(m.cost), constraints=m.nrow, solved=True,
+                       bound="lower: LP relaxation of the exact MILP, not a plan")
+    t0 = time.perf_counter()
+    sol = m.solve(time_limit_s, 0.0, relax=True)
+    res.solve_seconds = time.perf_counter() - t0
+    res.details["milp_message"] = sol.message
+    if sol.status == 2:
+        res.feasible, res.status = False, "infeasible"
+    elif sol.status == 0:
+        res.status, res.compute_overhead = "lower bound", max(0.0, float(sol.fun))
+    else:
+        res.status = "time limit" if sol.status == 1 else f"solver status {sol.status}"
+    return res
+
+
+def _solve_checkmate_restricted(g: _Graph, budget: int, time_limit_s: float, max_groups: int,
+                                gap: float, res: BaselineResult) -> BaselineResult:
+    cg = _Contracted(g, _contract_runs(g, max_groups))
+    res.details.update(contracted_groups=len(cg.groups),
+                       bound="upper: optimal among plans of the contracted graph")
+    lb = _checkmate_lower_bound(cg)
+    res.details["restricted_lower_bound_bytes"] = lb
+    if budget < lb:
+        res.feasible, res.status = None, "restricted infeasible"
+        res.details["infeasible_reason"] = "budget below the bytes one contracted stage must hold"
+        return res
+    model = _checkmate_model(cg, budget)
+    m = model.milp
+    res.details.update(variables=len(m.cost), constraints=m.nrow, r_vars=len(model.R),
+                       s_vars=len(model.S), free_vars=model.n_free, pinned_storages=model.pinned)
+    t0 = time.perf_counter()
+    sol = m.solve(time_limit_s, gap, relax=False)
+    res.solve_seconds = time.perf_counter() - t0
+    res.details["solved"] = True
+    res.details["milp_message"] = sol.message
+    if sol.status == 2:
+        res.status = "restricted infeasible"
+        return res
+    if sol.x is None:
+        res.status = "restricted time limit" if sol.status == 1 else f"solver status {sol.status}"
+        return res
+    res.status = "restricted optimal" if sol.status == 0 else "restricted time limit"
+    seq = []
+    for t in range(len(cg.groups)):
+        seq += [(j, False) for j in range(t) if (t, j) in model.R and sol.x[model.R[t, j]] > 0.5]
+        seq.append((t, True))
+    return _replay_plan(g, {}, None, budget, res, seq=cg.expand(seq))
 
 
 def _checkmate_lower_bound(g: _Graph) -> int:
@@ -543,22 +685,80 @@ def _initial_bytes_per_stage(g: _Graph) -> list:
     return out
 
 
-def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
-                     res: BaselineResult) -> BaselineResult:
-    try:
-        import numpy as np
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError as e:
-        raise ImportError("the Checkmate baseline solves a MILP with scipy's HiGHS: "
-                          "pip install 'dtralloc[baselines]' (or scipy>=1.9)") from e
+class _Milp:
+    """A MILP in scipy's sparse form, built column by column and row by row."""
 
+    def __init__(self):
+        self.cost, self.integer, self.lo, self.hi = [], [], [], []
+        self.rows, self.cols, self.vals, self.rlo, self.rhi = [], [], [], [], []
+        self.nrow = 0
+
+    def var(self, cost: float = 0.0, integer: bool = True, lb: float = 0.0, ub: float = 1.0) -> int:
+        self.cost.append(cost)
+        self.integer.append(1 if integer else 0)
+        self.lo.append(lb)
+        self.hi.append(ub)
+        return len(self.cost) - 1
+
+    def row(self, terms, lb: float, ub: float) -> None:
+        for c, v in terms:
+            self.rows.append(self.nrow)
+            self.cols.append(c)
+            self.vals.append(v)
+        self.rlo.append(lb)
+        self.rhi.append(ub)
+        self.nrow += 1
+
+    def solve(self, time_limit_s: float, gap: float, relax: bool):
+        """scipy's HiGHS on the model; ``relax``: the LP relaxation (no integrality)."""
+        try:
+            import numpy as np
+            from scipy.optimize import Bounds, LinearConstraint, milp
+            from scipy.sparse import coo_matrix
+        except ImportError as e:
+            raise ImportError("the Checkmate baseline solves a MILP with scipy's HiGHS: "
+                              "pip install 'dtralloc[baselines]' (or scipy>=1.9)") from e
+        n = len(self.cost)
+        A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(self.nrow, n)).tocsr()
+        integrality = np.zeros(n) if relax else np.array(self.integer)
+        options = {"time_limit": float(time_limit_s), "presolve": True}
+        if not relax:
+            options["mip_rel_gap"] = gap
+        return milp(np.array(self.cost), constraints=LinearConstraint(A, np.array(self.rlo), np.array(self.rhi)),
+                    integrality=integrality, bounds=Bounds(np.array(self.lo), np.array(self.hi)),
+                    options=options)
+
+
+@dataclass
+class _CheckmateModel:
+    milp: _Milp
+    R: dict      # (stage t, group j) -> column of R[t,j], j < t
+    S: dict      # (stage t, storage s) -> column of S[t,s]
+    n_free: int  # FREE columns
+    pinned: int  # storages whose S is a constant over their must-keep range
+
+
+def _checkmate_model(g: _Graph, budget: int) -> _CheckmateModel:
+    """Checkmate's MILP for ``g`` under ``budget`` bytes (see the module doc).
+
+    Only columns that can be nonzero in some plan are created; every pruning
+    below keeps the feasible set of plans and the optimum exactly:
+
+    * ``R[t,j]``: j recomputable, j < t <= min(deadline, last stage that may
+      read one of j's outputs), and every input of j can be in memory at t
+      (kept there, pinned, or itself recomputable at t).
+    * ``S[t,s]``: from the stage after s is created to the last stage that
+      may read it (an original read, or a recomputation that is itself
+      useful then). A storage of a group that cannot be recomputed is in
+      memory from its creation to its last original read in every plan (the
+      dependency and keep constraints force it), so there S is the constant 1,
+      folded into the stage's resident bytes; only the optional tail (kept
+      longer for later recomputations) has columns.
+    """
     groups, nb = g.groups, g.nbytes
     G = len(groups)
-    nS = len(nb)
     init_at = _initial_bytes_per_stage(g)
-    live = [s for s in range(nS) if not g.initial[s] and nb[s] > 0]
-    # last stage at which each storage may be read (by an original or a recomputation)
+    live = [s for s in range(len(nb)) if not g.initial[s] and nb[s] > 0]
     readers_orig: dict[int, list] = {}
     readers_rc: dict[int, list] = {}
     for j, grp in enumerate(groups):
@@ -567,126 +767,125 @@ def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
         if grp.recomputable:
             for s in grp.recompute_reads:
                 readers_rc.setdefault(s, []).append(j)
-    last_need = {}
-    for s in live:
-        ln = max(readers_orig.get(s, [-1]))
-        for j in readers_rc.get(s, []):
-            ln = max(ln, groups[j].deadline)
-        if g.outlives[s]:
-            ln = G
-        last_need[s] = ln
-    # iterate: a recomputation of j is useful until the last stage reading its outputs
-    r_last = {}
-    for j, grp in enumerate(groups):
-        if grp.recomputable:
-            useful = max((last_need[s] for s in grp.created if s in last_need), default=-1)
-            r_last[j] = min(grp.deadline, useful, G - 1)
+    # last_orig: last stage whose original group reads s (G: s outlives the step);
+    # last_need: that, or the last stage at which a recomputation reading s is
+    # useful (r_last). Readers come after producers: fill from the back.
+    last_orig: dict[int, int] = {}
+    last_need: dict[int, int] = {}
+    r_last: dict[int, int] = {}
+    created_live: list = [[s for s in grp.created if not g.initial[s] and nb[s] > 0] for grp in groups]
+    for j in range(G - 1, -1, -1):
+        for s in created_live[j]:
+            lo_ = G if g.outlives[s] else max(readers_orig.get(s, [-1]))
+            last_orig[s] = lo_
+            last_need[s] = max([lo_] + [r_last[k] for k in readers_rc.get(s, []) if k in r_last])
+        if groups[j].recomputable:
+            useful = max((last_need[s] for s in created_live[j]), default=-1)
+            last = min(groups[j].deadline, useful, G - 1)
+            if last > j:
+                r_last[j] = last
+    pinned = {s for s in live if g.producer[s] >= 0 and not groups[g.producer[s]].recomputable}
+    pinned_at = [0] * (G + 1)  # bytes of pinned storages entering each stage
+    for s in pinned:
+        p = g.producer[s]
+        for t in range(p + 1, min(last_orig[s], G - 1) + 1):
+            pinned_at[t] += nb[s]
 
-    col_cost, col_int, lo, hi = [], [], [], []
+    def kept(t: int, s: int) -> bool:  # S[t,s] is the constant 1
+        return s in pinned and g.producer[s] < t <= last_orig[s]
 
-    def var(cost=0.0, integer=True, lb=0.0, ub=1.0) -> int:
-        col_cost.append(cost)
-        col_int.append(1 if integer else 0)
-        lo.append(lb)
-        hi.append(ub)
-        return len(col_cost) - 1
-
+    m = _Milp()
     base = g.baseline_compute or 1.0
-    R = {}
-    for j, last in r_last.items():
-        for t in range(j + 1, last + 1):
-            R[t, j] = var(groups[j].recompute_cost / base)
     S = {}
     for s in live:
-        p = g.producer[s]
-        for t in range(p + 1, last_need[s] + 1):
-            S[t, s] = var()
-    rows, cols, vals, rlo, rhi = [], [], [], [], []
-    nrow = 0
+        first = g.producer[s] + 1
+        if s in pinned:
+            first = max(first, last_orig[s] + 1)
+        for t in range(first, last_need[s] + 1):
+            S[t, s] = m.var()
 
-    def constraint(terms, lb, ub):
-        nonlocal nrow
-        for c, v in terms:
-            rows.append(nrow)
-            cols.append(c)
-            vals.append(v)
-        rlo.append(lb)
-        rhi.append(ub)
-        nrow += 1
+    def available(t: int, s: int) -> bool:
+        return g.initial[s] or nb[s] == 0 or kept(t, s) or (t, s) in S or (t, g.producer[s]) in R
 
-    inf = np.inf
+    R = {}
+    runs_at: list = [[] for _ in range(G)]
+    for t in range(1, G):
+        for j in range(t):
+            if r_last.get(j, -1) >= t and all(available(t, s) for s in groups[j].recompute_reads):
+                R[t, j] = m.var(groups[j].recompute_cost / base)
+                runs_at[t].append(j)
+    inf = float("inf")
     # outliving storages are in memory after the last stage
     for s in live:
-        if g.outlives[s]:
-            lo[S[G, s]] = 1.0
+        if g.outlives[s] and (G, s) in S:
+            m.lo[S[G, s]] = 1.0
     # keep only what exists: S[t+1,s] <= S[t,s] + R[t,p]
     for (t, s), v in S.items():
-        p = g.producer[s]
-        if t == p + 1:
-            continue
+        if (t - 1, s) not in S:
+            continue  # t is the stage after s's creation, or S[t-1,s] is the constant 1
         terms = [(v, 1.0), (S[t - 1, s], -1.0)]
-        if (t - 1, p) in R:
-            terms.append((R[t - 1, p], -1.0))
-        constraint(terms, -inf, 0.0)
-    # dependencies
+        if (t - 1, g.producer[s]) in R:
+            terms.append((R[t - 1, g.producer[s]], -1.0))
+        m.row(terms, -inf, 0.0)
+    # dependencies: every read finds its storage kept or recomputed in the stage
     for t in range(G):
-        runs = [j for j in range(t) if (t, j) in R] + [t]
-        for j in runs:
-            reads = groups[j].reads if j == t else groups[j].recompute_reads
-            for s in reads:
-                if g.initial[s] or nb[s] == 0:
+        for j in runs_at[t] + [t]:
+            for s in (groups[j].reads if j == t else groups[j].recompute_reads):
+                if g.initial[s] or nb[s] == 0 or kept(t, s):
                     continue
-                p = g.producer[s]
                 terms = []
                 if (t, s) in S:
                     terms.append((S[t, s], 1.0))
-                if (t, p) in R:
-                    terms.append((R[t, p], 1.0))
+                if (t, g.producer[s]) in R:
+                    terms.append((R[t, g.producer[s]], 1.0))
                 if j == t:
-                    constraint(terms, 1.0, inf)   # sum >= 1
+                    m.row(terms, 1.0, inf)
                 else:
-                    constraint(terms + [(R[t, j], -1.0)], 0.0, inf)
+                    m.row(terms + [(R[t, j], -1.0)], 0.0, inf)
     # memory, in units of the budget
     scale = 1.0 / budget
     n_free = 0
+    S_at: list = [[] for _ in range(G + 1)]
+    for (t, s), v in S.items():
+        S_at[t].append((v, s))
     for t in range(G):
-        runs = [j for j in range(t) if (t, j) in R]
         reads_t = groups[t].reads
-        # U0: entering the stage
-        entering = [(S[t, s], nb[s] * scale) for s in live if (t, s) in S]
-        u_prev = var(integer=False, lb=0.0, ub=inf)
-        constraint([(u_prev, 1.0)] + [(c, -v) for c, v in entering], init_at[t] * scale, init_at[t] * scale)
+        resident = (init_at[t] + pinned_at[t]) * scale
+        u_prev = m.var(integer=False, lb=0.0, ub=inf)  # U entering the stage
+        m.row([(u_prev, 1.0)] + [(v, -nb[s] * scale) for v, s in S_at[t]], resident, resident)
         frees_prev = []
-        for j in runs + [t]:
-            u = var(integer=False, lb=0.0, ub=1.0)  # U <= budget
+        for j in runs_at[t] + [t]:
+            u = m.var(integer=False, lb=0.0, ub=1.0)  # U <= budget
             terms = [(u, 1.0), (u_prev, -1.0)] + [(c, nb[s] * scale) for c, s in frees_prev]
             if j == t:
-                constraint(terms, groups[t].nbytes * scale, groups[t].nbytes * scale)
-            else:
-                constraint(terms + [(R[t, j], -groups[j].nbytes * scale)], 0.0, 0.0)
-            u_prev = u
-            if j == t:
+                m.row(terms, groups[t].nbytes * scale, groups[t].nbytes * scale)
                 break
+            m.row(terms + [(R[t, j], -groups[j].nbytes * scale)], 0.0, 0.0)
+            u_prev = u
             frees_prev = []
             for s in groups[j].recompute_reads:
-                if g.initial[s] or nb[s] == 0 or s in reads_t:
+                if g.initial[s] or nb[s] == 0 or s in reads_t or kept(t + 1, s):
                     continue
-                f = var()
+                f = m.var()
                 n_free += 1
-                constraint([(f, 1.0), (R[t, j], -1.0)], -inf, 0.0)
-                for j2 in runs:
+                m.row([(f, 1.0), (R[t, j], -1.0)], -inf, 0.0)
+                for j2 in runs_at[t]:
                     if j2 > j and s in groups[j2].recompute_reads:
-                        constraint([(f, 1.0), (R[t, j2], 1.0)], -inf, 1.0)
+                        m.row([(f, 1.0), (R[t, j2], 1.0)], -inf, 1.0)
                 if (t + 1, s) in S:
-                    constraint([(f, 1.0), (S[t + 1, s], 1.0)], -inf, 1.0)
+                    m.row([(f, 1.0), (S[t + 1, s], 1.0)], -inf, 1.0)
                 frees_prev.append((f, s))
-    nvar = len(col_cost)
-    A = coo_matrix((vals, (rows, cols)), shape=(nrow, nvar)).tocsr()
-    res.details.update(variables=nvar, constraints=nrow, r_vars=len(R), s_vars=len(S), free_vars=n_free)
+    return _CheckmateModel(m, R, S, n_free, len(pinned))
+
+
+def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
+                     res: BaselineResult) -> BaselineResult:
+    model = _checkmate_model(g, budget)
+    m = model.milp
+    res.details.update(variables=len(m.cost), constraints=m.nrow, r_vars=len(model.R),
+                       s_vars=len(model.S), free_vars=model.n_free, pinned_storages=model.pinned)
     t0 = time.perf_counter()
-    sol = milp(np.array(col_cost), constraints=LinearConstraint(A, np.array(rlo), np.array(rhi)),
-               integrality=np.array(col_int), bounds=Bounds(np.array(lo), np.array(hi)),
-               options={"time_limit": float(time_limit_s), "mip_rel_gap": gap, "presolve": True})
+    sol = m.solve(time_limit_s, gap, relax=False)
     res.solve_seconds = time.perf_counter() - t0
     res.details["solved"] = True
     res.details["milp_message"] = sol.message
@@ -700,21 +899,158 @@ def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
     if sol.status == 1:
         res.details["mip_gap"] = getattr(sol, "mip_gap", None)
         res.details["dual_bound_overhead"] = getattr(sol, "mip_dual_bound", None)
-    x = sol.x
-    seq = []
-    for t in range(G):
-        for j in range(t):
-            if (t, j) in R and x[R[t, j]] > 0.5:
-                seq.append((j, False))
-        seq.append((t, True))
+    return _replay_plan(g, model.R, sol.x, budget, res)
+
+
+def _replay_plan(g: _Graph, R: dict, x, budget: int, res: BaselineResult,
+                 seq: list | None = None) -> BaselineResult:
+    """Turn solved R columns (or a schedule ``seq``) into a plan measured by the simulator."""
+    groups = g.groups
+    if seq is None:
+        seq = []
+        for t in range(len(groups)):
+            seq += [(j, False) for j in range(t) if (t, j) in R and x[R[t, j]] > 0.5]
+            seq.append((t, True))
     recomputed = [j for j, orig in seq if not orig]
     res.peak_bytes = g.simulate(seq, trace_frees=False)
-    res.compute_overhead = sum(groups[j].recompute_cost for j in recomputed) / base
+    res.compute_overhead = sum(groups[j].recompute_cost for j in recomputed) / (g.baseline_compute or 1.0)
     res.recompute_ops = sum(groups[j].recompute_nops for j in recomputed)
     res.feasible = res.peak_bytes <= budget
     res.details["recomputed_groups"] = len(recomputed)
     res.details["schedule"] = seq
     return res
+
+
+# -- restricted Checkmate: a contracted graph -------------------------------------------
+
+class _Contracted:
+    """``g`` with runs of consecutive groups merged into super-groups.
+
+    Each super-group runs, and is recomputed, as a unit: its members in order.
+    It has the fields of :class:`_Graph` that :func:`_checkmate_model` reads,
+    chosen so that every plan of the contracted MILP, expanded to its members,
+    is a plan of ``g`` whose live bytes stay within the MILP's accounting:
+
+    * recomputable only if every member is; deadline: the super-group holding
+      the earliest member deadline (a recomputation runs before the stage's
+      first member, so that member's deadline is met);
+    * reads: the members' reads not created inside the run;
+    * ``nbytes`` (the bytes the MILP adds when the super-group runs): the peak,
+      over its members, of the bytes created so far inside the run and still
+      live -- storages read outside the run from their creation on, the others
+      until their last read inside the run. Storages entering the stage are
+      counted for the whole stage, and initial storages live to the end of the
+      super-group in which the trace frees them: both over-count, never under.
+    """
+
+    def __init__(self, g: _Graph, runs: list):
+        self.base = g
+        self.runs = runs                # runs[k]: original groups of super-group k, in order
+        self.nbytes, self.initial, self.outlives = g.nbytes, g.initial, g.outlives
+        self.baseline_compute, self.initial_bytes = g.baseline_compute, g.initial_bytes
+        K, G = len(runs), len(g.groups)
+        self.super_of = super_of = [0] * G
+        for k, run in enumerate(runs):
+            for j in run:
+                super_of[j] = k
+        self.producer = [super_of[p] if p >= 0 else -1 for p in g.producer]
+        self.trace_free = [f if f < 0 else (K if f >= G else super_of[f]) for f in g.trace_free]
+        readers_outside: dict[int, set] = {}
+        for j, grp in enumerate(g.groups):
+            for s in grp.reads | grp.recompute_reads:
+                readers_outside.setdefault(s, set()).add(super_of[j])
+        self.groups = []
+        for k, run in enumerate(runs):
+            members = [g.groups[j] for j in run]
+            created = [s for m in members for s in m.created]
+            own = set(created)
+            last_inside = {}
+            for i, m in enumerate(members):
+                for s in m.reads:
+                    if s in own:
+                        last_inside[s] = i
+            live = [0] * (len(members) + 1)
+            for i, m in enumerate(members):
+                for s in m.created:
+                    visible = g.outlives[s] or bool(readers_outside.get(s, set()) - {k})
+                    end = len(members) - 1 if visible else max(i, last_inside.get(s, i))
+                    live[i] += g.nbytes[s]
+                    live[end + 1] -= g.nbytes[s]
+            acc = peak = 0
+            for v in live[:-1]:
+                acc += v
+                peak = max(peak, acc)
+            grp = _Group([i for m in members for i in m.ops], created,
+                         set().union(*(m.reads for m in members)) - own,
+                         set().union(*(m.recompute_reads for m in members)) - own,
+                         sum(m.cost for m in members), sum(m.recompute_cost for m in members),
+                         sum(m.recompute_nops for m in members))
+            grp.recomputable = all(m.recomputable for m in members)
+            grp.deadline = min(super_of[m.deadline] for m in members)
+            grp.nbytes = peak
+            self.groups.append(grp)
+
+    def expand(self, seq: list) -> list:
+        """A contracted schedule as a schedule of the original groups."""
+        return [(j, orig) for k, orig in seq for j in self.runs[k]]
+
+
+def _contract_runs(g: _Graph, max_groups: int) -> list:
+    """Cut the groups into at most ``max_groups`` runs of consecutive groups.
+
+    Greedy: merge the adjacent pair whose merged stage would hold the fewest
+    bytes (the most bytes live at one of its groups in the no-eviction schedule
+    with frees at last use, plus everything the run creates), so stages near
+    the peak, where the budget binds, stay fine-grained. Merging a recomputable
+    group with one that is not makes it unrecomputable; that costs a penalty of
+    half the peak, so it comes after the merges that lose nothing. A heuristic:
+    it shapes how good the restricted plan is, never whether it is valid.
+    """
+    import heapq
+
+    G = len(g.groups)
+    runs = [[j] for j in range(G)]
+    if G <= max_groups:
+        return runs
+    mem = g.profile(g.original(), trace_frees=False)[1:]  # right after each group
+    peak = max(mem) if mem else 0
+    made = [grp.nbytes for grp in g.groups]
+    nxt = list(range(1, G + 1))
+    prv = list(range(-1, G - 1))
+    first = list(range(G))  # run headed by group a: groups a .. last[a]
+    last = list(range(G))
+    rec = [grp.recomputable for grp in g.groups]
+    version = [0] * G
+
+    def score(a: int) -> float:
+        b = nxt[a]
+        mixed = rec[a] != rec[b]
+        return (max(mem[a:last[b] + 1]) + sum(made[a:last[b] + 1])
+                + (peak / 2 if mixed else 0))
+
+    heap = [(score(a), a, 0) for a in range(G - 1)]
+    heapq.heapify(heap)
+    count = G
+    while count > max_groups:
+        _, a, v = heapq.heappop(heap)
+        if v != version[a] or first[a] != a or nxt[a] >= G:
+            continue
+        b = nxt[a]
+        last[a] = last[b]
+        rec[a] = rec[a] and rec[b]
+        nxt[a] = nxt[b]
+        if nxt[a] < G:
+            prv[nxt[a]] = a
+        first[b] = -1
+        count -= 1
+        version[a] += 1
+        if nxt[a] < G:
+            heapq.heappush(heap, (score(a), a, version[a]))
+        if prv[a] >= 0:
+            p = prv[a]
+            version[p] += 1
+            heapq.heappush(heap, (score(p), p, version[p]))
+    return [list(range(a, last[a] + 1)) for a in range(G) if first[a] == a]
 
 
 # -- trace helpers -------------------------------------------------------------------
@@ -803,5 +1139,5 @@ def min_feasible_budget(trace: Trace, method: str, tol: float = 0.01,
             "lower": lo_b / base_peak, "upper": hi_b / base_peak, "solves": solves}
 
 
-__all__ = ["METHODS", "BaselineResult", "checkmate", "checkpoint_sqrt_n", "min_feasible_budget",
+__all__ = ["CHECKMATE_MODES", "MAX_GROUPS", "METHODS", "BaselineResult", "checkmate", "checkpoint_sqrt_n", "min_feasible_budget",
            "no_eviction", "without_optimizer"]
