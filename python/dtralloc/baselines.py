@@ -587,14 +587,8 @@ def checkmate(trace: Trace, budget: float, time_limit_s: float = 60.0,
 
 def _solve_checkmate_lp(g: _Graph, budget: int, time_limit_s: float,
                         res: BaselineResult) -> BaselineResult:
-    model = _checkmate_model(g, budget)
-    m = model.milp
-    res.details.update(variables=len(m.cost), constraints=m.nrow, solved=True,
-                       bound="lower: LP relaxation of the exact MILP, not a plan")
-    t0 = time.perf_counter()
-    sol = m.solve(time_limit_s, 0.0, relax=True)
-    res.solve_seconds = time.perf_counter() - t0
-    res.details["milp_message"] = sol.message
+    res.details["bound"] = "lower: LP relaxation of the exact MILP, not a plan"
+    _, sol = _build_and_solve(g, budget, time_limit_s, 0.0, True, res)
     if sol.status == 2:
         res.feasible, res.status = False, "infeasible"
     elif sol.status == 0:
@@ -615,15 +609,7 @@ def _solve_checkmate_restricted(g: _Graph, budget: int, time_limit_s: float, max
         res.feasible, res.status = None, "restricted infeasible"
         res.details["infeasible_reason"] = "budget below the bytes one contracted stage must hold"
         return res
-    model = _checkmate_model(cg, budget)
-    m = model.milp
-    res.details.update(variables=len(m.cost), constraints=m.nrow, r_vars=len(model.R),
-                       s_vars=len(model.S), free_vars=model.n_free, pinned_storages=model.pinned)
-    t0 = time.perf_counter()
-    sol = m.solve(time_limit_s, gap, relax=False)
-    res.solve_seconds = time.perf_counter() - t0
-    res.details["solved"] = True
-    res.details["milp_message"] = sol.message
+    model, sol = _build_and_solve(cg, budget, time_limit_s, gap, False, res)
     if sol.status == 2:
         res.status = "restricted infeasible"
         return res
@@ -631,11 +617,7 @@ def _solve_checkmate_restricted(g: _Graph, budget: int, time_limit_s: float, max
         res.status = "restricted time limit" if sol.status == 1 else f"solver status {sol.status}"
         return res
     res.status = "restricted optimal" if sol.status == 0 else "restricted time limit"
-    seq = []
-    for t in range(len(cg.groups)):
-        seq += [(j, False) for j in range(t) if (t, j) in model.R and sol.x[model.R[t, j]] > 0.5]
-        seq.append((t, True))
-    return _replay_plan(g, {}, None, budget, res, seq=cg.expand(seq))
+    return _replay_plan(g, cg.expand(_schedule(len(cg.groups), model.R, sol.x)), budget, res)
 
 
 def _checkmate_lower_bound(g: _Graph) -> int:
@@ -878,17 +860,26 @@ def _checkmate_model(g: _Graph, budget: int) -> _CheckmateModel:
     return _CheckmateModel(m, R, S, n_free, len(pinned))
 
 
-def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
-                     res: BaselineResult) -> BaselineResult:
+def _build_and_solve(g, budget: int, time_limit_s: float, gap: float, relax: bool,
+                     res: BaselineResult):
+    """Build Checkmate's model of ``g`` (a graph or a contracted one), solve it
+    (its LP relaxation when ``relax``), and record the model's size and the
+    solve in ``res``. Returns the model and scipy's result."""
     model = _checkmate_model(g, budget)
     m = model.milp
     res.details.update(variables=len(m.cost), constraints=m.nrow, r_vars=len(model.R),
                        s_vars=len(model.S), free_vars=model.n_free, pinned_storages=model.pinned)
     t0 = time.perf_counter()
-    sol = m.solve(time_limit_s, gap, relax=False)
+    sol = m.solve(time_limit_s, gap, relax=relax)
     res.solve_seconds = time.perf_counter() - t0
     res.details["solved"] = True
     res.details["milp_message"] = sol.message
+    return model, sol
+
+
+def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
+                     res: BaselineResult) -> BaselineResult:
+    model, sol = _build_and_solve(g, budget, time_limit_s, gap, False, res)
     if sol.status == 2:
         res.feasible, res.status = False, "infeasible"
         return res
@@ -899,18 +890,21 @@ def _solve_checkmate(g: _Graph, budget: int, time_limit_s: float, gap: float,
     if sol.status == 1:
         res.details["mip_gap"] = getattr(sol, "mip_gap", None)
         res.details["dual_bound_overhead"] = getattr(sol, "mip_dual_bound", None)
-    return _replay_plan(g, model.R, sol.x, budget, res)
+    return _replay_plan(g, _schedule(len(g.groups), model.R, sol.x), budget, res)
 
 
-def _replay_plan(g: _Graph, R: dict, x, budget: int, res: BaselineResult,
-                 seq: list | None = None) -> BaselineResult:
-    """Turn solved R columns (or a schedule ``seq``) into a plan measured by the simulator."""
+def _schedule(n_groups: int, R: dict, x) -> list:
+    """The plan in solved R columns: each stage's recomputations, then the stage."""
+    seq = []
+    for t in range(n_groups):
+        seq += [(j, False) for j in range(t) if (t, j) in R and x[R[t, j]] > 0.5]
+        seq.append((t, True))
+    return seq
+
+
+def _replay_plan(g: _Graph, seq: list, budget: int, res: BaselineResult) -> BaselineResult:
+    """A schedule as a plan measured by the simulator."""
     groups = g.groups
-    if seq is None:
-        seq = []
-        for t in range(len(groups)):
-            seq += [(j, False) for j in range(t) if (t, j) in R and x[R[t, j]] > 0.5]
-            seq.append((t, True))
     recomputed = [j for j, orig in seq if not orig]
     res.peak_bytes = g.simulate(seq, trace_frees=False)
     res.compute_overhead = sum(groups[j].recompute_cost for j in recomputed) / (g.baseline_compute or 1.0)
