@@ -95,13 +95,14 @@ void Evictor::walk(Stream stream, bool large_only) {
   });
 }
 
+// Bytes of item j if it is a free block of `segment` (j may be out of range).
+std::size_t Evictor::free_at(std::size_t j, int segment) const {
+  if (j >= items_.size() || items_[j].segment != segment || items_[j].value != kFree) return 0;
+  return items_[j].size;
+}
+
 std::size_t Evictor::free_beside(std::size_t i) const {
-  std::size_t total = 0;
-  if (i > 0 && items_[i - 1].segment == items_[i].segment && items_[i - 1].value == kFree)
-    total += items_[i - 1].size;
-  if (i + 1 < items_.size() && items_[i + 1].segment == items_[i].segment && items_[i + 1].value == kFree)
-    total += items_[i + 1].size;
-  return total;
+  return free_at(i - 1, items_[i].segment) + free_at(i + 1, items_[i].segment);
 }
 
 double Evictor::single_score(int v, std::size_t free_around) {
@@ -265,10 +266,7 @@ Evictor::Plan Evictor::choose_window(std::size_t bytes) {
     if (evicting == 0) continue;  // the pool would have found this hole itself
     double score = std::max(cost, 0.0);
     if (policy_ == Policy::kDtralloc) {
-      std::size_t total = have;
-      if (l > segs_[segment].begin && items_[l - 1].value == kFree) total += items_[l - 1].size;
-      if (r < seg_end && items_[r].value == kFree) total += items_[r].size;
-      score /= static_cast<double>(total);
+      score /= static_cast<double>(have + free_at(l - 1, segment) + free_at(r, segment));
     }
     if (score < best.score) best.score = score, best_l = l, best_r = r, found = true;
   }
