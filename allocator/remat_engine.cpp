@@ -74,15 +74,39 @@ int RematEngine::begin_op(double cost, bool random) {
   return static_cast<int>(ops_.size()) - 1;
 }
 
-void RematEngine::use_input(int op, int v) {
-  if (values_[v].state == ValueState::kReleased) broken(v, "an op reads a released value");
-  if (values_[v].state != ValueState::kResident)
-    rematerialize(v, 0);  // returns it locked
-  else
-    lock(v);
-  values_[v].last_access = clock_;
-  ops_[op].inputs.push_back(v);
-  ops_[op].locked.push_back(v);
+void RematEngine::use_input(int op, int v) { use_inputs(op, {v}); }
+
+void RematEngine::use_inputs(int op, const std::vector<int>& vs) {
+  for (int v : vs)
+    if (values_[v].state == ValueState::kReleased) broken(v, "an op reads a released value");
+  hold(vs, 0);
+  for (int v : vs) {
+    values_[v].last_access = clock_;
+    ops_[op].inputs.push_back(v);
+    ops_[op].locked.push_back(v);
+  }
+}
+
+// Missing values first (each comes back locked), resident ones locked only
+// then: locking them up front would keep them locked through every nested
+// recompute, and those locks are what leaves the evictor no room. A resident
+// value evicted meanwhile is recomputed in the next round; every round holds
+// at least one more value, so the loop ends.
+void RematEngine::hold(const std::vector<int>& vs, int depth) {
+  std::vector<char> held(vs.size(), 0);
+  for (bool all_held = false; !all_held;) {
+    for (std::size_t i = 0; i < vs.size(); ++i)
+      if (!held[i] && values_[vs[i]].state != ValueState::kResident)
+        rematerialize(vs[i], depth), held[i] = 1;  // returns it locked
+    all_held = true;
+    for (std::size_t i = 0; i < vs.size(); ++i) {
+      if (held[i]) continue;
+      if (values_[vs[i]].state == ValueState::kResident)
+        lock(vs[i]), held[i] = 1;
+      else
+        all_held = false;
+    }
+  }
 }
 
 // A fresh visit mark (mark_ sized to every value); marks are never cleared
@@ -142,14 +166,9 @@ void RematEngine::prepare_write(int v) {
   }
   std::sort(seen.begin(), seen.end());
   std::vector<int> locked;
-  for (int d : seen) {
-    if (!values_[d].alive) continue;
-    if (values_[d].state != ValueState::kResident)
-      rematerialize(d, 0);
-    else
-      lock(d);
-    locked.push_back(d);
-  }
+  for (int d : seen)
+    if (values_[d].alive) locked.push_back(d);
+  hold(locked, 0);
   pin_descendants(v);
   for (int d : locked) unlock(d);
 }
@@ -265,12 +284,7 @@ void RematEngine::rematerialize(int v, int depth) {
   if (depth > kMaxRematDepth) broken(v, "recompute chain too deep (a cycle?)");
   if (values_[v].pinned || values_[v].producer < 0) broken(v, "asked to recompute a pinned value");
   const std::vector<int> recipe = values_[v].recipe;  // copy: values_ may not grow, but be safe
-  for (int r : recipe) {
-    if (values_[r].state == ValueState::kResident)
-      lock(r);
-    else
-      rematerialize(r, depth + 1);
-  }
+  hold(recipe, depth + 1);
   lock(v);
   const OpRecord& op = ops_[values_[v].producer];
   const std::size_t nbytes = values_[v].nbytes;

@@ -105,6 +105,9 @@ class RematEngine {
   // Makes `v` resident (recomputing it and, recursively, its recipe) and
   // locks it for the op. Records it as a recipe input of the op.
   void use_input(int op, int v);
+  // The same for all of an op's (distinct) inputs at once: missing ones are
+  // recomputed before resident ones are locked (hold()).
+  void use_inputs(int op, const std::vector<int>& vs);
   // A new value made by `op`, allocated through the memory port, locked.
   // Its recipe is the op's inputs except `not_read` (values this op
   // overwrites without reading for this output, e.g. batch norm's running
@@ -160,6 +163,8 @@ class RematEngine {
   void set_recipe(int v, int op, const std::vector<int>& not_read);
   std::uint32_t next_epoch();
   void rematerialize(int v, int depth);
+  // Makes every value of `vs` resident and locked (see remat_engine.cpp).
+  void hold(const std::vector<int>& vs, int depth);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
   void take_block(int v, std::uintptr_t addr);

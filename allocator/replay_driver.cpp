@@ -94,7 +94,7 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
     ++out.invariant_checks;
   };
   const std::size_t max_remats = kMaxRematsPerOp * (t.num_ops() + 16);
-  std::vector<int> used, not_read;
+  std::vector<int> used, not_read, inputs;
   try {
     out.oom_op = -1;
     for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
@@ -111,11 +111,13 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
       for (int k = t.inputs_offsets[i]; k < t.inputs_offsets[i + 1]; ++k) used.push_back(t.inputs[k]);
       for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) used.push_back(t.mutated[k]);
       not_read.clear();
+      inputs.clear();
       for (std::size_t j = 0; j < used.size(); ++j) {
         const int sid = used[j];
         if (std::find(used.begin(), used.begin() + j, sid) != used.begin() + j) continue;
-        engine.use_input(op, current[sid]);
+        inputs.push_back(current[sid]);
       }
+      engine.use_inputs(op, inputs);
       // An op that writes a storage and also creates outputs (batch norm and
       // its running statistics) does not read the written storage for them.
       for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k)

@@ -1,5 +1,6 @@
 // RematEngine: state machine, recompute chains, e*, in-place versions, fake
 // deletion, locks. Memory comes from a fake port that records live blocks.
+#include <functional>
 #include <map>
 
 #include "check.h"
@@ -11,7 +12,8 @@ namespace {
 
 class FakeMemory : public MemoryPort {
  public:
-  std::uintptr_t allocate(std::size_t bytes, int /*value*/) override {
+  std::uintptr_t allocate(std::size_t bytes, int value) override {
+    if (on_allocate) on_allocate(value);
     const std::uintptr_t addr = next_;
     next_ += (bytes + 511) / 512 * 512 + 512;
     live[addr] = bytes;
@@ -21,6 +23,7 @@ class FakeMemory : public MemoryPort {
     CHECK(live.erase(addr) == 1);
   }
   std::map<std::uintptr_t, std::size_t> live;
+  std::function<void(int)> on_allocate;  // before each allocation, e.g. to evict
 
  private:
   std::uintptr_t next_ = 0x10000;
@@ -221,6 +224,44 @@ void test_missing_inputs() {
   e.release_all();
 }
 
+// An op's resident inputs are locked only once its missing inputs are back:
+// while b (and a, for b's recipe) is recomputed, c stays evictable, and the
+// evictor may take it; hold() then brings c back in a second round.
+void test_inputs_locked_after_recompute() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(1024);
+  const int a = apply(e, {x}, 1024, 2);
+  const int b = apply(e, {a}, 1024, 3);
+  const int c = apply(e, {x}, 1024, 5);
+  CHECK(e.evict(b));
+  CHECK(e.evict(a));
+  std::vector<int> c_locks;
+  bool evict_c = true;
+  mem.on_allocate = [&](int) {
+    c_locks.push_back(e.value(c).locks);
+    if (evict_c && e.evictable(c)) {
+      evict_c = false;
+      CHECK(e.evict(c));
+    }
+  };
+  const int op = e.begin_op(1, false);
+  e.use_inputs(op, {c, b});  // c resident, b missing (and a, in b's recipe)
+  mem.on_allocate = nullptr;
+  // Allocations: a, b (c unlocked, evicted at the first), then c again.
+  CHECK_EQ(c_locks.size(), std::size_t{3});
+  CHECK_EQ(c_locks[0], 0);
+  CHECK_EQ(c_locks[1], 0);
+  CHECK_EQ(e.counters().remats, std::size_t{3});
+  CHECK(e.value(b).state == ValueState::kResident && e.value(b).locks == 1);
+  CHECK(e.value(c).state == ValueState::kResident && e.value(c).locks == 1);
+  CHECK_EQ(e.value(a).locks, 0);  // b's recipe: unlocked once b is made
+  e.end_op(op);
+  CHECK_EQ(e.value(c).locks, 0);
+  e.check_invariants();
+  e.release_all();
+}
+
 int main() {
   test_states_and_release();
   test_evict_and_recompute_chain();
@@ -229,5 +270,6 @@ int main() {
   test_write_to_pinned_value();
   test_locked_never_evicted_and_random();
   test_missing_inputs();
+  test_inputs_locked_after_recompute();
   return check::check_summary("test_remat_engine");
 }
