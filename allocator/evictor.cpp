@@ -149,7 +149,11 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     walk(stream, BlockPool::pool_for(bytes) == kLargePool);
     weight_.assign(items_.size(), -1.0);
     Plan window = choose_window(bytes);
-    Plan release = choose_release(bytes);
+    // Only dtralloc compares the plans per byte, which lets the release
+    // search skip segments dearer than the window (choose_release).
+    Plan release = choose_release(
+        bytes, policy_ == Policy::kDtralloc && window.found() ? window.score
+                                                               : std::numeric_limits<double>::infinity());
     if (!window.found() && !release.found()) {
       ++stats_.no_plan;
       return {};
@@ -281,7 +285,13 @@ Evictor::Plan Evictor::choose_window(std::size_t bytes) {
 // they are released the budget has room for the segment the request needs:
 // the cheapest single segment that suffices, or the cheapest-per-byte ones
 // taken greedily, whichever costs less. Scored per byte released.
-Evictor::Plan Evictor::choose_release(std::size_t bytes) {
+//
+// A plan wins only if it costs less per byte than `bound` (the window plan's
+// score; dtralloc only, coop and no window pass infinity), so a segment's
+// cost is summed only until it passes bound * its bytes. Such a partial sum
+// is a lower bound and is completed only where a comparison needs it: the
+// plan is the one the complete sums give, at a fraction of the chain walks.
+Evictor::Plan Evictor::choose_release(std::size_t bytes, double bound) {
   Plan plan;
   const bool large = BlockPool::pool_for(bytes) == kLargePool;
   // What the Allocator will ask the backend for: a standard segment, or under
@@ -290,35 +300,61 @@ Evictor::Plan Evictor::choose_release(std::size_t bytes) {
   if (large) segment = std::min(segment, kRoundLarge * ((bytes + kRoundLarge - 1) / kRoundLarge));
   if (segment <= headroom_) return plan;  // not a question of releasing
   const std::size_t need = segment - headroom_;
-  struct Candidate { std::size_t seg; double cost, per_byte; };
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  struct Candidate {
+    std::size_t seg;
+    double cost;       // of items [begin, next): exact once next == end
+    std::size_t next;
+    double per_byte;
+    bool exact() const { return per_byte >= 0; }
+  };
+  // Adds c's weights while the sum stays within `limit` per byte.
+  auto sum = [&](Candidate& c, double limit) {
+    const SegSpan& seg = segs_[c.seg];
+    const double cap = limit * static_cast<double>(seg.bytes);
+    while (c.next < seg.end && c.cost <= cap) c.cost += weight(c.next++);
+    c.per_byte = c.next == seg.end ? c.cost / static_cast<double>(seg.bytes) : -1.0;
+  };
   std::vector<Candidate> candidates;
   for (std::size_t s = 0; s < segs_.size(); ++s) {
     const SegSpan& seg = segs_[s];
     if (seg.blocked) continue;
-    double cost = 0;
     bool evicts = false;
-    for (std::size_t i = seg.begin; i < seg.end; ++i) {
-      evicts |= items_[i].value >= 0;
-      cost += weight(i);
-    }
-    if (evicts) candidates.push_back({s, cost, cost / static_cast<double>(seg.bytes)});
+    for (std::size_t i = seg.begin; i < seg.end && !evicts; ++i) evicts = items_[i].value >= 0;
+    if (!evicts) continue;
+    candidates.push_back({s, 0.0, seg.begin, -1.0});
+    sum(candidates.back(), bound);
   }
   if (candidates.empty()) return plan;
-  double best_cost = std::numeric_limits<double>::infinity();
+  double best_cost = kInf;
   std::vector<std::size_t> chosen;
-  for (const Candidate& c : candidates)  // one segment that suffices
-    if (segs_[c.seg].bytes >= need && c.cost < best_cost) best_cost = c.cost, chosen.assign(1, c.seg);
-  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+  for (Candidate& c : candidates) {  // one segment that suffices
+    if (segs_[c.seg].bytes < need) continue;
+    if (!c.exact() && c.cost < best_cost) sum(c, kInf);  // a lower bound below the best
+    if (c.cost < best_cost) best_cost = c.cost, chosen.assign(1, c.seg);
+  }
+  // Greedy by cost per byte. Partial sums are above `bound` per byte, so they
+  // sort after every segment at or below it; completed, they sort among
+  // themselves only if the greedy gets that far.
+  auto by_per_byte = [&](const Candidate& a, const Candidate& b) {
     return a.per_byte < b.per_byte || (a.per_byte == b.per_byte && a.seg < b.seg);
+  };
+  auto cheap_end = std::partition(candidates.begin(), candidates.end(), [&](const Candidate& c) {
+    return c.exact() && c.per_byte <= bound;
   });
+  std::sort(candidates.begin(), cheap_end, by_per_byte);
   std::vector<std::size_t> greedy;
   std::size_t got = 0;
   double greedy_cost = 0;
-  for (const Candidate& c : candidates) {
-    if (got >= need) break;
-    greedy.push_back(c.seg);
-    got += segs_[c.seg].bytes;
-    greedy_cost += c.cost;
+  for (auto it = candidates.begin(); it != candidates.end() && got < need; ++it) {
+    if (it == cheap_end) {
+      for (auto rest = cheap_end; rest != candidates.end(); ++rest)
+        if (!rest->exact()) sum(*rest, kInf);
+      std::sort(cheap_end, candidates.end(), by_per_byte);
+    }
+    greedy.push_back(it->seg);
+    got += segs_[it->seg].bytes;
+    greedy_cost += it->cost;
   }
   if (got >= need && greedy_cost < best_cost) best_cost = greedy_cost, chosen = greedy;
   if (chosen.empty()) return plan;

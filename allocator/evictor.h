@@ -97,7 +97,7 @@ class Evictor : public EvictionHook {
   double weight(std::size_t i);
   std::vector<int> choose_single();
   Plan choose_window(std::size_t bytes);
-  Plan choose_release(std::size_t bytes);
+  Plan choose_release(std::size_t bytes, double bound);
   std::size_t free_at(std::size_t j, int segment) const;
   std::size_t free_beside(std::size_t i) const;
   std::uint64_t next_random();
