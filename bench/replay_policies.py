@@ -3,7 +3,8 @@
 For every bundled trace x budget {0.9, 0.7, 0.5, 0.4, 0.3, 0.2} of the
 no-eviction peak x every policy: feasible?, compute overhead, fragmentation at
 forced evictions and median victim-search time; then each policy's minimum
-feasible budget (bisection), next to the static baselines (Chen's sqrt(n)
+feasible budget (by bisection, and by a scan down from 1.0 that stops at the
+first failure), next to the static baselines (Chen's sqrt(n)
 checkpointing; Checkmate's MILP with --checkmate, on graphs small enough).
 Writes a markdown report and, if matplotlib is installed, two plots.
 
@@ -33,8 +34,10 @@ def sweep(names, echo):
             for budget in BUDGETS:
                 grid[name, policy, budget] = dtralloc.replay(trace, budget=budget, policy=policy)
             floors[name, policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
+            floors[name, policy, "scan"] = dtralloc.min_feasible_budget(
+                trace, policy, tolerance=0.01, method="scan")
         floors[name, "resident floor"] = dtralloc.resident_floor(trace)
-        echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection: "
+        echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection + scan: "
              f"{time.perf_counter() - t0:.1f}s")
     return grid, floors
 
@@ -61,15 +64,24 @@ def targets(names, grid, floors) -> list:
     """The issue's targets for dtralloc, computed from the sweep."""
     dynamic = [p for p in POLICIES if p != "dtralloc"]
     out = ["\n## Targets for dtralloc, from the numbers above\n",
+           "Min budgets as bisection / scan.\n",
            "| trace | dtralloc min | best other (policy) | / dtr min | overhead <= dtr where both fit "
            "| frag / dtr's (per budget) | median search us (per budget) |",
            "|---|---|---|---|---|---|---|"]
+
+    def best_other(name, key):
+        others = [(floors[(name, p) + key], p) for p in dynamic if floors[(name, p) + key] is not None]
+        return min(others) if others else (None, "-")
+
+    def pair(a, b, fmt="{:.2f}"):
+        return "/".join(fmt.format(x) if x is not None else "-" for x in (a, b))
+
     for name in names:
         mine = floors[name, "dtralloc"]
-        others = [(floors[name, p], p) for p in dynamic if floors[name, p] is not None]
-        best, who = min(others) if others else (None, "-")
-        dtr = floors[name, "dtr"]
-        ratio = f"{mine / dtr:.2f}" if mine is not None and dtr else "-"
+        (best, who), (best_s, who_s) = best_other(name, ()), best_other(name, ("scan",))
+        mine_s, dtr, dtr_s = floors[name, "dtralloc", "scan"], floors[name, "dtr"], floors[name, "dtr", "scan"]
+        ratio = pair(mine / dtr if mine is not None and dtr else None,
+                     mine_s / dtr_s if mine_s is not None and dtr_s else None)
         both = [b for b in BUDGETS if grid[name, "dtr", b].feasible and grid[name, "dtralloc", b].feasible
                 and grid[name, "dtr", b].evictions > 0]
         worse = [f"{b}: {grid[name, 'dtralloc', b].compute_overhead:.3f} vs {grid[name, 'dtr', b].compute_overhead:.3f}"
@@ -80,8 +92,8 @@ def targets(names, grid, floors) -> list:
             for b in both if grid[name, "dtr", b].fragmentation > 0)
         search = ", ".join(f"{b}: {grid[name, 'dtralloc', b].search_ns / 1e3:.0f}"
                            for b in BUDGETS if grid[name, "dtralloc", b].eviction_calls)
-        out.append(f"| {name} | {mine:.2f} | {best:.2f} ({who}) | {ratio} | {overhead} | {frag or '-'} | "
-                   f"{search or '-'} |" if mine is not None else f"| {name} | - | - | - | - | - | - |")
+        out.append(f"| {name} | {pair(mine, mine_s)} | {pair(best, best_s)} ({who}/{who_s}) | {ratio} | "
+                   f"{overhead} | {frag or '-'} | {search or '-'} |")
     return out
 
 
@@ -96,17 +108,24 @@ def report(names, grid, floors, base, command: str) -> str:
 
     lines = [header("Eviction policies by replay of the bundled traces", command), ""]
     lines.append("## Minimum feasible budget (fraction of the no-eviction peak reserved; lower is better)\n")
-    lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak | resident floor |")
-    lines.append("|---|" + "---|" * (len(POLICIES) + 2))
-    for name in names:
-        cells = [f"{floors[name, p]:.2f}" if floors[name, p] is not None else "-" for p in POLICIES]
-        chen = base[name, "chen"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} | "
-                     f"{floors[name, 'resident floor']:.2f} |")
-    lines.append("\nresident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
+    for title, key in (("By bisection (`min_feasible_budget`, tolerance 0.01)", ()),
+                       ("By scan (`method=\"scan\"`: every budget on the 0.01 grid from here up is feasible)",
+                        ("scan",))):
+        lines.append(f"{title}:\n")
+        lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak | resident floor |")
+        lines.append("|---|" + "---|" * (len(POLICIES) + 2))
+        for name in names:
+            cells = [f"{floors[(name, p) + key]:.2f}" if floors[(name, p) + key] is not None else "-"
+                     for p in POLICIES]
+            chen = base[name, "chen"]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} | "
+                         f"{floors[name, 'resident floor']:.2f} |")
+        lines.append("")
+    lines.append("resident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
                  "outputs at the worst op; no policy can run below it. Feasibility is not quite "
-                 "monotone in the budget, so the bisection (tolerance 0.01) can stop a little above a "
-                 "budget the grid below shows feasible.")
+                 "monotone in the budget (where the pool puts blocks changes with it), so bisection "
+                 "reports a point on some boundary, possibly below a budget that fails; the scan "
+                 "reports the budget from which every larger one on the grid works.")
     lines += targets(names, grid, floors)
     lines.append("\n## Compute overhead (extra compute / one pass; OOM = infeasible)\n")
     for name in names:
@@ -176,7 +195,7 @@ def plots(names, grid, floors, out_dir: str, stamp: str) -> list[str]:
         ax.bar([j + i * width for j in range(len(names))],
                [floors[n, p] if floors[n, p] is not None else 1.0 for n in names], width, label=p)
     ax.set_xticks([j + 0.4 for j in range(len(names))], names)
-    ax.set_ylabel("min feasible budget (fraction)")
+    ax.set_ylabel("min feasible budget (bisection)")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     path = os.path.join(out_dir, f"replay_policies-min-budget-{stamp}.png")

@@ -74,6 +74,22 @@ def test_min_feasible_budget(traces):
     assert dtralloc.replay(trace, budget=f, policy="dtralloc").feasible
     with pytest.raises(ValueError):
         dtralloc.min_feasible_budget(trace, "none")
+    with pytest.raises(ValueError, match="method"):
+        dtralloc.min_feasible_budget(trace, "dtralloc", method="golden")
+    with pytest.raises(ValueError, match="tolerance"):
+        dtralloc.min_feasible_budget(trace, "dtralloc", tolerance=0)
+
+
+def test_min_feasible_budget_scan(traces):
+    """scan: every grid budget from the result up is feasible, the next one
+    down is not."""
+    trace = traces["unet"]
+    tol = 0.05
+    s = dtralloc.min_feasible_budget(trace, "dtralloc", tolerance=tol, method="scan")
+    assert s is not None and 0 < s < 1
+    grid = [k * tol for k in range(round(s / tol), round(1 / tol) + 1)]
+    assert all(dtralloc.replay(trace, budget=b, policy="dtralloc").feasible for b in grid)
+    assert not dtralloc.replay(trace, budget=s - tol, policy="dtralloc").feasible
 
 
 def test_resident_floor_by_hand():

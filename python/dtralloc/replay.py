@@ -294,18 +294,29 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
 
 
 def min_feasible_budget(
-    trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01
+    trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01,
+    method: str = "bisect",
 ) -> Optional[float]:
     """Smallest budget fraction (of the no-eviction peak reserved) at which
-    `policy` completes the trace, by bisection to `tolerance`; None if even
-    1.0 fails. Feasibility is assumed monotone in the budget (it nearly is;
-    bisection reports a point on the boundary it finds)."""
+    `policy` completes the trace; None if even 1.0 fails.
+
+    Feasibility is not quite monotone in the budget: where the pool puts
+    blocks changes with it, and a budget can fail where a smaller one fits.
+    ``method="bisect"`` (default) bisects to `tolerance` and reports a point
+    on the boundary it finds, in about log2(1/tolerance) replays.
+    ``method="scan"`` steps down from 1.0 by `tolerance` and returns the last
+    budget before the first failure: every budget on that grid from there up
+    is feasible (about (1 - result) / tolerance replays)."""
     if isinstance(trace, str):
         from .trace import load
 
         trace = load(trace)
     if policy == "none":
         raise ValueError("dtralloc.min_feasible_budget: needs an eviction policy, not 'none'")
+    if method not in ("bisect", "scan"):
+        raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"dtralloc.min_feasible_budget: tolerance must be in (0, 1), not {tolerance!r}")
     text = conf_text(conf if conf is not None else "")
     baseline = _run(trace, None, text, False, None).peak_reserved_bytes
 
@@ -314,6 +325,15 @@ def min_feasible_budget(
 
     if not feasible(1.0):
         return None
+    if method == "scan":
+        steps = round(1 / tolerance)
+        lowest = 1.0
+        for k in range(steps - 1, 0, -1):
+            fraction = k / steps
+            if not feasible(fraction):
+                break
+            lowest = fraction
+        return lowest
     lo, hi = 0.0, 1.0
     while hi - lo > tolerance:
         mid = (lo + hi) / 2
