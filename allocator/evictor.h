@@ -49,6 +49,21 @@
 
 namespace dtralloc {
 
+// An Allocator as the engine's MemoryPort (stream 0): engine allocations go
+// through the pool, tagged with the value id for the evictor's walk. Used by
+// the replay driver and the evictor's tests.
+class PoolPort : public MemoryPort {
+ public:
+  explicit PoolPort(Allocator& allocator) : allocator_(allocator) {}
+  std::uintptr_t allocate(std::size_t bytes, int value) override {
+    return reinterpret_cast<std::uintptr_t>(allocator_.malloc(bytes, 0, value));
+  }
+  void release(std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
+
+ private:
+  Allocator& allocator_;
+};
+
 enum class Policy { kNone, kLru, kSize, kMsps, kDtr, kDtrEq, kDtrLocal, kDte, kCoop, kDtralloc };
 // Throws ConfigError for an unknown name.
 Policy parse_policy(const std::string& name);

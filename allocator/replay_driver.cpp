@@ -16,18 +16,6 @@ constexpr std::size_t kVirtualCapacity = std::size_t{1} << 44;
 // infeasible rather than spin (DTR's own replays use the same kind of cap).
 constexpr std::size_t kMaxRematsPerOp = 64;
 
-class PoolPort : public MemoryPort {
- public:
-  explicit PoolPort(Allocator& allocator) : allocator_(allocator) {}
-  std::uintptr_t allocate(std::size_t bytes, int value) override {
-    return reinterpret_cast<std::uintptr_t>(allocator_.malloc(bytes, 0, value));
-  }
-  void release(std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
-
- private:
-  Allocator& allocator_;
-};
-
 void check_csr(const std::vector<int>& offsets, const std::vector<int>& values, std::size_t ops,
                std::size_t storages, const char* what) {
   if (offsets.size() != ops + 1 || offsets.front() != 0 ||

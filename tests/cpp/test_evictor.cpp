@@ -14,18 +14,6 @@ using namespace dtralloc;
 
 namespace {
 
-class PoolPort : public MemoryPort {
- public:
-  explicit PoolPort(Allocator& a) : a_(a) {}
-  std::uintptr_t allocate(std::size_t bytes, int value) override {
-    return reinterpret_cast<std::uintptr_t>(a_.malloc(bytes, 0, value));
-  }
-  void release(std::uintptr_t addr) override { a_.free(reinterpret_cast<void*>(addr)); }
-
- private:
-  Allocator& a_;
-};
-
 constexpr std::size_t kQuarter = 512 * 1024;  // four fill one 2 MiB small segment
 
 // One small-pool segment (the whole 2 MiB budget) holding, in address order,
