@@ -43,7 +43,7 @@ const char* trace_action_name(TraceAction action) {
 }
 
 Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int device)
-    : backend_(std::move(backend)), config_(config), device_(device), pool_(config_) {
+    : backend_(std::move(backend)), config_(resolve_config(config)), device_(device), pool_(config_) {
   capacity_bytes_ = backend_->total_bytes();
   config_budget_bytes_ = config_.budget.resolve(capacity_bytes_);
   budget_bytes_ = config_budget_bytes_;

@@ -22,6 +22,10 @@ namespace dtralloc {
 
 constexpr std::size_t kMiB = 1024 * 1024;
 constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+// max_split_size_mb:auto (the default): the Allocator resolves it to
+// kDtrallocMaxSplit under the dtralloc policy with a budget, else kNoLimit.
+constexpr std::size_t kAutoSplit = kNoLimit - 1;
+constexpr std::size_t kDtrallocMaxSplit = 32 * kMiB;
 // The history ring is allocated up front (48 bytes an entry): at most 768 MiB.
 constexpr std::size_t kMaxHistoryEntries = std::size_t{1} << 24;
 
@@ -42,6 +46,7 @@ struct Budget {
 // Value kinds; each knows how to parse and print itself.
 struct BudgetOption { using value_type = Budget; };
 struct SizeMbOption { using value_type = std::size_t; };    // stored in bytes
+struct SplitSizeOption { using value_type = std::size_t; }; // SizeMb, or auto
 struct DivisionsOption { using value_type = std::size_t; }; // 0, 1 or power of 2
 struct FractionOption { using value_type = double; };       // [0, 1)
 struct CountOption { using value_type = std::size_t; };
@@ -58,9 +63,11 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
   X(budget, BudgetOption, Budget{},                                            \
     "hard cap on reserved bytes: a size (6G, 512M) or a fraction of device "   \
     "memory (0.5); none = the whole device")                                   \
-  X(max_split_size_mb, SizeMbOption, kNoLimit,                                 \
+  X(max_split_size_mb, SplitSizeOption, kAutoSplit,                           \
     "blocks at least this large (MB) are never split; small requests will "    \
-    "not use them. Lowers fragmentation for mixed sizes. none = no limit")     \
+    "not use them. Lowers fragmentation for mixed sizes. none = no limit; "    \
+    "auto = 32 under the dtralloc policy with a budget (big tensors keep "     \
+    "their segments, so what eviction frees stays contiguous), else none")     \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \
@@ -100,6 +107,10 @@ struct Config {
 
 // Parses "key:value,key:value". Empty text gives the defaults.
 Config parse_config(const std::string& text);
+
+// `config` with the values that depend on other keys settled (what the
+// Allocator runs with): max_split_size_mb:auto becomes a size or none.
+Config resolve_config(Config config);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").
 // `unit` multiplies a bare number (1 for bytes, kMiB for *_mb keys).

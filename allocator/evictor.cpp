@@ -8,16 +8,25 @@
 
 namespace dtralloc {
 
+namespace {
+const struct { const char* name; Policy policy; } kPolicyNames[] = {
+    {"none", Policy::kNone},     {"lru", Policy::kLru},         {"size", Policy::kSize},
+    {"msps", Policy::kMsps},     {"dtr", Policy::kDtr},         {"dtr_eq", Policy::kDtrEq},
+    {"dtr_local", Policy::kDtrLocal}, {"dte", Policy::kDte},    {"coop", Policy::kCoop},
+    {"dtralloc", Policy::kDtralloc}};
+}  // namespace
+
 Policy parse_policy(const std::string& name) {
-  static const struct { const char* name; Policy policy; } kNames[] = {
-      {"none", Policy::kNone},     {"lru", Policy::kLru},         {"size", Policy::kSize},
-      {"msps", Policy::kMsps},     {"dtr", Policy::kDtr},         {"dtr_eq", Policy::kDtrEq},
-      {"dtr_local", Policy::kDtrLocal}, {"dte", Policy::kDte},    {"coop", Policy::kCoop},
-      {"dtralloc", Policy::kDtralloc}};
-  for (const auto& p : kNames)
+  for (const auto& p : kPolicyNames)
     if (name == p.name) return p.policy;
   throw ConfigError("dtralloc: unknown eviction policy '" + name +
                     "'; use one of: " DTRALLOC_EVICTION_POLICIES);
+}
+
+const char* policy_name(Policy policy) {
+  for (const auto& p : kPolicyNames)
+    if (p.policy == policy) return p.name;
+  return "none";  // unreachable: every Policy is in the table
 }
 
 Evictor::Evictor(Allocator& allocator, RematEngine& engine, Policy policy, const Config& config)

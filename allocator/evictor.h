@@ -67,6 +67,7 @@ class PoolPort : public MemoryPort {
 enum class Policy { kNone, kLru, kSize, kMsps, kDtr, kDtrEq, kDtrLocal, kDte, kCoop, kDtralloc };
 // Throws ConfigError for an unknown name.
 Policy parse_policy(const std::string& name);
+const char* policy_name(Policy policy);
 
 struct EvictorStats {
   std::size_t calls = 0;                 // make_room calls (forced evictions)

@@ -166,6 +166,7 @@ py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::st
   d["device_alloc_calls"] = r.device_alloc_calls;
   d["device_free_calls"] = r.device_free_calls;
   d["invariant_checks"] = r.invariant_checks;
+  d["max_split_size"] = r.max_split_size == kNoLimit ? -1 : static_cast<std::int64_t>(r.max_split_size);
   d["base_cost"] = r.engine.base_cost;
   d["remat_cost"] = r.engine.remat_cost;
   d["evictions"] = r.engine.evictions;

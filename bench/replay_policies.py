@@ -5,7 +5,9 @@ no-eviction peak x every policy: feasible?, compute overhead, fragmentation at
 forced evictions and median victim-search time; then each policy's minimum
 feasible budget (by bisection, and by a scan down from 1.0 that stops at the
 first failure), next to the static baselines (Chen's sqrt(n)
-checkpointing; Checkmate's MILP with --checkmate, on graphs small enough).
+checkpointing; Checkmate's MILP with --checkmate, on graphs small enough);
+and the scan again with dtralloc's placement (max_split_size_mb:32) given to
+every policy.
 Writes a markdown report and, if matplotlib is installed, two plots.
 
     python bench/replay_policies.py [--traces NAME ...] [--checkmate] [--out-dir bench/results]
@@ -20,6 +22,30 @@ import time
 
 BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
 POLICIES = ("lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
+# dtralloc's placement (max_split_size_mb:auto resolves to it under dtralloc),
+# given to every policy for the "same placement" table.
+SAME_PLACEMENT = "max_split_size_mb:32"
+
+
+def scan_with_conf(trace, policy: str, conf: str, peak: int, step: float = 0.01) -> float | None:
+    """min_feasible_budget(method="scan") with `conf` for the eviction runs
+    only: fractions stay of the default pool's no-eviction `peak`, the same
+    denominator as every other table (an explicit conf would also change the
+    baseline replay's peak)."""
+    from dtralloc.replay import _run_remat
+
+    def feasible(fraction: float) -> bool:
+        return _run_remat(trace, max(1, int(fraction * peak)), policy, conf, False).feasible
+
+    if not feasible(1.0):
+        return None
+    steps = round(1 / step)
+    lowest = 1.0
+    for k in range(steps - 1, 0, -1):
+        if not feasible(k / steps):
+            break
+        lowest = k / steps
+    return lowest
 
 
 def sweep(names, echo):
@@ -36,8 +62,11 @@ def sweep(names, echo):
             floors[name, policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
             floors[name, policy, "scan"] = dtralloc.min_feasible_budget(
                 trace, policy, tolerance=0.01, method="scan")
+        peak = dtralloc.replay(trace).peak_reserved_bytes
+        for policy in POLICIES:
+            floors[name, policy, "same"] = scan_with_conf(trace, policy, SAME_PLACEMENT, peak)
         floors[name, "resident floor"] = dtralloc.resident_floor(trace)
-        echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection + scan: "
+        echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection + 2 scans: "
              f"{time.perf_counter() - t0:.1f}s")
     return grid, floors
 
@@ -64,10 +93,11 @@ def targets(names, grid, floors) -> list:
     """The issue's targets for dtralloc, computed from the sweep."""
     dynamic = [p for p in POLICIES if p != "dtralloc"]
     out = ["\n## Targets for dtralloc, from the numbers above\n",
-           "Min budgets as bisection / scan.\n",
-           "| trace | dtralloc min | best other (policy) | / dtr min | overhead <= dtr where both fit "
-           "| frag / dtr's (per budget) | median search us (per budget) |",
-           "|---|---|---|---|---|---|---|"]
+           "Min budgets as bisection / scan; \"same placement\": the best other policy's scan when "
+           "it too runs with `" + SAME_PLACEMENT + "`.\n",
+           "| trace | dtralloc min | best other (policy) | same placement (policy) | / dtr min "
+           "| overhead <= dtr where both fit | frag / dtr's (per budget) | median search us (per budget) |",
+           "|---|---|---|---|---|---|---|---|"]
 
     def best_other(name, key):
         others = [(floors[(name, p) + key], p) for p in dynamic if floors[(name, p) + key] is not None]
@@ -79,6 +109,8 @@ def targets(names, grid, floors) -> list:
     for name in names:
         mine = floors[name, "dtralloc"]
         (best, who), (best_s, who_s) = best_other(name, ()), best_other(name, ("scan",))
+        best_same, who_same = best_other(name, ("same",))
+        same = f"{best_same:.2f} ({who_same})" if best_same is not None else "-"
         mine_s, dtr, dtr_s = floors[name, "dtralloc", "scan"], floors[name, "dtr"], floors[name, "dtr", "scan"]
         ratio = pair(mine / dtr if mine is not None and dtr else None,
                      mine_s / dtr_s if mine_s is not None and dtr_s else None)
@@ -92,7 +124,7 @@ def targets(names, grid, floors) -> list:
             for b in both if grid[name, "dtr", b].fragmentation > 0)
         search = ", ".join(f"{b}: {grid[name, 'dtralloc', b].search_ns / 1e3:.0f}"
                            for b in BUDGETS if grid[name, "dtralloc", b].eviction_calls)
-        out.append(f"| {name} | {pair(mine, mine_s)} | {pair(best, best_s)} ({who}/{who_s}) | {ratio} | "
+        out.append(f"| {name} | {pair(mine, mine_s)} | {pair(best, best_s)} ({who}/{who_s}) | {same} | {ratio} | "
                    f"{overhead} | {frag or '-'} | {search or '-'} |")
     return out
 
@@ -125,7 +157,17 @@ def report(names, grid, floors, base, command: str) -> str:
                  "outputs at the worst op; no policy can run below it. Feasibility is not quite "
                  "monotone in the budget (where the pool puts blocks changes with it), so bisection "
                  "reports a point on some boundary, possibly below a budget that fails; the scan "
-                 "reports the budget from which every larger one on the grid works.")
+                 "reports the budget from which every larger one on the grid works.\n")
+    lines.append("By scan with the same placement for every policy: `" + SAME_PLACEMENT + "` (what "
+                 "`max_split_size_mb:auto` gives dtralloc alone), fractions still of the default "
+                 "pool's peak. It separates what dtralloc's placement gains from what its victim "
+                 "choice gains:\n")
+    lines.append("| trace | " + " | ".join(POLICIES) + " |")
+    lines.append("|---|" + "---|" * len(POLICIES))
+    for name in names:
+        cells = [f"{floors[name, p, 'same']:.2f}" if floors[name, p, "same"] is not None else "-"
+                 for p in POLICIES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += targets(names, grid, floors)
     lines.append("\n## Compute overhead (extra compute / one pass; OOM = infeasible)\n")
     for name in names:

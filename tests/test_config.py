@@ -58,7 +58,7 @@ def test_every_option_is_described_with_default_accepts_and_doc():
         assert o["accepts"].strip() and o["doc"].strip(), o
     defaults = {o["name"]: o["default"] for o in options}
     assert defaults["budget"] == "none"
-    assert defaults["max_split_size_mb"] == "none"
+    assert defaults["max_split_size_mb"] == "auto"  # none unless policy dtralloc + budget
     assert defaults["max_non_split_rounding_mb"] == "20 MiB"  # torch's default
     assert defaults["roundup_power2_divisions"] == "0"
     assert defaults["garbage_collection_threshold"] == "0"
@@ -128,6 +128,26 @@ def test_mb_keys_take_megabytes_or_suffixed_sizes(text, expected):
 def test_max_split_size_none_reports_torch_sentinel():
     # torch reports "no limit" as a huge/negative sentinel; dtralloc uses -1.
     assert dtralloc.Pool("virtual", capacity="1G").stats()["max_split_size"] == -1
+
+
+@pytest.mark.parametrize(
+    "conf, expected",
+    [
+        ("policy:dtralloc,budget:512M", 32 * MiB),  # auto: dtralloc under a budget
+        ("policy:dtralloc", -1),                     # no budget: nothing to defragment for
+        ("policy:msps,budget:512M", -1),             # other policies: torch's default
+        ("policy:dtralloc,budget:512M,max_split_size_mb:none", -1),
+        ("policy:dtralloc,budget:512M,max_split_size_mb:64", 64 * MiB),
+        ("policy:dtralloc,budget:512M,max_split_size_mb:AUTO", 32 * MiB),
+    ],
+)
+def test_max_split_size_auto(conf, expected):
+    assert dtralloc.Pool("virtual", capacity="1G", conf=conf).stats()["max_split_size"] == expected
+
+
+def test_max_split_size_auto_is_reported_as_asked():
+    # The configuration shows what was asked for; the pool's stats what it runs with.
+    assert dtralloc.effective_config("policy:dtralloc,budget:512M")["max_split_size_mb"] == "auto"
 
 
 def test_conf_as_dict_equals_conf_as_text():

@@ -55,6 +55,23 @@ def test_same_trace_and_policy_give_the_same_result(traces):
                                      b.peak_reserved_bytes, b.fragmentation)
 
 
+def test_dtralloc_keeps_big_blocks_whole(traces):
+    # max_split_size_mb:auto is 32 MiB under dtralloc with a budget, none for
+    # the other policies and without a budget; an explicit value wins.
+    MiB = 1 << 20
+    trace = traces["resnet50"]
+    assert dtralloc.replay(trace, budget=0.3, policy="dtralloc").max_split_size == 32 * MiB
+    assert dtralloc.replay(trace, budget=0.9, policy="msps").max_split_size == -1
+    pinned = dtralloc.replay(trace, budget=0.3, policy="dtralloc", conf="max_split_size_mb:64")
+    assert pinned.max_split_size == 64 * MiB
+    # What it is for: with big blocks split by small tensors, the holes they
+    # leave are what this budget lacks (no policy's victim choice joins them).
+    whole = dtralloc.replay(trace, budget=0.3, policy="dtralloc")
+    split = dtralloc.replay(trace, budget=0.3, policy="dtralloc", conf="max_split_size_mb:none")
+    assert split.max_split_size == -1
+    assert whole.feasible and not split.feasible, split.oom_message
+
+
 def test_policy_from_conf_and_errors(traces):
     trace = traces["unet"]
     via_conf = dtralloc.replay(trace, budget=0.6, conf="policy:dtr")

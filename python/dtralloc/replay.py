@@ -52,6 +52,7 @@ class ReplayResult:
     eviction_calls: int = 0
     fake_deletions: int = 0
     random_replays: int = 0            # recomputes of random ops (saved RNG state)
+    max_split_size: int = -1           # the pool's block split limit (max_split_size_mb:auto resolved); -1: none
 
     @property
     def reserved_over_allocated(self) -> float:
@@ -271,6 +272,7 @@ def _run_remat(trace: Trace, budget_bytes, policy: str, conf: str, check: bool) 
     result.eviction_calls = r["eviction_calls"]
     result.fake_deletions = r["fake_deletions"]
     result.random_replays = r["random_replays"]
+    result.max_split_size = r["max_split_size"]
     return result
 
 
