@@ -70,8 +70,11 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
 
 // Snapshot of the blocks, in address order, of the stream's segments (of the
 // large pool only when `large_only`), and the budget's headroom. Taken under
-// the pool lock, scored without it.
-void Evictor::walk(Stream stream, bool large_only) {
+// the pool lock, scored without it. A segment smaller than `window_bytes`
+// is left out at its first blocked block: it can host no window for the
+// request and cannot be released, so neither plan would look at it (most
+// parameter segments end there, at their first block).
+void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
   items_.clear();
   segs_.clear();
   allocator_.inspect_pool([&](const BlockPool& bp) {
@@ -83,6 +86,7 @@ void Evictor::walk(Stream stream, bool large_only) {
       if (seg->stream != stream || (large_only && seg->pool != kLargePool)) continue;
       SegSpan span{items_.size(), items_.size(), seg->size, seg->pool, false};
       const int index = static_cast<int>(segs_.size());
+      const bool useless_if_blocked = seg->size < window_bytes;
       for (const Block* b = seg->head; b; b = b->next) {
         int value = kBlocked;
         if (b->in_free_set) {
@@ -96,7 +100,12 @@ void Evictor::walk(Stream stream, bool large_only) {
           if (v >= 0 && engine_.evictable(v)) value = v;
         }
         span.blocked |= value == kBlocked;
+        if (span.blocked && useless_if_blocked) break;
         items_.push_back({b->addr, b->size, value, index});
+      }
+      if (span.blocked && useless_if_blocked) {
+        items_.resize(span.begin);
+        continue;
       }
       span.end = items_.size();
       segs_.push_back(span);
@@ -155,7 +164,7 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     // A large request is served by a large-pool run or by releasing segments;
     // the small pool (2 MiB segments of tiny tensors, often half the blocks)
     // can do little for it, so it is not walked.
-    walk(stream, BlockPool::pool_for(bytes) == kLargePool);
+    walk(stream, BlockPool::pool_for(bytes) == kLargePool, bytes);
     weight_.assign(items_.size(), -1.0);
     Plan window = choose_window(bytes);
     // Only dtralloc compares the plans per byte, which lets the release
@@ -174,7 +183,7 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     ++stats_.segment_releases;
     return std::move(release.victims);
   }
-  if (policy_ == Policy::kDte) walk(stream, false);
+  if (policy_ == Policy::kDte) walk(stream, false, 0);  // every block: free_beside needs them
   return choose_single();
 }
 

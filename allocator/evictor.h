@@ -107,7 +107,7 @@ class Evictor : public EvictionHook {
   static constexpr int kFree = -1;
   static constexpr int kBlocked = -2;
 
-  void walk(Stream stream, bool large_only);
+  void walk(Stream stream, bool large_only, std::size_t window_bytes);
   double single_score(int v, std::size_t free_around);
   double window_weight(int v);
   double weight(std::size_t i);
