@@ -293,8 +293,8 @@ Config parse_config(const std::string& text) {
 // gradients, optimizer state); its holes are what the budget then lacks
 // and no eviction can join. Measured on the bundled traces (min feasible
 // budget by scan, bench/replay_policies.py): every limit from 24 to 40 MiB
-// lowered dtralloc's by 0.04-0.09 of the peak (resnet50 0.34 -> 0.25); 48
-// lost llama's gain and 128 most of the others'.
+// lowered dtralloc's by 0.05-0.09 of the peak (resnet50 0.34 -> 0.25); 48
+// lost llama's gain, 128 most of bert's, gpt2's and unet's.
 Config resolve_config(Config config) {
   if (config.max_split_size_mb == kAutoSplit)
     config.max_split_size_mb =
