@@ -62,8 +62,8 @@ def test_dtralloc_keeps_big_blocks_whole(traces):
     trace = traces["resnet50"]
     assert dtralloc.replay(trace, budget=0.3, policy="dtralloc").max_split_size == 32 * MiB
     assert dtralloc.replay(trace, budget=0.9, policy="msps").max_split_size == -1
-    pinned = dtralloc.replay(trace, budget=0.3, policy="dtralloc", conf="max_split_size_mb:64")
-    assert pinned.max_split_size == 64 * MiB
+    explicit = dtralloc.replay(trace, budget=0.3, policy="dtralloc", conf="max_split_size_mb:64")
+    assert explicit.max_split_size == 64 * MiB
     # What it is for: with big blocks split by small tensors, the holes they
     # leave are what this budget lacks (no policy's victim choice joins them).
     whole = dtralloc.replay(trace, budget=0.3, policy="dtralloc")
