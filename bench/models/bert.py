@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, millions
+from .workload import Workload, param_millions
 
 # BERT pre-training masks 15% of the tokens; the loss counts only those.
 MASK_FRACTION = 0.15
@@ -32,12 +32,11 @@ def build(batch: int = 8, seq: int = 512, layers: int = 12, hidden: int = 768,
     def loss_fn(model, tokens, attention_mask, labels):
         return model(input_ids=tokens, attention_mask=attention_mask, labels=labels).loss
 
-    params = sum(p.numel() for p in model.parameters())
     return Workload(
         name="bert",
         description=(
             f"BERT ({layers} layers, hidden {hidden}, {heads} heads, intermediate {intermediate}, "
-            f"vocab {vocab}, {millions(params)} params, dropout 0.1, attn_implementation={attn}) "
+            f"vocab {vocab}, {param_millions(model)} params, dropout 0.1, attn_implementation={attn}) "
             f"batch {batch} x seq {seq}, masked-LM loss on {MASK_FRACTION:.0%} of tokens, AdamW (foreach)"
         ),
         model=model, optimizer=optimizer, batch=(tokens, attention_mask, labels), loss_fn=loss_fn,

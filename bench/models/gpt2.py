@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, causal_lm_loss, millions
+from .workload import Workload, causal_lm_loss, param_millions
 
 
 def build(batch: int = 2, seq: int = 1024, layers: int = 12, hidden: int = 768,
@@ -22,12 +22,11 @@ def build(batch: int = 2, seq: int = 1024, layers: int = 12, hidden: int = 768,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     tokens = torch.randint(0, vocab, (batch, seq))
 
-    params = sum(p.numel() for p in model.parameters())
     return Workload(
         name="gpt2",
         description=(
             f"GPT-2 ({layers} layers, hidden {hidden}, {heads} heads, vocab {vocab}, "
-            f"{millions(params)} params, dropout 0.1, attn_implementation={attn}) "
+            f"{param_millions(model)} params, dropout 0.1, attn_implementation={attn}) "
             f"batch {batch} x seq {seq}, causal-LM loss, AdamW (foreach)"
         ),
         model=model, optimizer=optimizer, batch=(tokens,), loss_fn=causal_lm_loss,

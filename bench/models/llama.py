@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, causal_lm_loss, millions
+from .workload import Workload, causal_lm_loss, param_millions
 
 
 def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
@@ -26,12 +26,11 @@ def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
     tokens = torch.randint(0, vocab, (batch, seq))
 
-    params = sum(p.numel() for p in model.parameters())
     return Workload(
         name="llama",
         description=(
             f"Llama-style decoder ({layers} layers, hidden {hidden}, {heads} heads, "
-            f"intermediate {intermediate}, vocab {vocab}, {millions(params)} params, no dropout, "
+            f"intermediate {intermediate}, vocab {vocab}, {param_millions(model)} params, no dropout, "
             f"attn_implementation={attn}) batch {batch} x seq {seq}, causal-LM loss, AdamW (foreach)"
         ),
         model=model, optimizer=optimizer, batch=(tokens,), loss_fn=causal_lm_loss,

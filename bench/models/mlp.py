@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .workload import Workload, millions
+from .workload import Workload, param_millions
 
 
 def build(batch: int = 256, features: int = 4096, width: int = 4096, layers: int = 4,
@@ -23,12 +23,11 @@ def build(batch: int = 256, features: int = 4096, width: int = 4096, layers: int
     def loss_fn(model, inputs, labels):
         return nn.functional.cross_entropy(model(inputs), labels)
 
-    params = sum(p.numel() for p in model.parameters())
     return Workload(
         name="mlp",
         description=(
             f"MLP ({features} inputs, {layers} hidden layers of {width} with ReLU and dropout "
-            f"{dropout}, {classes} classes, {millions(params)} params) batch {batch}, "
+            f"{dropout}, {classes} classes, {param_millions(model)} params) batch {batch}, "
             f"cross-entropy, Adam (foreach)"
         ),
         model=model, optimizer=optimizer, batch=(inputs, labels), loss_fn=loss_fn,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .workload import Workload, millions
+from .workload import Workload, param_millions
 
 EXPANSION = 4  # a bottleneck's output has 4x its inner width
 
@@ -71,13 +71,12 @@ def build(batch: int = 64, image: int = 224, base: int = 64, classes: int = 1000
     def loss_fn(model, images, labels):
         return nn.functional.cross_entropy(model(images), labels)
 
-    params = sum(p.numel() for p in model.parameters())
     depth = 3 * sum(blocks) + 2
     return Workload(
         name="resnet50",
         description=(
             f"ResNet-{depth} (bottleneck blocks {'-'.join(map(str, blocks))}, width {base}, "
-            f"BatchNorm, {classes} classes, {millions(params)} params) batch {batch} at "
+            f"BatchNorm, {classes} classes, {param_millions(model)} params) batch {batch} at "
             f"{image}x{image}, cross-entropy, SGD momentum 0.9 (foreach)"
         ),
         model=model, optimizer=optimizer, batch=(images, labels), loss_fn=loss_fn,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .workload import Workload, millions
+from .workload import Workload, param_millions
 
 
 def double_conv(in_ch: int, out_ch: int) -> nn.Sequential:
@@ -50,12 +50,11 @@ def build(batch: int = 4, image: int = 256, base: int = 64, levels: int = 4,
     def loss_fn(model, images, masks):
         return nn.functional.cross_entropy(model(images), masks)
 
-    params = sum(p.numel() for p in model.parameters())
     return Workload(
         name="unet",
         description=(
             f"UNet ({levels} down / {levels} up levels, base {base} channels, BatchNorm, "
-            f"{classes} classes, {millions(params)} params) batch {batch} at {image}x{image}, "
+            f"{classes} classes, {param_millions(model)} params) batch {batch} at {image}x{image}, "
             f"pixel-wise cross-entropy, SGD momentum 0.9 (foreach)"
         ),
         model=model, optimizer=optimizer, batch=(images, masks), loss_fn=loss_fn,

@@ -35,11 +35,16 @@ class Workload:
         self.optimizer.step()
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return parameter_count(self.model)
 
 
-def millions(n: int) -> str:
-    return f"{n / 1e6:.1f}M"
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_millions(model: torch.nn.Module) -> str:
+    """The model's parameter count for a description, e.g. "124.4M"."""
+    return f"{parameter_count(model) / 1e6:.1f}M"
 
 
 def causal_lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
