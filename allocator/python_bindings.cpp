@@ -28,6 +28,11 @@ void put_stat(py::dict& d, const std::string& prefix, const Stat& s) {
   d[py::str(prefix + ".freed")] = s.freed;
 }
 
+// A split limit as torch reports it: bytes, or -1 for none.
+std::int64_t split_size_for_python(std::size_t limit) {
+  return limit == kNoLimit ? -1 : static_cast<std::int64_t>(limit);
+}
+
 py::dict stats_dict(const StatsReport& r) {
   py::dict d;
   const Stats& s = r.stats;
@@ -42,7 +47,7 @@ py::dict stats_dict(const StatsReport& r) {
 #define DTRALLOC_PUT_COUNTER(name) d[#name] = s.name;
   DTRALLOC_COUNTERS(DTRALLOC_PUT_COUNTER)
 #undef DTRALLOC_PUT_COUNTER
-  d["max_split_size"] = r.max_split_size == kNoLimit ? -1 : static_cast<std::int64_t>(r.max_split_size);
+  d["max_split_size"] = split_size_for_python(r.max_split_size);
   // dtralloc's own keys: the budget and fragmentation.
   const auto reserved = s.reserved_bytes[kStatAll].current;
   const auto allocated = s.allocated_bytes[kStatAll].current;
@@ -166,7 +171,7 @@ py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::st
   d["device_alloc_calls"] = r.device_alloc_calls;
   d["device_free_calls"] = r.device_free_calls;
   d["invariant_checks"] = r.invariant_checks;
-  d["max_split_size"] = r.max_split_size == kNoLimit ? -1 : static_cast<std::int64_t>(r.max_split_size);
+  d["max_split_size"] = split_size_for_python(r.max_split_size);
   d["base_cost"] = r.engine.base_cost;
   d["remat_cost"] = r.engine.remat_cost;
   d["evictions"] = r.engine.evictions;
