@@ -111,7 +111,7 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   if (Block* b = pool_.find_free(pool, stream, rounded))
     return pool_.allocate_from(b, rounded, requested);
   // 2. new segment (after GC, if configured)
-  if (config_.garbage_collection_threshold > 0) garbage_collect(BlockPool::segment_size(rounded));
+  if (config_.garbage_collection_threshold > 0) garbage_collect(pool_.segment_size(rounded));
   if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   // 3. oversize cached segments
   if (release_oversize_segments(rounded, stream))
@@ -129,7 +129,7 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
 }
 
 Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {
-  std::size_t bytes = BlockPool::segment_size(rounded);
+  std::size_t bytes = pool_.segment_size(rounded);
   const std::size_t reserved = reserved_bytes();
   if (reserved + bytes > budget_bytes_) {
     // Under a tight budget a large-pool request gets a segment of its own
@@ -448,7 +448,7 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
   const std::size_t device_free = backend_->free_bytes();
   m << frag_text << "), device capacity " << format_bytes(capacity_bytes_) << " with "
     << format_bytes(device_free) << " free. ";
-  if (rounded <= kMaxRequestBytes && reserved + BlockPool::segment_size(rounded) <= budget_bytes_ &&
+  if (rounded <= kMaxRequestBytes && reserved + pool_.segment_size(rounded) <= budget_bytes_ &&
       device_free < rounded)
     m << "The device itself is full: other processes or allocators hold its memory. ";
   if (free_cached >= rounded && largest < rounded)

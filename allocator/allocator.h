@@ -165,6 +165,8 @@ class Allocator {
   std::size_t budget_bytes() const { return budget_bytes_; }
   std::size_t capacity_bytes() const { return capacity_bytes_; }
   const Config& config() const { return config_; }
+  // The segment a new request of `rounded` bytes gets (config only: no lock).
+  std::size_t segment_size(std::size_t rounded) const { return pool_.segment_size(rounded); }
   int device() const { return device_; }
   Backend& backend() { return *backend_; }
 

@@ -83,9 +83,16 @@ std::size_t BlockPool::round_size(std::size_t size, const Config& config) {
   return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
 }
 
-std::size_t BlockPool::segment_size(std::size_t rounded) {
+std::size_t BlockPool::segment_size(std::size_t rounded) const {
   if (rounded <= kSmallSize) return kSmallBuffer;
-  if (rounded < kMinLargeAlloc) return kLargeBuffer;
+  if (rounded < kMinLargeAlloc) {
+    // The Allocator resolves auto; a pool built on a raw Config takes it as off.
+    if (config_.segment_fit != Switch::kOn) return kLargeBuffer;
+    // As many copies as fit in 20 MiB (at least two: rounded < 10 MiB), the
+    // segment 2 MiB-rounded; never more than 20 MiB.
+    const std::size_t copies = kLargeBuffer / rounded;
+    return kRoundLarge * ((copies * rounded + kRoundLarge - 1) / kRoundLarge);
+  }
   return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
 }
 

@@ -115,7 +115,9 @@ class BlockPool {
 
   // Size arithmetic (torch's policy; see the header comment).
   static std::size_t round_size(std::size_t size, const Config& config);
-  static std::size_t segment_size(std::size_t rounded);
+  // The segment a new `rounded` request gets (segment_fit, once resolved,
+  // changes it for 1-10 MiB requests).
+  std::size_t segment_size(std::size_t rounded) const;
   static PoolKind pool_for(std::size_t rounded) {
     return rounded <= kSmallSize ? kSmallPool : kLargePool;
   }

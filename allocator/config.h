@@ -26,6 +26,8 @@ constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
 // kDtrallocMaxSplit under the dtralloc policy with a budget, else kNoLimit.
 constexpr std::size_t kAutoSplit = kNoLimit - 1;
 constexpr std::size_t kDtrallocMaxSplit = 32 * kMiB;
+// An on/off setting whose `auto` the Allocator resolves (segment_fit).
+enum class Switch : std::uint8_t { kOff, kOn, kAuto };
 // The history ring is allocated up front (48 bytes an entry): at most 768 MiB.
 constexpr std::size_t kMaxHistoryEntries = std::size_t{1} << 24;
 
@@ -47,6 +49,7 @@ struct Budget {
 struct BudgetOption { using value_type = Budget; };
 struct SizeMbOption { using value_type = std::size_t; };    // stored in bytes
 struct SplitSizeOption { using value_type = std::size_t; }; // SizeMb, or auto
+struct SwitchOption { using value_type = Switch; };         // on, off or auto
 struct DivisionsOption { using value_type = std::size_t; }; // 0, 1 or power of 2
 struct FractionOption { using value_type = double; };       // [0, 1)
 struct CountOption { using value_type = std::size_t; };
@@ -68,6 +71,11 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "not use them. Lowers fragmentation for mixed sizes. none = no limit; "    \
     "auto = 32 under the dtralloc policy with a budget (big tensors keep "     \
     "their segments, so what eviction frees stays contiguous), else none")     \
+  X(segment_fit, SwitchOption, Switch::kAuto,                                  \
+    "on: a 1-10 MB request gets a segment of as many copies of itself as fit " \
+    "in 20 MB (2 MB-rounded) instead of 20 MB, so same-size tensors "          \
+    "(weights, gradients, optimizer state) strand no tail; off: always 20 MB " \
+    "(torch); auto = on under the dtralloc policy with a budget, else off")    \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \
@@ -109,7 +117,8 @@ struct Config {
 Config parse_config(const std::string& text);
 
 // `config` with the values that depend on other keys settled (what the
-// Allocator runs with): max_split_size_mb:auto becomes a size or none.
+// Allocator runs with): max_split_size_mb:auto becomes a size or none,
+// segment_fit:auto on or off.
 Config resolve_config(Config config);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").

@@ -172,6 +172,7 @@ py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::st
   d["device_free_calls"] = r.device_free_calls;
   d["invariant_checks"] = r.invariant_checks;
   d["max_split_size"] = split_size_for_python(r.max_split_size);
+  d["segment_fit"] = r.segment_fit;
   d["base_cost"] = r.engine.base_cost;
   d["remat_cost"] = r.engine.remat_cost;
   d["evictions"] = r.engine.evictions;

@@ -67,7 +67,7 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   Config config = options.config;
   config.budget = Budget{};
   config.budget.bytes = options.budget_bytes;
-  config.policy = policy_name(options.policy);  // what max_split_size_mb:auto depends on
+  config.policy = policy_name(options.policy);  // what the placement's auto keys depend on
   Allocator allocator(make_virtual_backend(kVirtualCapacity), config);
   PoolPort port(allocator);
   RematEngine engine(port);
@@ -143,6 +143,7 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.device_alloc_calls = report.stats.num_device_alloc;
   out.device_free_calls = report.stats.num_device_free;
   out.max_split_size = allocator.config().max_split_size_mb;
+  out.segment_fit = allocator.config().segment_fit == Switch::kOn;
   out.engine = engine.counters();
   out.evictor = evictor->stats();
   engine.release_all();

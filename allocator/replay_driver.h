@@ -56,6 +56,7 @@ struct ReplayOutcome {
   std::int64_t device_free_calls = 0;
   std::size_t invariant_checks = 0;
   std::size_t max_split_size = kNoLimit;  // the pool's, max_split_size_mb:auto resolved
+  bool segment_fit = false;                // the pool's, segment_fit:auto resolved
   // Policy none only: the most bytes that had to be resident at once, pinned
   // values plus what the op in flight holds locked, sampled when the op's
   // outputs are allocated. No eviction policy can run the trace with less

@@ -20,6 +20,7 @@ import dtralloc
 OPTION_NAMES = [
     "budget",
     "max_split_size_mb",
+    "segment_fit",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
@@ -150,6 +151,42 @@ def test_max_split_size_auto_is_reported_as_asked():
     assert dtralloc.effective_config("policy:dtralloc,budget:512M")["max_split_size_mb"] == "auto"
 
 
+@pytest.mark.parametrize(
+    "conf, segment, shown",
+    [
+        ("", 20 * MiB, "auto"),                             # torch's 20 MiB segment
+        ("policy:dtralloc,budget:512M", 18 * MiB, "auto"),  # two 9 MiB copies, no tail
+        ("policy:dtralloc", 20 * MiB, "auto"),              # no budget: off
+        ("policy:msps,budget:512M", 20 * MiB, "auto"),      # other policies: off
+        ("policy:dtralloc,budget:512M,segment_fit:off", 20 * MiB, "off"),
+        ("segment_fit:on", 18 * MiB, "on"),
+        ("segment_fit:AUTO,policy:dtralloc,budget:512M", 18 * MiB, "auto"),
+    ],
+)
+def test_segment_fit(conf, segment, shown):
+    pool = dtralloc.Pool("virtual", capacity="1G", conf=conf)
+    pool.malloc(9 * MiB)
+    assert pool.stats()["reserved_bytes.all.current"] == segment
+    assert dtralloc.effective_config(conf)["segment_fit"] == shown  # as asked, not resolved
+
+
+def test_segment_fit_strands_no_tail_under_a_budget():
+    # Four 9 MiB tensors in 36 MiB: two 18 MiB segments hold them exactly.
+    # torch's sizing takes a 20 MiB segment, then only own-size (10 MiB)
+    # ones fit under the budget, and the fourth finds no room.
+    fit = dtralloc.Pool("virtual", capacity="1G", conf="budget:36M,segment_fit:on")
+    held = [fit.malloc(9 * MiB) for _ in range(4)]
+    assert fit.stats()["reserved_bytes.all.current"] == 36 * MiB
+    for h in held:
+        fit.free(h)
+    torch_sizes = dtralloc.Pool("virtual", capacity="1G", conf="budget:36M,segment_fit:off")
+    for _ in range(3):
+        torch_sizes.malloc(9 * MiB)
+    assert torch_sizes.stats()["reserved_bytes.all.current"] == 30 * MiB
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        torch_sizes.malloc(9 * MiB)
+
+
 def test_conf_as_dict_equals_conf_as_text():
     as_dict = dtralloc.effective_config({"budget": "6G", "roundup_power2_divisions": 4})
     as_text = dtralloc.effective_config("budget:6G,roundup_power2_divisions:4")
@@ -215,6 +252,8 @@ MALFORMED = [
     ("max_split_size_mb", "-5"),
     ("max_split_size_mb", "10"),  # must exceed the 20 MB large segment, as in torch
     ("max_split_size_mb", "20"),
+    ("segment_fit", "yes"),
+    ("segment_fit", "1"),
     ("max_non_split_rounding_mb", "x"),
     ("roundup_power2_divisions", "3"),
     ("roundup_power2_divisions", "128"),

@@ -66,10 +66,30 @@ def test_dtralloc_keeps_big_blocks_whole(traces):
     assert explicit.max_split_size == 64 * MiB
     # What it is for: with big blocks split by small tensors, the holes they
     # leave are what this budget lacks (no policy's victim choice joins them).
-    whole = dtralloc.replay(trace, budget=0.3, policy="dtralloc")
-    split = dtralloc.replay(trace, budget=0.3, policy="dtralloc", conf="max_split_size_mb:none")
+    bert = traces["bert"]
+    whole = dtralloc.replay(bert, budget=0.32, policy="dtralloc")
+    split = dtralloc.replay(bert, budget=0.32, policy="dtralloc", conf="max_split_size_mb:none")
     assert split.max_split_size == -1
     assert whole.feasible and not split.feasible, split.oom_message
+
+
+def test_dtralloc_fits_segments_to_their_tensors(traces):
+    # segment_fit:auto is on under dtralloc with a budget: 1-10 MiB tensors get
+    # segments of whole copies of themselves, so gpt2's 9 and 2.25 MiB weights,
+    # gradients and Adam state strand no 2 MiB tails. At 0.34 of the peak
+    # those tails are what the budget lacks.
+    trace = traces["gpt2"]
+    fit = dtralloc.replay(trace, budget=0.34, policy="dtralloc")
+    torch_sizes = dtralloc.replay(trace, budget=0.34, policy="dtralloc", conf="segment_fit:off")
+    assert fit.segment_fit and not torch_sizes.segment_fit
+    assert not dtralloc.replay(trace, budget=0.9, policy="msps").segment_fit
+    assert fit.feasible and not torch_sizes.feasible, torch_sizes.oom_message
+    # Not just at the edge: at 0.7 fewer evictions and less free memory
+    # stranded when the evictor is called.
+    fit = dtralloc.replay(trace, budget=0.7, policy="dtralloc")
+    torch_sizes = dtralloc.replay(trace, budget=0.7, policy="dtralloc", conf="segment_fit:off")
+    assert fit.compute_overhead < torch_sizes.compute_overhead
+    assert fit.fragmentation < torch_sizes.fragmentation / 2
 
 
 def test_policy_from_conf_and_errors(traces):

@@ -53,6 +53,7 @@ class ReplayResult:
     fake_deletions: int = 0
     random_replays: int = 0            # recomputes of random ops (saved RNG state)
     max_split_size: int = -1           # the pool's block split limit (max_split_size_mb:auto resolved); -1: none
+    segment_fit: bool = False          # 1-10 MiB requests got fitted segments (segment_fit:auto resolved)
 
     @property
     def reserved_over_allocated(self) -> float:
@@ -273,6 +274,7 @@ def _run_remat(trace: Trace, budget_bytes, policy: str, conf: str, check: bool) 
     result.fake_deletions = r["fake_deletions"]
     result.random_replays = r["random_replays"]
     result.max_split_size = r["max_split_size"]
+    result.segment_fit = r["segment_fit"]
     return result
 
 

@@ -100,14 +100,34 @@ void test_round_size() {
 }
 
 void test_segment_size_and_pool() {
-  CHECK_EQ(BlockPool::segment_size(512), 2 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(kMiB), 2 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(kMiB + 512), 20 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(10 * kMiB - 512), 20 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(10 * kMiB), 10 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(10 * kMiB + 512), 12 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(21 * kMiB), 22 * kMiB);
-  CHECK_EQ(BlockPool::segment_size(22 * kMiB), 22 * kMiB);
+  const Config torch_sizes;  // segment_fit:auto, which a bare pool takes as off
+  const BlockPool pool(torch_sizes);
+  CHECK_EQ(pool.segment_size(512), 2 * kMiB);
+  CHECK_EQ(pool.segment_size(kMiB), 2 * kMiB);
+  CHECK_EQ(pool.segment_size(kMiB + 512), 20 * kMiB);
+  CHECK_EQ(pool.segment_size(9 * kMiB), 20 * kMiB);
+  CHECK_EQ(pool.segment_size(10 * kMiB - 512), 20 * kMiB);
+  CHECK_EQ(pool.segment_size(10 * kMiB), 10 * kMiB);
+  CHECK_EQ(pool.segment_size(10 * kMiB + 512), 12 * kMiB);
+  CHECK_EQ(pool.segment_size(21 * kMiB), 22 * kMiB);
+  CHECK_EQ(pool.segment_size(22 * kMiB), 22 * kMiB);
+  // segment_fit:on: whole copies of a 1-10 MiB request, 2 MiB-rounded, <= 20.
+  Config fit_config;
+  fit_config.segment_fit = Switch::kOn;
+  const BlockPool fit(fit_config);
+  CHECK_EQ(fit.segment_size(kMiB), 2 * kMiB);              // small pool: unchanged
+  CHECK_EQ(fit.segment_size(9 * kMiB), 18 * kMiB);         // 2 x 9, no tail
+  CHECK_EQ(fit.segment_size(2304 * 1024), 18 * kMiB);      // 8 x 2.25
+  CHECK_EQ(fit.segment_size(6912 * 1024), 14 * kMiB);      // 2 x 6.75 = 13.5
+  CHECK_EQ(fit.segment_size(kMiB + 512), 20 * kMiB);       // 19 copies, rounded up
+  CHECK_EQ(fit.segment_size(7 * kMiB), 14 * kMiB);
+  CHECK_EQ(fit.segment_size(10 * kMiB - 512), 20 * kMiB);  // 2 copies, rounded up
+  CHECK_EQ(fit.segment_size(10 * kMiB), 10 * kMiB);        // own size: unchanged
+  for (std::size_t r = kMiB + 512; r < 10 * kMiB; r += 7 * 4096) {
+    const std::size_t seg = fit.segment_size(r);
+    if (seg % (2 * kMiB) != 0 || seg > 20 * kMiB || seg < 2 * r || seg % r >= 2 * kMiB)
+      CHECK_EQ(seg, r);  // prints the offender
+  }
   CHECK_EQ(BlockPool::pool_for(512), kSmallPool);
   CHECK_EQ(BlockPool::pool_for(kMiB), kSmallPool);
   CHECK_EQ(BlockPool::pool_for(kMiB + 512), kLargePool);
