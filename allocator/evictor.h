@@ -111,6 +111,7 @@ class Evictor : public EvictionHook {
   double single_score(int v, std::size_t free_around);
   double window_weight(int v);
   double weight(std::size_t i);
+  double lower_weight(std::size_t i, bool* exact);
   std::vector<int> choose_single();
   Plan choose_window(std::size_t bytes);
   Plan choose_release(std::size_t bytes, double bound);
@@ -130,6 +131,15 @@ class Evictor : public EvictionHook {
   std::size_t headroom_ = 0;                // budget - reserved at the walk
   std::vector<std::size_t> starts_;         // window starts (choose_window)
   std::vector<double> weight_;              // per item of the walk; < 0: not yet computed
+  struct Candidate {                        // a segment choose_release may release
+    std::size_t seg;
+    double cost;                            // exact, or a lower bound
+    double per_byte;                        // cost / the segment's bytes
+    bool exact;
+  };
+  std::vector<Candidate> candidates_;       // choose_release scratch
+  std::vector<std::size_t> heap_;           // indices into candidates_
+  std::vector<std::size_t> dearer_;         // the same, above the window's score
   EvictorStats stats_;
 };
 

@@ -223,6 +223,35 @@ void test_release_plans() {
   }
 }
 
+void test_release_plan_costs_chains() {
+  // Own 20 MiB segments: P (cost 50, then evicted: its segment stays cached,
+  // free), Q = f(P) (cost 1), R (cost 3), and a pinned one; 20 MiB headroom.
+  // 40 MiB fits no segment, so one segment must go. By producer cost Q is
+  // cheapest, but bringing Q back reruns P: 51. dtralloc releases R's.
+  Allocator allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:100M"));
+  PoolPort port(allocator);
+  RematEngine engine(port);
+  auto make = [&](double cost, int input) {
+    const int op = engine.begin_op(cost, false);
+    if (input >= 0) engine.use_input(op, input);
+    const int v = engine.create_output(op, 20 << 20);
+    engine.end_op(op);
+    return v;
+  };
+  const int p = make(50, -1), q = make(1, p), r = make(3, -1);
+  engine.add_initial(20 << 20);
+  CHECK(engine.evict(p));
+  CHECK_EQ(engine.chain_cost(q), 51.0);
+  Evictor ev(allocator, engine, Policy::kDtralloc, allocator.config());
+  CHECK(ev.choose(40 << 20, 0) == std::vector<int>{r});
+  // Needing two segments, the greedy takes both Q's and R's.
+  Evictor tight(allocator, engine, Policy::kDtralloc, allocator.config());
+  std::vector<int> both = tight.choose(60 << 20, 0);
+  std::sort(both.begin(), both.end());
+  CHECK(both == (std::vector<int>{q, r}));
+  engine.release_all();
+}
+
 void test_unknown_policy() {
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_policy("belady"); }), "belady");
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "policy");
@@ -239,6 +268,7 @@ int main() {
   test_dtralloc_charges_the_recompute_chain();
   test_make_room_serves_request();
   test_release_plans();
+  test_release_plan_costs_chains();
   test_unknown_policy();
   return check::check_summary("test_evictor");
 }
