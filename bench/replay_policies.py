@@ -6,8 +6,8 @@ forced evictions and median victim-search time; then each policy's minimum
 feasible budget (by bisection, and by a scan down from 1.0 that stops at the
 first failure), next to the static baselines (Chen's sqrt(n)
 checkpointing; Checkmate's MILP with --checkmate, on graphs small enough);
-and the scan again with dtralloc's placement (max_split_size_mb:32) given to
-every policy.
+and the scan again with dtralloc's placement (max_split_size_mb:32 and
+segment_fit:on) given to every policy.
 Writes a markdown report and, if matplotlib is installed, two plots.
 
     python bench/replay_policies.py [--traces NAME ...] [--checkmate] [--out-dir bench/results]
@@ -22,9 +22,9 @@ import time
 
 BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
 POLICIES = ("lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
-# dtralloc's placement (max_split_size_mb:auto resolves to it under dtralloc),
-# given to every policy for the "same placement" table.
-SAME_PLACEMENT = "max_split_size_mb:32"
+# dtralloc's placement (what max_split_size_mb:auto and segment_fit:auto
+# resolve to under dtralloc), given to every policy for the "same placement" table.
+SAME_PLACEMENT = "max_split_size_mb:32,segment_fit:on"
 
 
 def scan_with_conf(trace, policy: str, conf: str, peak: int, step: float = 0.01) -> float | None:
@@ -159,7 +159,7 @@ def report(names, grid, floors, base, command: str) -> str:
                  "reports a point on some boundary, possibly below a budget that fails; the scan "
                  "reports the budget from which every larger one on the grid works.\n")
     lines.append("By scan with the same placement for every policy: `" + SAME_PLACEMENT + "` (what "
-                 "`max_split_size_mb:auto` gives dtralloc alone), fractions still of the default "
+                 "`max_split_size_mb:auto` and `segment_fit:auto` give dtralloc alone), fractions still of the default "
                  "pool's peak. It separates what dtralloc's placement gains from what its victim "
                  "choice gains:\n")
     lines.append("| trace | " + " | ".join(POLICIES) + " |")
