@@ -16,30 +16,41 @@ namespace {
 
 constexpr std::size_t kQuarter = 512 * 1024;  // four fill one 2 MiB small segment
 
-// One small-pool segment (the whole 2 MiB budget) holding, in address order,
-//   A (cost 10)  B (cost 1)  C (cost 1)  D (cost 100)
-// each 512 KiB, made by input-less ops at the same clock.
-struct Layout {
+// An engine on a virtual device under `conf` (which names the budget).
+struct Graph {
   Allocator allocator;
   PoolPort port;
   RematEngine engine;
+
+  explicit Graph(const std::string& conf)
+      : allocator(make_virtual_backend(std::size_t{1} << 40), parse_config(conf)),
+        port(allocator),
+        engine(port) {}
+  ~Graph() { engine.release_all(); }
+  // The output (`bytes`) of an op of `cost` that reads `input` (-1: none).
+  int make(double cost, int input, std::size_t bytes) {
+    const int op = engine.begin_op(cost, false);
+    if (input >= 0) engine.use_input(op, input);
+    const int v = engine.create_output(op, bytes);
+    engine.end_op(op);
+    return v;
+  }
+};
+
+// One small-pool segment (the whole 2 MiB budget) holding, in address order,
+//   A (cost 10)  B (cost 1)  C (cost 1)  D (cost 100)
+// each 512 KiB, made by input-less ops at the same clock.
+struct Layout : Graph {
   int a, b, c, d;
 
-  explicit Layout(const std::string& conf = "")
-      : allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:2M" + conf)),
-        port(allocator),
-        engine(port) {
-    const double costs[4] = {10, 1, 1, 100};
-    int* ids[4] = {&a, &b, &c, &d};
-    for (int i = 0; i < 4; ++i) {
-      const int op = engine.begin_op(costs[i], false);
-      *ids[i] = engine.create_output(op, kQuarter);
-      engine.end_op(op);
-    }
+  explicit Layout(const std::string& conf = "") : Graph("budget:2M" + conf) {
+    a = make(10, -1, kQuarter);
+    b = make(1, -1, kQuarter);
+    c = make(1, -1, kQuarter);
+    d = make(100, -1, kQuarter);
     CHECK(engine.value(a).addr < engine.value(b).addr);
     CHECK(engine.value(c).addr < engine.value(d).addr);
   }
-  ~Layout() { engine.release_all(); }
 };
 
 std::vector<int> choose(const std::string& policy, Layout& l, std::size_t bytes) {
@@ -108,17 +119,11 @@ void test_dtralloc_recompute_penalty() {
 
 void test_dtralloc_charges_the_recompute_chain() {
   // P (cost 50)  Q = f(P) (cost 1)  R (cost 1)  S (cost 3), 512 KiB each.
-  Allocator allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:2M"));
-  PoolPort port(allocator);
-  RematEngine engine(port);
-  auto make = [&](double cost, int input) {
-    const int op = engine.begin_op(cost, false);
-    if (input >= 0) engine.use_input(op, input);
-    const int v = engine.create_output(op, kQuarter);
-    engine.end_op(op);
-    return v;
-  };
-  const int p = make(50, -1), q = make(1, p), r = make(1, -1), s = make(3, -1);
+  Graph g("budget:2M");
+  RematEngine& engine = g.engine;
+  Allocator& allocator = g.allocator;
+  const int p = g.make(50, -1, kQuarter), q = g.make(1, p, kQuarter);
+  const int r = g.make(1, -1, kQuarter), s = g.make(3, -1, kQuarter);
   CHECK(engine.evict(p));  // free 512 KiB beside Q; recomputing Q now reruns P
   CHECK_EQ(engine.chain_cost(q), 51.0);
   // 1 MiB: (free P, Q) costs 51 with the chain, (R, S) 4: dtralloc takes R, S.
@@ -127,7 +132,6 @@ void test_dtralloc_charges_the_recompute_chain() {
   CHECK(dtralloc_ev.choose(1 << 20, 0) == (std::vector<int>{r, s}));
   Evictor coop_ev(allocator, engine, Policy::kCoop, allocator.config());
   CHECK(coop_ev.choose(1 << 20, 0) == (std::vector<int>{q}));
-  engine.release_all();
 }
 
 void test_make_room_serves_request() {
@@ -152,28 +156,15 @@ void test_make_room_serves_request() {
 
 // Large-pool segments of their own: X (cost 5), Y (cost 1), Z (initial,
 // pinned), 20 MiB each, in three 20 MiB segments.
-struct Segments {
-  Allocator allocator;
-  PoolPort port;
-  RematEngine engine;
+struct Segments : Graph {
   int x, y, z;
-  explicit Segments(const std::string& budget)
-      : allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:" + budget)),
-        port(allocator),
-        engine(port) {
+  explicit Segments(const std::string& budget) : Graph("budget:" + budget) {
     constexpr std::size_t k20 = 20 << 20;
-    auto make = [&](double cost) {
-      const int op = engine.begin_op(cost, false);
-      const int v = engine.create_output(op, k20);
-      engine.end_op(op);
-      return v;
-    };
-    x = make(5);
-    y = make(1);
+    x = make(5, -1, k20);
+    y = make(1, -1, k20);
     z = engine.add_initial(k20);
     CHECK_EQ(allocator.stats_report().stats.segment[kStatAll].current, 3);
   }
-  ~Segments() { engine.release_all(); }
 };
 
 void test_release_plans() {
@@ -228,18 +219,12 @@ void test_release_plan_costs_chains() {
   // free), Q = f(P) (cost 1), R (cost 3), and a pinned one; 20 MiB headroom.
   // 40 MiB fits no segment, so one segment must go. By producer cost Q is
   // cheapest, but bringing Q back reruns P: 51. dtralloc releases R's.
-  Allocator allocator(make_virtual_backend(std::size_t{1} << 40), parse_config("budget:100M"));
-  PoolPort port(allocator);
-  RematEngine engine(port);
-  auto make = [&](double cost, int input) {
-    const int op = engine.begin_op(cost, false);
-    if (input >= 0) engine.use_input(op, input);
-    const int v = engine.create_output(op, 20 << 20);
-    engine.end_op(op);
-    return v;
-  };
-  const int p = make(50, -1), q = make(1, p), r = make(3, -1);
-  engine.add_initial(20 << 20);
+  Graph g("budget:100M");
+  RematEngine& engine = g.engine;
+  Allocator& allocator = g.allocator;
+  constexpr std::size_t k20 = 20 << 20;
+  const int p = g.make(50, -1, k20), q = g.make(1, p, k20), r = g.make(3, -1, k20);
+  engine.add_initial(k20);
   CHECK(engine.evict(p));
   CHECK_EQ(engine.chain_cost(q), 51.0);
   Evictor ev(allocator, engine, Policy::kDtralloc, allocator.config());
@@ -249,7 +234,6 @@ void test_release_plan_costs_chains() {
   std::vector<int> both = tight.choose(60 << 20, 0);
   std::sort(both.begin(), both.end());
   CHECK(both == (std::vector<int>{q, r}));
-  engine.release_all();
 }
 
 void test_unknown_policy() {
