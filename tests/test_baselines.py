@@ -433,3 +433,34 @@ def test_checkmate_bad_arguments_name_the_fix():
         B.checkmate(chain(), 0.9, max_groups=2.5)
     with pytest.raises(ValueError, match="time_limit_s must be positive"):
         B.checkmate(chain(), 0.9, time_limit_s=0)
+
+
+# -- a pool that never fragments ----------------------------------------------------
+
+def test_first_eviction_packed_by_hand():
+    """chain(): P 512 B, then a0..a3 of 1K. Live bytes after each forward op:
+    1.5K, 2.5K, 3.5K, 4.5K; then g3 (1K) while a3 is still alive: 5.5K."""
+    t = chain()
+    hit = B.first_eviction_packed(t, 3 * K)  # a2 would take 2.5K to 3.5K
+    assert (hit.op, hit.op_name, hit.request_bytes, hit.free_bytes) == (2, "op2", K, K // 2)
+    assert hit.free_fraction == pytest.approx(1 / 6)
+    hit = B.first_eviction_packed(t, 5 * K)  # g3 at op 4, before a3 is freed after it
+    assert (hit.op, hit.free_bytes) == (4, K // 2)
+    assert B.first_eviction_packed(t, 5 * K + K // 2) is None  # the peak fits
+    hit = B.first_eviction_packed(t, 256)  # P alone does not fit
+    assert (hit.op, hit.request_bytes, hit.free_bytes) == (-1, 512, 256)
+
+
+def test_first_eviction_packed_frees_after_each_op():
+    """diamond(): the trace frees a after op 3, so d (op 3) is allocated while
+    P, a, b and c are live (3.5K); at 4.5K the step fits."""
+    t = diamond()
+    hit = B.first_eviction_packed(t, 4 * K)  # op 3: P, a, b, c = 3.5K, then d
+    assert (hit.op, hit.free_bytes) == (3, K // 2)
+    assert B.first_eviction_packed(t, 4 * K + K // 2) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
+def test_first_eviction_packed_rejects_a_non_byte_budget(bad):
+    with pytest.raises(ValueError, match="positive int"):
+        B.first_eviction_packed(chain(), bad)
