@@ -70,7 +70,7 @@ def sweep(names, echo):
     import dtralloc
     from dtralloc.traces import load_bundled
 
-    grid, floors = {}, {}
+    grid, floors, peaks = {}, {}, {}
     for name in names:
         trace = load_bundled(name)
         t0 = time.perf_counter()
@@ -82,21 +82,21 @@ def sweep(names, echo):
             floors[name, policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
             floors[name, policy, "scan"] = dtralloc.min_feasible_budget(
                 trace, policy, tolerance=0.01, method="scan")
-        peak = dtralloc.replay(trace).peak_reserved_bytes
+        peak = peaks[name] = dtralloc.replay(trace).peak_reserved_bytes
         for policy in POLICIES:
             floors[name, policy, "same"] = scan_with_conf(trace, policy, SAME_PLACEMENT, peak)
         floors[name, "resident floor"] = dtralloc.resident_floor(trace)
         echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection + 2 scans: "
              f"{time.perf_counter() - t0:.1f}s")
-    return grid, floors
+    return grid, floors, peaks
 
 
-def baselines(names, checkmate: bool, echo):
+def baselines(names, peaks, checkmate: bool, echo):
     """Chen's plan; where a pool that never fragments would first evict at each
     budget; with `checkmate`, the MILP's optimum at each budget. Budgets are
     bytes, the same fractions of the default pool's no-eviction peak reserved
-    as the replays' (the baselines' own fractions are of the live-byte peak)."""
-    import dtralloc
+    (`peaks`, from sweep) as the replays' (the baselines' own fractions are of
+    the live-byte peak)."""
     from dtralloc import baselines as B
     from dtralloc.traces import load_bundled
 
@@ -104,7 +104,7 @@ def baselines(names, checkmate: bool, echo):
     for name in names:
         trace = load_bundled(name)
         out[name, "chen"] = B.checkpoint_sqrt_n(trace)
-        peak = dtralloc.replay(trace).peak_reserved_bytes
+        peak = peaks[name]
         for budget in BUDGETS:
             out[name, "packed", budget] = B.first_eviction_packed(trace, int(budget * peak))
         if not checkmate:
@@ -318,8 +318,8 @@ def main() -> int:
 
     command = "python bench/replay_policies.py" + (" --traces " + " ".join(args.traces) if args.traces else "") \
         + (" --checkmate" if args.checkmate else "")
-    grid, floors = sweep(names, echo)
-    base = baselines(names, args.checkmate, echo)
+    grid, floors, peaks = sweep(names, echo)
+    base = baselines(names, peaks, args.checkmate, echo)
     text = report(names, grid, floors, base, command)
     print(text)
     if args.out_dir:
