@@ -17,7 +17,7 @@ from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
 from .pool import Pool
-from .replay import ReplayResult, min_feasible_budget, replay, resident_floor
+from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
 from . import trace
 from .stats import (
     empty_cache,
@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "InvalidPointerError",
     "OutOfMemoryError",
+    "POLICIES",
     "Pool",
     "ReplayResult",
     "cupy_allocator",
