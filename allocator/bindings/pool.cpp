@@ -1,9 +1,7 @@
-// dtralloc._core: the pybind11 face of the allocator. Private; the public API
-// is python/dtralloc/__init__.py. Stats and snapshots are turned into the
-// dicts torch's own memory tools read (torch.cuda.memory_stats() keys,
-// torch.cuda.memory._snapshot() layout).
+// Bindings of the pool room: dtralloc.Pool, the process-wide allocators,
+// stats and snapshots as the dicts torch's own memory tools read
+// (torch.cuda.memory_stats() keys, torch.cuda.memory._snapshot() layout).
 #include <pybind11/functional.h>
-#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -11,14 +9,12 @@
 
 #include "allocator.h"
 #include "backend.h"
+#include "bindings.h"
 #include "config.h"
 #include "global.h"
 #include "microbench.h"
-#include "replay_driver.h"
 
-namespace py = pybind11;
-using namespace dtralloc;
-
+namespace dtralloc::bindings {
 namespace {
 
 void put_stat(py::dict& d, const std::string& prefix, const Stat& s) {
@@ -26,11 +22,6 @@ void put_stat(py::dict& d, const std::string& prefix, const Stat& s) {
   d[py::str(prefix + ".peak")] = s.peak;
   d[py::str(prefix + ".allocated")] = s.allocated;
   d[py::str(prefix + ".freed")] = s.freed;
-}
-
-// A split limit as torch reports it: bytes, or -1 for none.
-std::int64_t split_size_for_python(std::size_t limit) {
-  return limit == kNoLimit ? -1 : static_cast<std::int64_t>(limit);
 }
 
 py::dict stats_dict(const StatsReport& r) {
@@ -145,79 +136,13 @@ std::unique_ptr<Backend> make_backend(const std::string& name, std::size_t capac
                               "'; use one of 'cuda', 'host', 'virtual'");
 }
 
-// ---- remat replay (replay with eviction) ---------------------------------
-// The trace arrives as its columns (python/dtralloc/replay.py builds them);
-// the result is a plain dict that replay.py turns into a ReplayResult.
-py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::string& policy,
-                      const std::string& conf, bool check_invariants) {
-  ReplayOptions options;
-  options.config = parse_config(conf);
-  options.policy = parse_policy(policy);
-  options.budget_bytes = budget_bytes;
-  options.check_invariants = check_invariants;
-  ReplayOutcome r;
-  {
-    py::gil_scoped_release release;
-    r = run_replay(trace, options);
-  }
-  py::dict d;
-  d["feasible"] = r.feasible;
-  d["oom_op"] = r.oom_op;
-  d["message"] = r.message;
-  d["peak_reserved_bytes"] = r.peak_reserved_bytes;
-  d["peak_allocated_bytes"] = r.peak_allocated_bytes;
-  d["final_reserved_bytes"] = r.final_reserved_bytes;
-  d["segments_peak"] = r.segments_peak;
-  d["device_alloc_calls"] = r.device_alloc_calls;
-  d["device_free_calls"] = r.device_free_calls;
-  d["invariant_checks"] = r.invariant_checks;
-  d["max_split_size"] = split_size_for_python(r.max_split_size);
-  d["segment_fit"] = r.segment_fit;
-  d["base_cost"] = r.engine.base_cost;
-  d["remat_cost"] = r.engine.remat_cost;
-  d["evictions"] = r.engine.evictions;
-  d["remats"] = r.engine.remats;
-  d["random_replays"] = r.engine.random_replays;
-  d["fake_deletions"] = r.engine.fake_deletions;
-  d["eviction_calls"] = r.evictor.calls;
-  d["window_evictions"] = r.evictor.windows;
-  d["segment_releases"] = r.evictor.segment_releases;
-  d["no_plan"] = r.evictor.no_plan;
-  d["resident_floor_bytes"] = r.resident_floor_bytes;
-  d["search_ns"] = r.evictor.search_ns;
-  d["free_fraction"] = r.evictor.free_fraction;
-  return d;
-}
-// ---- end remat replay ------------------------------------------------------
 
 std::uintptr_t to_addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 void* to_ptr(std::uintptr_t a) { return reinterpret_cast<void*>(a); }
 
 }  // namespace
 
-PYBIND11_MODULE(_core, m) {
-  m.doc() = "dtralloc native core (private: use the dtralloc package)";
-
-  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
-  py::register_exception<InvalidPointerError>(m, "InvalidPointerError", PyExc_ValueError);
-  py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
-
-  m.def("describe_config", [](const std::string& text) {
-    py::list out;
-    for (const OptionInfo& o : describe_config(parse_config(text))) {
-      py::dict d;
-      d["name"] = o.name;
-      d["value"] = o.value;
-      d["default"] = o.default_value;
-      d["accepts"] = o.accepts;
-      d["doc"] = o.doc;
-      out.append(d);
-    }
-    return out;
-  }, py::arg("text"), "Parse DTRALLOC_CONF text; list every option with its effective value.");
-  m.def("parse_size", [](const std::string& text) { return parse_size("size", text, 1); });
-  m.def("format_bytes", &format_bytes);
-
+void bind_pool(py::module_& m) {
   py::class_<Allocator>(m, "Pool")
       .def(py::init([](const std::string& backend, std::size_t capacity, const std::string& conf,
                        int device) {
@@ -296,33 +221,6 @@ PYBIND11_MODULE(_core, m) {
   m.def("bench_libc_pairs", &bench_libc_pairs, py::arg("sizes"), py::arg("pairs_per_thread"),
         py::arg("threads"), py::arg("repeats"),
         py::call_guard<py::gil_scoped_release>());
-  // ---- remat replay (replay with eviction) -------------------------------
-  m.def("remat_replay",
-        [](std::vector<std::size_t> nbytes, std::vector<int> initial, std::vector<int> frees_before,
-           std::vector<int> inputs_offsets, std::vector<int> inputs, std::vector<int> created_offsets,
-           std::vector<int> created, std::vector<int> mutated_offsets, std::vector<int> mutated,
-           std::vector<int> frees_offsets, std::vector<int> frees, std::vector<double> cost,
-           std::vector<int> random, std::size_t budget_bytes, const std::string& policy,
-           const std::string& conf, bool check_invariants) {
-          ReplayTrace t;
-          t.nbytes = std::move(nbytes);
-          t.initial.assign(initial.begin(), initial.end());
-          t.frees_before = std::move(frees_before);
-          t.inputs_offsets = std::move(inputs_offsets);
-          t.inputs = std::move(inputs);
-          t.created_offsets = std::move(created_offsets);
-          t.created = std::move(created);
-          t.mutated_offsets = std::move(mutated_offsets);
-          t.mutated = std::move(mutated);
-          t.frees_offsets = std::move(frees_offsets);
-          t.frees = std::move(frees);
-          t.cost = std::move(cost);
-          t.random.assign(random.begin(), random.end());
-          return remat_replay(std::move(t), budget_bytes, policy, conf, check_invariants);
-        },
-        "Replay a trace (as columns) with eviction and rematerialization under a budget "
-        "(0 = none); returns a dict of results.");
-  // ---- end remat replay ---------------------------------------------------
-  m.def("cuda_device_count", &cuda_device_count);
-  m.def("cuda_runtime_path", &cuda_runtime_path);
 }
+
+}  // namespace dtralloc::bindings

@@ -1,0 +1,27 @@
+// dtralloc._core: the pybind11 face of the allocator, one file per room of
+// the Python package. Private; the public API is python/dtralloc/__init__.py.
+// module.cpp defines the module and calls each bind_* below once.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "config.h"
+
+namespace dtralloc::bindings {
+
+namespace py = pybind11;
+
+// Pool, the process-wide allocators, stats and snapshots (pool.cpp).
+void bind_pool(py::module_& m);
+// Trace replay through pool + engine + evictor (replay.cpp).
+void bind_replay(py::module_& m);
+
+// A split limit as torch reports it: bytes, or -1 for none.
+inline std::int64_t split_size_for_python(std::size_t limit) {
+  return limit == kNoLimit ? -1 : static_cast<std::int64_t>(limit);
+}
+
+}  // namespace dtralloc::bindings

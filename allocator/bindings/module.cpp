@@ -1,0 +1,42 @@
+// dtralloc._core: the module itself, its exceptions and the config helpers;
+// every room's bindings are added by its bind_* (bindings.h).
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "allocator.h"
+#include "backend.h"
+#include "bindings.h"
+#include "config.h"
+
+namespace py = pybind11;
+using namespace dtralloc;
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "dtralloc native core (private: use the dtralloc package)";
+
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
+  py::register_exception<InvalidPointerError>(m, "InvalidPointerError", PyExc_ValueError);
+  py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
+
+  m.def("describe_config", [](const std::string& text) {
+    py::list out;
+    for (const OptionInfo& o : describe_config(parse_config(text))) {
+      py::dict d;
+      d["name"] = o.name;
+      d["value"] = o.value;
+      d["default"] = o.default_value;
+      d["accepts"] = o.accepts;
+      d["doc"] = o.doc;
+      out.append(d);
+    }
+    return out;
+  }, py::arg("text"), "Parse DTRALLOC_CONF text; list every option with its effective value.");
+  m.def("parse_size", [](const std::string& text) { return parse_size("size", text, 1); });
+  m.def("format_bytes", &format_bytes);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("cuda_runtime_path", &cuda_runtime_path);
+
+  bindings::bind_pool(m);
+  bindings::bind_replay(m);
+}
