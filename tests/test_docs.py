@@ -2,6 +2,7 @@
 import os
 
 from dtralloc.config import format_config_markdown
+from dtralloc.replay import format_policies_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,6 +14,15 @@ def test_readme_config_table_is_the_generated_one():
     assert table in readme, (
         "README.md's DTRALLOC_CONF table is out of date: paste the output of "
         "`python -m dtralloc config --markdown`"
+    )
+
+
+def test_readme_policy_table_is_the_generated_one():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert format_policies_markdown() in readme, (
+        "README.md's policy table is out of date: paste the output of "
+        "`python -m dtralloc config --policies`"
     )
 
 

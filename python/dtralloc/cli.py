@@ -9,8 +9,12 @@ from . import _core
 
 def _cmd_config(args) -> int:
     from .config import format_config_markdown, format_config_table
+    from .replay import format_policies_markdown
 
-    print(format_config_markdown() if args.markdown else format_config_table(args.conf))
+    if args.policies:
+        print(format_policies_markdown())
+    else:
+        print(format_config_markdown() if args.markdown else format_config_table(args.conf))
     return 0
 
 
@@ -133,6 +137,10 @@ def _cmd_record(args) -> int:
     return 0
 
 
+def _core_policies() -> list[str]:
+    return [p["name"] for p in _core.policies()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtralloc",
@@ -142,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective DTRALLOC_CONF settings with their docs")
     p.add_argument("--conf", default=None, help="settings to check instead of $DTRALLOC_CONF")
     p.add_argument("--markdown", action="store_true", help="print the option table as markdown")
+    p.add_argument("--policies", action="store_true",
+                   help="print the eviction policy table (the values of `policy`) as markdown")
     p.set_defaults(func=_cmd_config)
     p = sub.add_parser("demo", help="replay the bundled training steps under several settings")
     p.add_argument("--trace", action="append", help="a bundled trace to replay (repeatable; default all)")
@@ -165,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on reserved bytes: a size (6G) or a fraction of the no-eviction peak "
                         "(0.5); repeatable")
     p.add_argument("--policy", action="append",
-                   help="eviction policy under the budget (none, lru, size, msps, dtr, dtr_eq, "
-                        "dtr_local, dte, coop, dtralloc); repeatable; default none")
+                   help=f"eviction policy under the budget ({', '.join(_core_policies())}; "
+                        "`dtralloc config --policies` says how each chooses); repeatable; default none")
     p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the pool")
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("bench", help="hot-path malloc+free microbenchmark (ns per pair)")

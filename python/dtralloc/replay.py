@@ -9,93 +9,69 @@ this step fragment, and how much memory does it really need?".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from . import _core
 from .config import ConfLike, conf_text
-from .pool import Pool
 from .trace import Trace
 
-POLICIES = ("none", "lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
+# The eviction policies, in the order of the table they are declared in
+# (allocator/policies.h): names, one-line docs and how each chooses.
+POLICY_TABLE: tuple[dict, ...] = tuple(_core.policies())
+POLICIES: tuple[str, ...] = tuple(p["name"] for p in POLICY_TABLE)
 
-# Capacity of the simulated device when the budget does not bound it: large
-# enough for any trace we record, so only the budget limits the pool.
-_VIRTUAL_CAPACITY = 1 << 44  # 16 TiB
+# What one replay measured: a C++ class (allocator/replay_driver.h declares
+# its figures once). Fractional budgets are shares of
+# `no_eviction_peak_reserved_bytes`; `budget_bytes` is always the cap applied.
+ReplayResult = _core.ReplayResult
 
 
-@dataclass
-class ReplayResult:
-    feasible: bool
-    budget_bytes: Optional[int]        # None: no budget
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    baseline_peak_bytes: int           # peak reserved of the same replay with no budget
-    final_reserved_bytes: int
-    segments_peak: int
-    device_alloc_calls: int
-    device_free_calls: int
-    oom_op: Optional[int] = None       # op whose allocation failed; -1: the initial storages
-    oom_message: str = ""
-    # Per op, sampled after its outputs are allocated:
-    reserved_fragmentation: list[float] = field(default_factory=list)  # 1 - allocated/reserved
-    external_fragmentation: list[float] = field(default_factory=list)  # 1 - largest free/total free
-    conf: str = ""
-    policy: str = "none"
-    name: str = ""
-    # With an eviction policy (zero for "none"):
-    compute_overhead: float = 0.0      # recompute cost / cost of running every op once
-    evictions: int = 0
-    remats: int = 0
-    fragmentation: float = 0.0         # mean (budget - allocated) / budget at forced evictions
-    search_ns: float = 0.0             # median time to choose victims
-    eviction_calls: int = 0
-    fake_deletions: int = 0
-    random_replays: int = 0            # recomputes of random ops (saved RNG state)
-    max_split_size: int = -1           # the pool's block split limit (max_split_size_mb:auto resolved); -1: none
-    segment_fit: bool = False          # 1-10 MiB requests got fitted segments (segment_fit:auto resolved)
+def format_policies_markdown() -> str:
+    """The policy table as markdown (the README's copy is checked against it)."""
+    rows = ["| policy | chooses | a victim costs | per byte | what it does |", "|---|---|---|---|---|"]
+    for p in POLICY_TABLE:
+        if p["choice"] == "none":
+            rows.append(f"| `{p['name']}` | - | - | - | {p['doc']} |")
+            continue
+        per_byte = "yes" if p["per_byte"] else "no"
+        if p["free_neighbours"]:
+            per_byte += ", free neighbours counted"
+        if p["staleness"]:
+            per_byte += "; / staleness"
+        cost = p["cost"] + (" x penalty^recomputes" if p["penalty"] else "")
+        choice = "one tensor a call" if p["choice"] == "single" else "a window or whole segments"
+        rows.append(f"| `{p['name']}` | {choice} | {cost} | {per_byte} | {p['doc']} |")
+    return "\n".join(rows)
 
-    @property
-    def reserved_over_allocated(self) -> float:
-        return self.peak_reserved_bytes / self.peak_allocated_bytes if self.peak_allocated_bytes else 1.0
 
-    @property
-    def mean_reserved_fragmentation(self) -> float:
-        f = self.reserved_fragmentation
-        return sum(f) / len(f) if f else 0.0
-
-    @property
-    def mean_external_fragmentation(self) -> float:
-        f = self.external_fragmentation
-        return sum(f) / len(f) if f else 0.0
-
-    def table_row(self, eviction_columns: bool = False) -> dict:
-        """One table row; `eviction_columns` adds policy, overhead, evictions
-        and remats (format_results adds them when any row used a policy)."""
-        fb = _core.format_bytes
-        row = {
-            "trace": self.name,
-            "conf": self.conf or "(defaults)",
-            "budget": fb(self.budget_bytes) if self.budget_bytes else "none",
-            "feasible": "yes" if self.feasible else (
-                f"OOM at op {self.oom_op}" if self.oom_op >= 0 else "OOM: initial storages"),
-            "peak allocated": fb(self.peak_allocated_bytes),
-            "peak reserved": fb(self.peak_reserved_bytes),
-            "reserved/allocated": f"{self.reserved_over_allocated:.3f}",
-            # Sampled per op by the allocation-only replay; "-" where not sampled.
-            "mean 1-alloc/res": f"{self.mean_reserved_fragmentation:.3f}" if self.reserved_fragmentation else "-",
-            "mean ext. frag": f"{self.mean_external_fragmentation:.3f}" if self.external_fragmentation else "-",
-            "segments (peak)": str(self.segments_peak),
-            "cudaMalloc calls": str(self.device_alloc_calls),
-        }
-        if eviction_columns:
-            row.update({
-                "policy": self.policy,
-                "overhead": f"{self.compute_overhead:.3f}",
-                "evictions": str(self.evictions),
-                "remats": str(self.remats),
-            })
-        return row
+def table_row(r: ReplayResult, eviction_columns: bool = False) -> dict:
+    """One table row; `eviction_columns` adds policy, overhead, evictions and
+    remats (format_results adds them when any row used a policy)."""
+    fb = _core.format_bytes
+    sampled = len(r.series["op"]) > 0
+    row = {
+        "trace": r.name,
+        "conf": r.conf or "(defaults)",
+        "budget": fb(r.budget_bytes) if r.budget_bytes else "none",
+        "feasible": "yes" if r.feasible else (
+            f"OOM at op {r.oom_op}" if r.oom_op >= 0 else "OOM: initial storages"),
+        "peak allocated": fb(r.peak_allocated_bytes),
+        "peak reserved": fb(r.peak_reserved_bytes),
+        "reserved/allocated": f"{r.reserved_over_allocated:.3f}",
+        # Sampled per op; "-" where no op completed.
+        "mean 1-alloc/res": f"{r.mean_reserved_fragmentation:.3f}" if sampled else "-",
+        "mean ext. frag": f"{r.mean_external_fragmentation:.3f}" if sampled else "-",
+        "segments (peak)": str(r.segments_peak),
+        "cudaMalloc calls": str(r.device_alloc_calls),
+    }
+    if eviction_columns:
+        row.update({
+            "policy": r.policy,
+            "overhead": f"{r.compute_overhead:.3f}",
+            "evictions": str(r.evictions),
+            "remats": str(r.remats),
+        })
+    return row
 
 
 def replay(
@@ -124,38 +100,45 @@ def replay(
         trace = load(trace)
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+    text = _pool_conf(conf)
+    if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
+        policy = _core.describe_config(text)[_POLICY_ROW]["value"]
+    columns = replay_columns(trace)
+    if budget is None and policy == "none":  # the replay is its own no-eviction reference
+        result = _run(columns, 0, "none", text, check_invariants, progress)
+        result.no_eviction_peak_reserved_bytes = result.peak_reserved_bytes
+    else:
+        reference = _run(columns, 0, "none", text, False, None).peak_reserved_bytes
+        budget_bytes = 0 if budget is None else _resolve_budget(budget, reference)
+        result = _run(columns, budget_bytes, policy, text, check_invariants, progress)
+        result.no_eviction_peak_reserved_bytes = reference
+    result.name = str(trace.meta.get("name", ""))
+    result.conf = text
+    return result
+
+
+_POLICY_ROW = [o["name"] for o in _core.describe_config("")].index("policy")
+
+
+def _pool_conf(conf: ConfLike) -> str:
+    """The DTRALLOC_CONF text for a replay's pool; the budget is replay()'s own argument."""
     text = conf_text(conf if conf is not None else "")
     settings = {o["name"]: o["value"] for o in _core.describe_config(text)}  # validates too
     if settings["budget"] != "none":
         raise ValueError("dtralloc.replay: pass the budget as replay(budget=...), not inside conf")
-    if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
-        policy = settings["policy"]
-    if policy != "none":
-        baseline = _run(trace, None, text, False, None)
-        budget_bytes = None if budget is None else _resolve_budget(budget, baseline.peak_reserved_bytes)
-        result = _run_remat(trace, budget_bytes, policy, text, check_invariants)
-        result.baseline_peak_bytes = baseline.peak_reserved_bytes
-        return result
-
-    if budget is None:  # the replay is its own baseline
-        return _run(trace, None, text, check_invariants, progress)
-    baseline = _run(trace, None, text, False, None)
-    budget_bytes = _resolve_budget(budget, baseline.peak_reserved_bytes)
-    result = _run(trace, budget_bytes, text, check_invariants, progress)
-    result.baseline_peak_bytes = baseline.peak_reserved_bytes
-    return result
+    return text
 
 
-def _resolve_budget(budget, baseline_peak: int) -> int:
+def _resolve_budget(budget, reference: int) -> int:
     if isinstance(budget, bool):
         raise TypeError("dtralloc.replay: budget must be None, bytes or a fraction, not a bool")
     if isinstance(budget, float):
         if not (0.0 < budget <= 1.0) or math.isnan(budget):
             raise ValueError(
                 f"dtralloc.replay: a fractional budget must be in (0, 1] (a share of the "
-                f"no-eviction peak); got {budget}. Pass an int for bytes."
+                f"no-eviction peak reserved); got {budget}. Pass an int for bytes."
             )
-        return max(1, int(budget * baseline_peak))
+        return max(1, int(budget * reference))
     if isinstance(budget, str):
         return _core.parse_size(budget)
     if isinstance(budget, int):
@@ -165,74 +148,8 @@ def _resolve_budget(budget, baseline_peak: int) -> int:
     raise TypeError(f"dtralloc.replay: budget must be None, int, float or str, not {type(budget).__name__}")
 
 
-def _run(trace: Trace, budget_bytes, conf: str, check: bool, progress) -> ReplayResult:
-    parts = [conf] if conf else []
-    if budget_bytes is not None:
-        parts.append(f"budget:{budget_bytes}")
-    pool = Pool(backend="virtual", capacity=_VIRTUAL_CAPACITY, conf=",".join(parts))
-    storages = trace.storages
-    address: dict[int, int] = {}
-    peak_alloc = peak_res = peak_segments = 0
-    res_frag: list[float] = []
-    ext_frag: list[float] = []
-    result = ReplayResult(True, budget_bytes, 0, 0, 0, 0, 0, 0, 0, conf=conf,
-                          name=str(trace.meta.get("name", "")))
-
-    def take(sid: int) -> None:
-        nbytes = storages[sid].nbytes
-        if nbytes > 0:
-            address[sid] = pool.malloc(nbytes)
-
-    def release(sid: int) -> None:
-        addr = address.pop(sid, None)
-        if addr is not None:
-            pool.free(addr)
-
-    total = len(trace.ops)
-    try:
-        result.oom_op = -1  # while placing the storages alive before the step
-        for sid, s in enumerate(storages):
-            if s.initial:
-                take(sid)
-        for sid in trace.frees_before:
-            release(sid)
-        for i, op in enumerate(trace.ops):
-            result.oom_op = i
-            for sid in op.created:
-                take(sid)
-            allocated, reserved, largest, free, segments = pool.usage()
-            peak_alloc = max(peak_alloc, allocated)
-            peak_res = max(peak_res, reserved)
-            peak_segments = max(peak_segments, segments)
-            res_frag.append(1.0 - allocated / reserved if reserved else 0.0)
-            ext_frag.append(1.0 - largest / free if free else 0.0)
-            for sid in op.frees:
-                release(sid)
-            if check:
-                pool.check_invariants()
-            if progress is not None and (i % 2048 == 0 or i == total - 1):
-                progress(i + 1, total)
-        result.oom_op = None
-    except _core.OutOfMemoryError as e:
-        result.feasible = False
-        result.oom_message = str(e)
-    stats = pool.stats()
-    result.peak_allocated_bytes = stats["allocated_bytes.all.peak"]
-    result.peak_reserved_bytes = stats["reserved_bytes.all.peak"]
-    result.baseline_peak_bytes = result.peak_reserved_bytes
-    result.final_reserved_bytes = stats["reserved_bytes.all.current"]
-    result.segments_peak = max(peak_segments, stats["segment.all.peak"])
-    result.device_alloc_calls = stats["num_device_alloc"]
-    result.device_free_calls = stats["num_device_free"]
-    result.reserved_fragmentation = res_frag
-    result.external_fragmentation = ext_frag
-    if check:
-        pool.check_invariants()
-    return result
-
-
-def _columns(trace: Trace) -> tuple:
-    """The trace as the columns _core.remat_replay takes (CSR lists)."""
+def replay_columns(trace: Trace) -> _core.ReplayTrace:
+    """`trace` as the replay driver's columns (a bound struct, CSR lists)."""
     def csr(lists):
         offsets, values = [0], []
         for item in lists:
@@ -241,41 +158,23 @@ def _columns(trace: Trace) -> tuple:
         return offsets, values
 
     ops = trace.ops
-    return (
-        [s.nbytes for s in trace.storages],
-        [int(s.initial) for s in trace.storages],
-        list(trace.frees_before),
-        *csr([o.inputs for o in ops]),
-        *csr([o.created for o in ops]),
-        *csr([o.mutated for o in ops]),
-        *csr([o.frees for o in ops]),
-        # Measured duration when the trace has one, else the FLOP estimate.
-        [float(o.duration_ns if o.duration_ns > 0 else max(o.flops, 1)) for o in ops],
-        [int(o.random) for o in ops],
-    )
+    t = _core.ReplayTrace()
+    t.nbytes = [s.nbytes for s in trace.storages]
+    t.initial = [int(s.initial) for s in trace.storages]
+    t.frees_before = list(trace.frees_before)
+    t.inputs_offsets, t.inputs = csr([o.inputs for o in ops])
+    t.created_offsets, t.created = csr([o.created for o in ops])
+    t.mutated_offsets, t.mutated = csr([o.mutated for o in ops])
+    t.frees_offsets, t.frees = csr([o.frees for o in ops])
+    # Measured duration when the trace has one, else the FLOP estimate.
+    t.cost = [float(o.duration_ns if o.duration_ns > 0 else max(o.flops, 1)) for o in ops]
+    t.random = [int(o.random) for o in ops]
+    return t
 
 
-def _run_remat(trace: Trace, budget_bytes, policy: str, conf: str, check: bool) -> ReplayResult:
-    r = _core.remat_replay(*_columns(trace), budget_bytes or 0, policy, conf, check)
-    oom_op = None if r["feasible"] else r["oom_op"]
-    result = ReplayResult(
-        r["feasible"], budget_bytes, r["peak_allocated_bytes"], r["peak_reserved_bytes"],
-        r["peak_reserved_bytes"], r["final_reserved_bytes"], r["segments_peak"],
-        r["device_alloc_calls"], r["device_free_calls"], oom_op=oom_op, oom_message=r["message"],
-        conf=conf, policy=policy, name=str(trace.meta.get("name", "")))
-    result.compute_overhead = r["remat_cost"] / r["base_cost"] if r["base_cost"] else 0.0
-    result.evictions = r["evictions"]
-    result.remats = r["remats"]
-    fractions = r["free_fraction"]
-    result.fragmentation = sum(fractions) / len(fractions) if fractions else 0.0
-    ns = sorted(r["search_ns"])
-    result.search_ns = float(ns[len(ns) // 2]) if ns else 0.0
-    result.eviction_calls = r["eviction_calls"]
-    result.fake_deletions = r["fake_deletions"]
-    result.random_replays = r["random_replays"]
-    result.max_split_size = r["max_split_size"]
-    result.segment_fit = r["segment_fit"]
-    return result
+def _run(columns, budget_bytes: int, policy: str, conf: str, check: bool, progress,
+         measure_floor: bool = False) -> ReplayResult:
+    return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, progress)
 
 
 def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
@@ -291,15 +190,13 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
         from .trace import load
 
         trace = load(trace)
-    text = conf_text(conf if conf is not None else "")
-    baseline = _run(trace, None, text, False, None).peak_reserved_bytes
-    r = _core.remat_replay(*_columns(trace), 0, "none", text, False)
-    return r["resident_floor_bytes"] / baseline if baseline else 0.0
+    r = _run(replay_columns(trace), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
+    return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
 
 
 def min_feasible_budget(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01,
-    method: str = "bisect",
+    method: str = "bisect", reference_bytes: Optional[int] = None,
 ) -> Optional[float]:
     """Smallest budget fraction (of the no-eviction peak reserved) at which
     `policy` completes the trace; None if even 1.0 fails.
@@ -310,7 +207,11 @@ def min_feasible_budget(
     on the boundary it finds, in about log2(1/tolerance) replays.
     ``method="scan"`` steps down from 1.0 by `tolerance` and returns the last
     budget before the first failure: every budget on that grid from there up
-    is feasible (about (1 - result) / tolerance replays)."""
+    is feasible (about (1 - result) / tolerance replays).
+
+    Fractions are of the no-eviction peak reserved under `conf`, or of
+    `reference_bytes` when given (to compare settings against one fixed
+    reference, such as the default pool's peak)."""
     if isinstance(trace, str):
         from .trace import load
 
@@ -321,11 +222,16 @@ def min_feasible_budget(
         raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
     if not 0 < tolerance < 1:
         raise ValueError(f"dtralloc.min_feasible_budget: tolerance must be in (0, 1), not {tolerance!r}")
-    text = conf_text(conf if conf is not None else "")
-    baseline = _run(trace, None, text, False, None).peak_reserved_bytes
+    text = _pool_conf(conf)
+    columns = replay_columns(trace)
+    if reference_bytes is not None and (isinstance(reference_bytes, bool) or not isinstance(reference_bytes, int)
+                                        or reference_bytes <= 0):
+        raise ValueError(f"dtralloc.min_feasible_budget: reference_bytes must be a positive int, "
+                         f"not {reference_bytes!r}")
+    reference = reference_bytes or _run(columns, 0, "none", text, False, None).peak_reserved_bytes
 
     def feasible(fraction: float) -> bool:
-        return _run_remat(trace, max(1, int(fraction * baseline)), policy, text, False).feasible
+        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None).feasible
 
     if not feasible(1.0):
         return None
@@ -353,7 +259,7 @@ def format_results(results: list[ReplayResult]) -> str:
     if not results:
         return "(no results)"
     evicting = any(r.policy != "none" for r in results)
-    rows = [r.table_row(eviction_columns=evicting) for r in results]
+    rows = [table_row(r, eviction_columns=evicting) for r in results]
     cols = list(rows[0])
     width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     lines = ["  ".join(c.ljust(width[c]) for c in cols), "  ".join("-" * width[c] for c in cols)]
