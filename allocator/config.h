@@ -104,6 +104,9 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "seed of the eviction sampler; the same trace, budget and seed always "   \
     "evict the same tensors")
 
+// One field per option, named as the key. Unit: a *_mb key takes megabytes
+// (as in PYTORCH_CUDA_ALLOC_CONF) but its field holds bytes, already
+// multiplied out (SizeMbOption); kNoLimit is "none".
 struct Config {
 #define DTRALLOC_DECLARE_FIELD(name, kind, def, doc) \
   kind::value_type name = def;
