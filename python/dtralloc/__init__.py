@@ -13,6 +13,7 @@ directly, on the ``cuda``, ``host`` or ``virtual`` backend.
 """
 from __future__ import annotations
 
+from ._version import __version__
 from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library_path
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
@@ -29,8 +30,6 @@ from .stats import (
     snapshot,
 )
 from .torch_hooks import install, installed
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
