@@ -33,7 +33,7 @@ def scan_with_conf(trace, policy: str, conf: str, peak: int, step: float = 0.01)
     only: fractions stay of the default pool's no-eviction `peak`, the same
     denominator as every other table (an explicit conf would also change the
     baseline replay's peak)."""
-    from dtralloc.replay import _run_remat
+    from dtralloc.replay.run import _run_remat
 
     def feasible(fraction: float) -> bool:
         return _run_remat(trace, max(1, int(fraction * peak)), policy, conf, False).feasible
@@ -57,7 +57,8 @@ def pooled_search_ns(trace, budget_bytes: int, policy: str) -> float:
     replays (the same victims each time). One replay's median is noisy where
     there are few calls: 2 at 0.9 of the peak on the transformers, so one
     scheduler hiccup is the figure."""
-    from dtralloc.replay import _columns, _core
+    from dtralloc import _core
+    from dtralloc.replay.run import _columns
 
     columns, ns = _columns(trace), []
     for _ in range(SEARCH_REPEATS):

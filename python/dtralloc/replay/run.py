@@ -1,101 +1,21 @@
-"""Replay a trace's memory traffic through the real pool on the virtual backend.
-
-``dtralloc.replay(trace, budget=None, policy="none", conf=None)`` first
-allocates the storages alive at the start of the step, then replays every
-allocation and free in order through the same C++ pool that serves torch,
-with addresses only (an 80 GB device fits on a laptop). It answers "how would
-this step fragment, and how much memory does it really need?".
-"""
+"""Running replays: replay(), and the budget searches built on it
+(min_feasible_budget, resident_floor)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from . import _core
-from .config import ConfLike, conf_text
-from .pool import Pool
-from .trace import Trace
+from .. import _core
+from ..config import ConfLike, conf_text
+from ..pool import Pool
+from ..trace import Trace, load
+from .result import ReplayResult
 
 POLICIES = ("none", "lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
 
 # Capacity of the simulated device when the budget does not bound it: large
 # enough for any trace we record, so only the budget limits the pool.
 _VIRTUAL_CAPACITY = 1 << 44  # 16 TiB
-
-
-@dataclass
-class ReplayResult:
-    feasible: bool
-    budget_bytes: Optional[int]        # None: no budget
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    baseline_peak_bytes: int           # peak reserved of the same replay with no budget
-    final_reserved_bytes: int
-    segments_peak: int
-    device_alloc_calls: int
-    device_free_calls: int
-    oom_op: Optional[int] = None       # op whose allocation failed; -1: the initial storages
-    oom_message: str = ""
-    # Per op, sampled after its outputs are allocated:
-    reserved_fragmentation: list[float] = field(default_factory=list)  # 1 - allocated/reserved
-    external_fragmentation: list[float] = field(default_factory=list)  # 1 - largest free/total free
-    conf: str = ""
-    policy: str = "none"
-    name: str = ""
-    # With an eviction policy (zero for "none"):
-    compute_overhead: float = 0.0      # recompute cost / cost of running every op once
-    evictions: int = 0
-    remats: int = 0
-    fragmentation: float = 0.0         # mean (budget - allocated) / budget at forced evictions
-    search_ns: float = 0.0             # median time to choose victims
-    eviction_calls: int = 0
-    fake_deletions: int = 0
-    random_replays: int = 0            # recomputes of random ops (saved RNG state)
-    max_split_size: int = -1           # the pool's block split limit (max_split_size_mb:auto resolved); -1: none
-    segment_fit: bool = False          # 1-10 MiB requests got fitted segments (segment_fit:auto resolved)
-
-    @property
-    def reserved_over_allocated(self) -> float:
-        return self.peak_reserved_bytes / self.peak_allocated_bytes if self.peak_allocated_bytes else 1.0
-
-    @property
-    def mean_reserved_fragmentation(self) -> float:
-        f = self.reserved_fragmentation
-        return sum(f) / len(f) if f else 0.0
-
-    @property
-    def mean_external_fragmentation(self) -> float:
-        f = self.external_fragmentation
-        return sum(f) / len(f) if f else 0.0
-
-    def table_row(self, eviction_columns: bool = False) -> dict:
-        """One table row; `eviction_columns` adds policy, overhead, evictions
-        and remats (format_results adds them when any row used a policy)."""
-        fb = _core.format_bytes
-        row = {
-            "trace": self.name,
-            "conf": self.conf or "(defaults)",
-            "budget": fb(self.budget_bytes) if self.budget_bytes else "none",
-            "feasible": "yes" if self.feasible else (
-                f"OOM at op {self.oom_op}" if self.oom_op >= 0 else "OOM: initial storages"),
-            "peak allocated": fb(self.peak_allocated_bytes),
-            "peak reserved": fb(self.peak_reserved_bytes),
-            "reserved/allocated": f"{self.reserved_over_allocated:.3f}",
-            # Sampled per op by the allocation-only replay; "-" where not sampled.
-            "mean 1-alloc/res": f"{self.mean_reserved_fragmentation:.3f}" if self.reserved_fragmentation else "-",
-            "mean ext. frag": f"{self.mean_external_fragmentation:.3f}" if self.external_fragmentation else "-",
-            "segments (peak)": str(self.segments_peak),
-            "cudaMalloc calls": str(self.device_alloc_calls),
-        }
-        if eviction_columns:
-            row.update({
-                "policy": self.policy,
-                "overhead": f"{self.compute_overhead:.3f}",
-                "evictions": str(self.evictions),
-                "remats": str(self.remats),
-            })
-        return row
 
 
 def replay(
@@ -119,8 +39,6 @@ def replay(
         progress: called as progress(ops_done, ops_total) now and then.
     """
     if isinstance(trace, str):
-        from .trace import load
-
         trace = load(trace)
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
@@ -288,8 +206,6 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
     policy's ``min_feasible_budget`` from below (the pool's fragmentation
     comes on top)."""
     if isinstance(trace, str):
-        from .trace import load
-
         trace = load(trace)
     text = conf_text(conf if conf is not None else "")
     baseline = _run(trace, None, text, False, None).peak_reserved_bytes
@@ -312,8 +228,6 @@ def min_feasible_budget(
     budget before the first failure: every budget on that grid from there up
     is feasible (about (1 - result) / tolerance replays)."""
     if isinstance(trace, str):
-        from .trace import load
-
         trace = load(trace)
     if policy == "none":
         raise ValueError("dtralloc.min_feasible_budget: needs an eviction policy, not 'none'")
@@ -346,16 +260,3 @@ def min_feasible_budget(
         else:
             lo = mid
     return hi
-
-
-def format_results(results: list[ReplayResult]) -> str:
-    """A plain-text table of replay results, one row each."""
-    if not results:
-        return "(no results)"
-    evicting = any(r.policy != "none" for r in results)
-    rows = [r.table_row(eviction_columns=evicting) for r in results]
-    cols = list(rows[0])
-    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(width[c]) for c in cols), "  ".join("-" * width[c] for c in cols)]
-    lines += ["  ".join(r[c].ljust(width[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
