@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 from dtralloc import baselines as B
+from dtralloc.baselines.contraction import _contract_runs
+from dtralloc.baselines.grouped import _graph
 from dtralloc.trace import Op, Storage, Trace
 
 K = 1024
@@ -145,7 +147,7 @@ def test_chen_keeps_random_and_mutated_outputs():
     t.ops[2].mutated = [2]
     t.ops[2].inputs = [2]
     t.validate()
-    g = B._graph(t)
+    g = _graph(t)
     assert [grp.recomputable for grp in g.groups[:4]] == [True, False, False, True]
     r = B.checkpoint_sqrt_n(t)
     # only a0 (op0, seg 0) and a3 (op3, seg 1) can be dropped
@@ -163,7 +165,7 @@ def test_in_place_op_joins_its_producers_group():
         {"inputs": [x], "created": [y], "frees": [x], "duration_ns": 5},
         {"inputs": [], "created": [], "outputs": [], "duration_ns": 0, "flops": 2},  # a view: cost 2
     ], initial={P})
-    g = B._graph(t)
+    g = _graph(t)
     assert [grp.ops for grp in g.groups] == [[0, 1], [2, 3]]
     assert g.groups[0].recomputable and g.groups[0].recompute_cost == 7
     assert g.groups[0].recompute_nops == 2
@@ -174,7 +176,7 @@ def test_in_place_op_joins_its_producers_group():
 def test_random_op_is_never_recomputed():
     t = chain()
     t.ops[0].random = True  # a0 is dropout-like: must be kept from op0 to op7
-    g = B._graph(t)
+    g = _graph(t)
     assert not g.groups[0].recomputable
     r = B.checkmate(t, 4 * K + 512)
     # a0 can't be dropped now: drop a1 instead (kept a0, recompute op1 for op6: 20)
@@ -191,7 +193,7 @@ def test_deadline_after_input_is_written():
         {"inputs": [a], "mutated": [a], "outputs": [a]},  # joins c's group
         {"inputs": [b, c], "created": [d]},
     ], initial={P})
-    g = B._graph(t)
+    g = _graph(t)
     assert g.groups[1].deadline == 2 and g.groups[0].recomputable is False
     assert g.groups[2].recomputable is False  # writes a storage it did not create
 
@@ -378,7 +380,7 @@ def test_lp_bound_at_the_peak_is_zero():
 
 def test_restricted_plan_is_real_and_no_better_than_exact():
     t = long_chain(8)  # 17 groups, contracted to 8
-    g = B._graph(t)
+    g = _graph(t)
     for b in (7680, 8704, 9216):
         exact = B.checkmate(t, b)
         r = B.checkmate(t, b, mode="restricted", max_groups=8)
@@ -417,9 +419,9 @@ def test_restricted_without_contraction_is_exact():
 
 
 def test_contraction_respects_the_limit_and_order():
-    g = B._graph(long_chain(8))
+    g = _graph(long_chain(8))
     for k in (1, 3, 8, 17, 40):
-        runs = B._contract_runs(g, k)
+        runs = _contract_runs(g, k)
         assert len(runs) == min(k, len(g.groups))
         assert [j for run in runs for j in run] == list(range(len(g.groups)))
 
