@@ -83,7 +83,7 @@ def diamond():
 
 def test_no_eviction_peak_and_compute():
     r = B.no_eviction(chain())
-    assert r.feasible and r.peak_bytes == 5 * K + 512 == r.baseline_peak_bytes
+    assert r.feasible and r.peak_bytes == 5 * K + 512 == r.live_peak_bytes
     assert r.baseline_compute == CHAIN_COMPUTE and r.compute_overhead == 0.0
     assert r.details["last_use_peak_bytes"] == 5 * K + 512
     assert B.no_eviction(chain(), budget=5 * K).feasible is False
@@ -277,6 +277,17 @@ def test_determinism():
     assert B.checkpoint_sqrt_n(diamond()) == B.checkpoint_sqrt_n(diamond())
 
 
+def test_a_fractional_budget_is_a_share_of_the_live_byte_peak():
+    t = chain()
+    live_peak = 5 * K + 512
+    for result in (B.no_eviction(t, budget=0.8), B.checkpoint_sqrt_n(t, budget=0.8), B.checkmate(t, 0.8)):
+        assert result.live_peak_bytes == live_peak
+        assert result.budget_bytes == int(0.8 * live_peak)
+    assert B.checkmate(t, 4 * K).budget_bytes == 4 * K  # an int is bytes
+    with pytest.raises(ValueError, match="share of the live-byte peak"):
+        B.no_eviction(t, budget=-0.5)
+
+
 def test_min_feasible_budget():
     t = chain()
     peak = 5 * K + 512
@@ -286,7 +297,7 @@ def test_min_feasible_budget():
     # 3.5K is also the simple lower bound, so the first solve settles it
     cm = B.min_feasible_budget(t, "checkmate", tol=0.005)
     assert cm["fraction"] == pytest.approx((3 * K + 512) / peak) and cm["exact"]
-    assert cm["bytes"] == 3 * K + 512
+    assert cm["budget_bytes"] == 3 * K + 512 and cm["live_peak_bytes"] == peak
     with pytest.raises(ValueError):
         B.min_feasible_budget(t, "nope")
 

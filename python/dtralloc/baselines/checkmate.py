@@ -20,16 +20,17 @@ CHECKMATE_MODES = ("exact", "lp_bound", "restricted")
 MAX_GROUPS = {"exact": 200, "lp_bound": None, "restricted": 80}
 
 
-def checkmate(trace: Trace, budget: float, time_limit_s: float = 60.0,
+def checkmate(trace: Trace, budget: int | float, time_limit_s: float = 60.0,
               max_groups: int | None = None, mip_rel_gap: float = 1e-4,
               mode: str = "exact") -> BaselineResult:
     """The optimal static rematerialization plan under ``budget`` (Checkmate's MILP),
     or, with ``mode``, a labelled bound on it for graphs too large to solve.
 
-    ``budget``: bytes (int) or a fraction of the no-eviction live-byte peak
-    (float). The budget bounds live bytes (512 B rounding per storage), not
-    allocator segments. ``time_limit_s`` bounds the HiGHS solve. ``max_groups``
-    defaults to ``MAX_GROUPS[mode]`` (200 exact, 80 restricted).
+    ``budget``: bytes (int) or a share (float) of the live-byte peak of the
+    trace as recorded (``result.live_peak_bytes``). The budget bounds live
+    bytes (512 B rounding per storage), not allocator segments.
+    ``time_limit_s`` bounds the HiGHS solve. ``max_groups`` defaults to
+    ``MAX_GROUPS[mode]`` (200 exact, 80 restricted).
 
     ``mode="exact"`` (``method`` ``"checkmate"``): the MILP of the whole graph.
     ``status``: ``"optimal"``; ``"time limit"`` (the best plan found so far is
@@ -72,7 +73,8 @@ def checkmate(trace: Trace, budget: float, time_limit_s: float = 60.0,
     base_peak = g.simulate(g.original(), trace_frees=True)
     b = _resolve_budget(budget, base_peak)
     if b is None:
-        raise ValueError("checkmate needs a budget (bytes or a fraction of the no-eviction peak)")
+        raise ValueError("checkmate needs a budget: bytes (int) or a share (float) of the live-byte "
+                         "peak of the trace as recorded")
     method = {"exact": "checkmate", "lp_bound": "checkmate_lp_bound",
               "restricted": "checkmate_restricted"}[mode]
     res = BaselineResult(method, None, b, None, None, g.baseline_compute, None, base_peak,

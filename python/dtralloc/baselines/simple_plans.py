@@ -8,11 +8,11 @@ from .grouped import _Graph, _graph
 from .result import BaselineResult, _name, _resolve_budget
 
 
-def no_eviction(trace: Trace, budget: None | float = None) -> BaselineResult:
+def no_eviction(trace: Trace, budget: None | int | float = None) -> BaselineResult:
     """The trace as recorded: no recomputation, storages freed where the trace frees them.
 
     ``peak_bytes`` is the live-byte peak (512 B rounding per storage; not
-    allocator segments). ``details["last_use_peak_bytes"]``: the same schedule
+    allocator segments), and so ``live_peak_bytes`` too. ``details["last_use_peak_bytes"]``: the same schedule
     with every non-initial storage freed after its last read.
     """
     g = _graph(trace)
@@ -25,7 +25,7 @@ def no_eviction(trace: Trace, budget: None | float = None) -> BaselineResult:
                                    "initial_bytes": g.initial_bytes})
 
 
-def checkpoint_sqrt_n(trace: Trace, budget: None | float = None,
+def checkpoint_sqrt_n(trace: Trace, budget: None | int | float = None,
                       segments: int | None = None) -> BaselineResult:
     """Chen et al. (2016) checkpointing: sqrt(n) forward segments, each recomputed once.
 
@@ -38,8 +38,9 @@ def checkpoint_sqrt_n(trace: Trace, budget: None | float = None,
     first time anything after the forward pass reads one of them, the segment
     is recomputed (only the groups needed for its dropped storages that are
     read later, and what they need), once. The plan's live-byte peak is fixed;
-    ``feasible`` says whether it fits ``budget`` (bytes, or a fraction of the
-    no-eviction peak; None: always).
+    ``feasible`` says whether it fits ``budget`` (bytes, or a share of the
+    live-byte peak of the trace as recorded, ``result.live_peak_bytes``; None:
+    always).
     """
     g = _graph(trace)
     base_peak = g.simulate(g.original(), trace_frees=True)
