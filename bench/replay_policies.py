@@ -179,7 +179,7 @@ def report(names, grid, floors, base, command: str) -> str:
                        ("By scan (`method=\"scan\"`: every budget on the 0.01 grid from here up is feasible)",
                         ("scan",))):
         lines.append(f"{title}:\n")
-        lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak | resident floor |")
+        lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak (of live) | resident floor |")
         lines.append("|---|" + "---|" * (len(POLICIES) + 2))
         for name in names:
             cells = [f"{floors[(name, p) + key]:.2f}" if floors[(name, p) + key] is not None else "-"
@@ -188,7 +188,10 @@ def report(names, grid, floors, base, command: str) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} | "
                          f"{floors[name, 'resident floor']:.2f} |")
         lines.append("")
-    lines.append("resident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
+    lines.append("Chen sqrt(n) peak (of live): the plan's live-byte peak as a share of the step's "
+                 "live-byte peak (`BaselineResult.peak_fraction`; the static baselines count live bytes, "
+                 "not the pool's reserved bytes). "
+                 "resident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
                  "outputs at the worst op; no policy can run below it. Feasibility is not quite "
                  "monotone in the budget (where the pool puts blocks changes with it), so bisection "
                  "reports a point on some boundary, possibly below a budget that fails; the scan "
@@ -212,8 +215,8 @@ def report(names, grid, floors, base, command: str) -> str:
         for p in POLICIES:
             lines.append(f"| {p} | " + " | ".join(fmt_cell(grid[name, p, b]) for b in BUDGETS) + " |")
         chen = base[name, "chen"]
-        lines.append(f"\nChen sqrt(n): overhead {chen.compute_overhead:.3f} at peak fraction "
-                     f"{chen.peak_fraction:.2f}.")
+        lines.append(f"\nChen sqrt(n): overhead {chen.compute_overhead:.3f} at a peak of "
+                     f"{chen.peak_fraction:.2f} of the live-byte peak.")
         solved = [(b, base[name, "checkmate", b]) for b in BUDGETS if (name, "checkmate", b) in base]
         if solved and solved[0][1].status == "too large":
             from dtralloc.baselines import MAX_GROUPS

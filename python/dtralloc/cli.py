@@ -88,57 +88,69 @@ def _load_trace(path: str):
 
 
 def _cmd_record(args) -> int:
-    import importlib
     import os
     import time
 
-    from .trace import record
+    def echo(message: str) -> None:
+        print(message, file=sys.stderr)
 
+    start = time.perf_counter()
     if ":" in args.target:
-        module_name, _, func_name = args.target.partition(":")
-        sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise SystemExit(f"error: cannot import {module_name!r} for {args.target}: {e}. "
-                             "Run from the directory that holds it or put it on PYTHONPATH.")
-        factory = getattr(module, func_name, None)
-        if factory is None:
-            raise SystemExit(f"error: {module_name} has no attribute {func_name!r}")
-        step = factory()
-        if not callable(step):
-            raise SystemExit(f"error: {args.target} must return the step function (a callable "
-                             f"taking no arguments), got {type(step).__name__}")
-        name = func_name
+        from .trace import record
+
+        step, name = _user_step(args.target)
+        if not args.no_warmup:
+            echo("warm-up step ...")
+            step()
+        echo("recording one step ...")
+        trace = record(step, name=name)
     else:
-        sys.path.insert(0, os.getcwd())
         try:
-            from bench.models import MODELS
-        except ImportError:
-            raise SystemExit("error: zoo models live in bench/models of the dtralloc source tree; "
-                             "run `dtralloc record` from there, or pass module:function "
-                             "(a function returning your step function)")
+            from .zoo import MODELS, record_model
+        except ImportError as e:  # torch is missing
+            raise SystemExit(f"error: {e}")
         if args.target not in MODELS:
             raise SystemExit(f"error: unknown zoo model {args.target!r}; choose from "
                              f"{', '.join(sorted(MODELS))} or pass module:function")
-        workload = MODELS[args.target](small=args.small)
-        print(f"model: {workload.description}", file=sys.stderr)
-        step, name = workload.step, args.target
-    if not args.no_warmup:
-        print("warm-up step ...", file=sys.stderr)
-        step()
-    print("recording one step ...", file=sys.stderr)
-    start = time.perf_counter()
-    trace = record(step, name=name)
-    out = args.out or f"{name}.dtrace"
+        try:
+            trace = record_model(args.target, small=args.small, warmup=not args.no_warmup, echo=echo)
+        except ImportError as e:  # transformers is missing
+            raise SystemExit(f"error: {e}")
+    out = args.out or f"{trace.meta['name']}.dtrace"
     trace.save(out)
-    print(f"{trace.summary()}\nwrote {out} ({os.path.getsize(out) / 1e6:.2f} MB) "
+    print(f"{trace.summary()}\nwrote {out} ({_core.format_bytes(os.path.getsize(out))}) "
           f"in {time.perf_counter() - start:.1f}s")
     return 0
 
 
 def _core_policies() -> list[str]:
     return [p["name"] for p in _core.policies()]
+
+
+def _user_step(target: str):
+    """(step function, name) from ``module:function``: ``function()`` returns the step.
+
+    The module is imported from the current directory or PYTHONPATH: that is
+    where a user's own training code lives (zoo names never look there).
+    """
+    import importlib
+    import os
+
+    module_name, _, func_name = target.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"error: cannot import {module_name!r} for {target}: {e}. "
+                         "Run from the directory that holds it or put it on PYTHONPATH.")
+    factory = getattr(module, func_name, None)
+    if factory is None:
+        raise SystemExit(f"error: {module_name} has no attribute {func_name!r}")
+    step = factory()
+    if not callable(step):
+        raise SystemExit(f"error: {target} must return the step function (a callable "
+                         f"taking no arguments), got {type(step).__name__}")
+    return step, func_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,10 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a budget fraction of the peak for the budget table (repeatable; default 0.7, 0.5)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
-    p.add_argument("target", help="a zoo model name (from bench/models) or module:function "
-                   "returning a step function")
-    p.add_argument("--out", help="output file (default NAME.dtrace)")
-    p.add_argument("--small", action="store_true", help="zoo models: small sizes (quick)")
+    p.add_argument("target", help="a zoo model of dtralloc.zoo (gpt2, bert, llama, resnet50, unet, mlp), "
+                   "or module:function, function() returning your step function (the module is "
+                   "imported from the current directory or PYTHONPATH)")
+    p.add_argument("-o", "--out", help="output file (default NAME.dtrace)")
+    p.add_argument("--small", action="store_true", help="zoo models: tiny sizes of the same architecture (quick)")
     p.add_argument("--no-warmup", action="store_true",
                    help="record the first step (default: run one step first so optimizer state exists)")
     p.set_defaults(func=_cmd_record)

@@ -1,77 +1,14 @@
-"""Replay a trace's memory traffic through the real pool on the virtual backend.
-
-``dtralloc.replay(trace, budget=None, policy="none", conf=None)`` first
-allocates the storages alive at the start of the step, then replays every
-allocation and free in order through the same C++ pool that serves torch,
-with addresses only (an 80 GB device fits on a laptop). It answers "how would
-this step fragment, and how much memory does it really need?".
-"""
+"""Running replays: replay(), and the budget searches built on it
+(min_feasible_budget, resident_floor)."""
 from __future__ import annotations
 
 import math
 from typing import Callable, Optional, Union
 
-from . import _core
-from .config import ConfLike, conf_text
-from .trace import Trace
-
-# The eviction policies, in the order of the table they are declared in
-# (allocator/policies.h): names, one-line docs and how each chooses.
-POLICY_TABLE: tuple[dict, ...] = tuple(_core.policies())
-POLICIES: tuple[str, ...] = tuple(p["name"] for p in POLICY_TABLE)
-
-# What one replay measured: a C++ class (allocator/replay_driver.h declares
-# its figures once). Fractional budgets are shares of
-# `no_eviction_peak_reserved_bytes`; `budget_bytes` is always the cap applied.
-ReplayResult = _core.ReplayResult
-
-
-def format_policies_markdown() -> str:
-    """The policy table as markdown (the README's copy is checked against it)."""
-    rows = ["| policy | chooses | a victim costs | per byte | what it does |", "|---|---|---|---|---|"]
-    for p in POLICY_TABLE:
-        if p["choice"] == "none":
-            rows.append(f"| `{p['name']}` | - | - | - | {p['doc']} |")
-            continue
-        per_byte = "yes" if p["per_byte"] else "no"
-        if p["free_neighbours"]:
-            per_byte += ", free neighbours counted"
-        if p["staleness"]:
-            per_byte += "; / staleness"
-        cost = p["cost"] + (" x penalty^recomputes" if p["penalty"] else "")
-        choice = "one tensor a call" if p["choice"] == "single" else "a window or whole segments"
-        rows.append(f"| `{p['name']}` | {choice} | {cost} | {per_byte} | {p['doc']} |")
-    return "\n".join(rows)
-
-
-def table_row(r: ReplayResult, eviction_columns: bool = False) -> dict:
-    """One table row; `eviction_columns` adds policy, overhead, evictions and
-    remats (format_results adds them when any row used a policy)."""
-    fb = _core.format_bytes
-    sampled = len(r.series["op"]) > 0
-    row = {
-        "trace": r.name,
-        "conf": r.conf or "(defaults)",
-        "budget": fb(r.budget_bytes) if r.budget_bytes else "none",
-        "feasible": "yes" if r.feasible else (
-            f"OOM at op {r.oom_op}" if r.oom_op >= 0 else "OOM: initial storages"),
-        "peak allocated": fb(r.peak_allocated_bytes),
-        "peak reserved": fb(r.peak_reserved_bytes),
-        "reserved/allocated": f"{r.reserved_over_allocated:.3f}",
-        # Sampled per op; "-" where no op completed.
-        "mean 1-alloc/res": f"{r.mean_reserved_fragmentation:.3f}" if sampled else "-",
-        "mean ext. frag": f"{r.mean_external_fragmentation:.3f}" if sampled else "-",
-        "segments (peak)": str(r.segments_peak),
-        "cudaMalloc calls": str(r.device_alloc_calls),
-    }
-    if eviction_columns:
-        row.update({
-            "policy": r.policy,
-            "overhead": f"{r.compute_overhead:.3f}",
-            "evictions": str(r.evictions),
-            "remats": str(r.remats),
-        })
-    return row
+from .. import _core
+from ..config import ConfLike, conf_text
+from ..trace import Trace, load
+from .result import POLICIES, ReplayResult
 
 
 def replay(
@@ -95,8 +32,6 @@ def replay(
         progress: called as progress(ops_done, ops_total) now and then.
     """
     if isinstance(trace, str):
-        from .trace import load
-
         trace = load(trace)
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
@@ -187,8 +122,6 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
     policy's ``min_feasible_budget`` from below (the pool's fragmentation
     comes on top)."""
     if isinstance(trace, str):
-        from .trace import load
-
         trace = load(trace)
     r = _run(replay_columns(trace), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
     return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
@@ -213,8 +146,6 @@ def min_feasible_budget(
     `reference_bytes` when given (to compare settings against one fixed
     reference, such as the default pool's peak)."""
     if isinstance(trace, str):
-        from .trace import load
-
         trace = load(trace)
     if policy == "none":
         raise ValueError("dtralloc.min_feasible_budget: needs an eviction policy, not 'none'")
@@ -252,16 +183,3 @@ def min_feasible_budget(
         else:
             lo = mid
     return hi
-
-
-def format_results(results: list[ReplayResult]) -> str:
-    """A plain-text table of replay results, one row each."""
-    if not results:
-        return "(no results)"
-    evicting = any(r.policy != "none" for r in results)
-    rows = [table_row(r, eviction_columns=evicting) for r in results]
-    cols = list(rows[0])
-    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(width[c]) for c in cols), "  ".join("-" * width[c] for c in cols)]
-    lines += ["  ".join(r[c].ljust(width[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
