@@ -45,7 +45,10 @@ void RematEngine::take_block(int v, std::uintptr_t addr) {
 std::uintptr_t RematEngine::drop_block(int v) {
   Value& x = values_[v];
   const std::uintptr_t addr = x.addr;
-  if (addr) by_addr_.erase(addr);
+  if (addr) {
+    auto it = by_addr_.find(addr);
+    if (it != by_addr_.end() && it->second == v) by_addr_.erase(it);
+  }
   const int pos = x.resident_pos;
   const int last = resident_.back();
   resident_[pos] = last;
@@ -249,15 +252,19 @@ void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
   }
 }
 
-int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, bool pinned) {
+int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, bool pinned, bool external) {
   // Memory first, under the id the value will have: if the driver throws
   // (OOM), nothing has changed. While the pool makes room the value does not
   // exist yet, so the evictor cannot pick it.
   const int id = static_cast<int>(values_.size());
-  if (!addr && nbytes) addr = driver_.allocate(nbytes, id);
+  if (external)
+    addr = 0;
+  else if (!addr && nbytes)
+    addr = driver_.allocate(nbytes, id);
   const int v = new_value(nbytes, op, ops_[op].cost);
   if (v != id) broken(v, "a value was created while the driver allocated");
-  if (pinned)
+  values_[v].external = external;
+  if (pinned || external)
     values_[v].pinned = true;  // never recomputed: no recipe to keep
   else
     set_recipe(v, op, ops_[op].writes);
@@ -311,18 +318,26 @@ void RematEngine::pin_descendants(int v) {
         if (y.alive) broken(d, "pinned while evicted (prepare_write was skipped)");
         y.state = ValueState::kReleased;  // dead, memoryless, needed by no one now
         ++counters_.releases;
+        driver_.forget(d);
       }
       todo.push_back(d);
     }
   }
 }
 
-int RematEngine::write(int op, int v) {
+void RematEngine::prepare_writes(const std::vector<int>& vs) {
+  for (int v : vs) prepare_write(v);
+}
+
+int RematEngine::write(int op, int v, bool reads_old) {
   if (values_[v].state != ValueState::kResident || values_[v].locks == 0)
     broken(v, "an in-place write needs the value resident and locked (begin_op's writes)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
   values_[n].external = values_[v].external;  // the memory stays where it was
-  set_recipe(n, op, {});
+  if (reads_old)
+    set_recipe(n, op, {});
+  else
+    set_recipe(n, op, {v});
   // The block stays where it is; it now holds the new version.
   const std::uintptr_t addr = drop_block(v);
   take_block(n, addr);
@@ -335,6 +350,7 @@ int RematEngine::write(int op, int v) {
     pin_descendants(v);  // n included: its recipe reads a value gone for good
     old.state = ValueState::kReleased;
     ++counters_.releases;
+    driver_.forget(v);
   } else {
     old.state = ValueState::kDeadNeeded;  // the recomputable old version
     lose_memory(v);
@@ -404,6 +420,7 @@ void RematEngine::release(int first) {
       for (int r : x.recipe)
         if (--values_[r].needed_by == 0) todo.push_back(r);
     if (had_memory) driver_.release(v, addr);
+    driver_.forget(v);
   }
 }
 
@@ -420,6 +437,17 @@ bool RematEngine::evict(int v) {
   if (log_) log_->add(current_op(), EventKind::kEvicted, v, x.nbytes, addr);
   driver_.release(v, addr);
   return true;
+}
+
+void RematEngine::pin(int v) {
+  Value& x = values_[v];
+  if (x.pinned || x.state == ValueState::kReleased) return;
+  if (x.state != ValueState::kResident) broken(v, "pinning a value without memory");
+  x.pinned = true;
+  for (int r : x.recipe) {
+    --values_[r].needed_by;
+    maybe_release(r);
+  }
 }
 
 void RematEngine::lose_memory(int v) {

@@ -89,6 +89,9 @@ class RematDriver {
   // Something outside the engine still references the value's memory (the
   // live driver: a user's tensor); such a value is never evicted.
   virtual bool held_elsewhere(int /*value*/) const { return false; }
+  // `value` is released for good: nothing will ever read or recompute it
+  // (after release(), if it had memory). The live driver drops its recipe.
+  virtual void forget(int /*value*/) {}
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
@@ -156,13 +159,22 @@ class RematEngine {
   // memory the driver already holds at `addr`. The recipe is the op's reads
   // except its writes (an op that writes a storage and creates outputs, such
   // as batch norm and its running statistics, does not read what it writes
-  // for them); `pinned`: not recomputable at all.
-  int add_output(int op, std::size_t nbytes, std::uintptr_t addr = 0, bool pinned = false);
+  // for them); `pinned`: not recomputable at all; `external`: its memory is
+  // outside the pool (pinned too, no address).
+  int add_output(int op, std::size_t nbytes, std::uintptr_t addr = 0, bool pinned = false,
+                 bool external = false);
   // `op` writes `v` in place: returns the new version, which takes the block
   // (locked for the op). `v` keeps its recipe without memory, or, if `v` was
   // not recomputable, its dependents become pinned (begin_op brought back the
-  // evicted ones first).
-  int write(int op, int v);
+  // evicted ones first). `reads_old` false: the op overwrites all of `v`
+  // without reading it (fill_, copy_, zero_, out=), so the new version's
+  // recipe does not need `v`.
+  int write(int op, int v, bool reads_old = true);
+  // What begin_op does first for its writes, for drivers that must do it
+  // before the real op runs (the live driver: the write destroys the old
+  // contents): what depends on an unrecomputable value about to be
+  // overwritten is brought back and pinned.
+  void prepare_writes(const std::vector<int>& vs);
   // Unlocks everything locked for the op. cost >= 0 replaces the cost given
   // to begin_op (the live driver measures it while the op runs).
   void end_op(int op, double cost = -1);
@@ -181,6 +193,9 @@ class RematEngine {
   }
   // Frees `v`'s block. Returns false (and counts) if `v` is not evictable.
   bool evict(int v);
+  // Makes `v` not recomputable from now on (its data left the engine's sight:
+  // a raw pointer, numpy). Its recipe is dropped.
+  void pin(int v);
   // DTR's e*: cost plus the cost of memoryless neighbours.
   double estar_eq(int v);                  // union-find classes (h_DTR-eq)
   double estar_exact(int v, int cap = 256);  // walks the neighbourhood (h_DTR)

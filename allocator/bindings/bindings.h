@@ -18,6 +18,8 @@ namespace py = pybind11;
 void bind_pool(py::module_& m);
 // Trace replay through pool + engine + evictor (replay.cpp).
 void bind_replay(py::module_& m);
+// Live DTR on eager PyTorch: the session and saved handles (live.cpp).
+void bind_live(py::module_& m);
 
 // A split limit as torch reports it: bytes, or -1 for none.
 inline std::int64_t split_size_for_python(std::size_t limit) {
