@@ -11,8 +11,10 @@ Everything tunable goes through ``DTRALLOC_CONF="key:value,..."`` (run
 ``python -m dtralloc config`` for the table). :class:`Pool` drives a pool
 directly, on the ``cuda``, ``host`` or ``virtual`` backend.
 :mod:`dtralloc.trace` records a training step, :func:`replay` runs one through
-the pool; ``dtralloc.baselines`` and ``dtralloc.zoo`` (needs torch) are
-imported by name. This module only re-exports.
+the pool; :func:`dtr` trains under a budget, evicting and recomputing live
+(needs torch; loaded on first use, so ``import dtralloc`` never imports torch);
+``dtralloc.baselines`` and ``dtralloc.zoo`` (need torch) are imported by name.
+This module only re-exports.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library
 from ._version import __version__
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
+from .dtr import dtr
 from .pool import Pool
 from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
 from .stats import (
@@ -34,6 +37,17 @@ from .stats import (
 )
 from .torch_hooks import InstallError, install, installed
 
+
+
+def __getattr__(name):
+    # The live session needs torch: its class is loaded on first use.
+    if name == "Session":
+        from .dtr.session import Session
+
+        return Session
+    raise AttributeError(f"module 'dtralloc' has no attribute {name!r}")
+
+
 __all__ = [
     # errors users can cause, each naming the cause and the fix
     "ConfigError",          # a bad DTRALLOC_CONF key or value (a ValueError)
@@ -43,8 +57,10 @@ __all__ = [
     "POLICIES",
     "Pool",
     "ReplayResult",
+    "Session",
     "cupy_allocator",
     "describe_config",
+    "dtr",
     "effective_config",
     "empty_cache",
     "install",

@@ -5,13 +5,49 @@
         loss = model(x); loss.backward()
     s.stats()
 
-The rooms: ``session`` (dtr(), Session), ``mode`` (the dispatch mode and the
-saved-tensor hooks), ``ops`` (what each ATen op writes, draws, pins),
-``runner`` (what the C++ half asks Python to do: rerun an op, rebuild a view).
-The design is docs/live.md.
+The rooms: ``session`` (Session: the context manager), ``mode`` (the dispatch
+mode and the saved-tensor hooks), ``ops`` (what each ATen op writes, draws,
+pins), ``runner`` (what the C++ half asks Python to do: rerun an op, rebuild a
+view). This module imports no torch until dtr() is called, so ``import
+dtralloc`` stays light. The design is docs/live.md.
 """
 from __future__ import annotations
 
-from .session import Session, dtr
+from typing import Optional, Union
+
+
+def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, device=None, chaos: bool = False,
+        check_invariants: bool = False):
+    """Live DTR: what is made inside the block may be evicted and recomputed.
+
+    Args:
+        budget: bytes or a size such as "512M" / "20G". On CUDA it caps the
+            installed pool's reserved bytes for the session (default: the
+            pool's own budget). With device="cpu" it caps the bytes of every
+            storage the session allocates, placed in a virtual pool with the
+            pool's settings (None: no cap).
+        policy: eviction policy (default: DTRALLOC_CONF's, else "dtralloc").
+        device: "cpu" for the CPU mirror, "cuda" / "cuda:N" for the installed
+            pool; None: CUDA when dtralloc.install() ran, else CPU.
+        chaos: evict every evictable value at every op: run it once to check
+            that a model is safe to rematerialize (slow).
+        check_invariants: check the engine, pool and registry after every op.
+
+    Returns a :class:`~dtralloc.dtr.session.Session`, a context manager whose
+    ``stats()`` report evictions, remats, rng_replays, peak_bytes,
+    budget_bytes, recompute_seconds, ...
+    """
+    from .session import Session
+
+    return Session(budget, policy, device, chaos, check_invariants)
+
+
+def __getattr__(name):
+    if name == "Session":
+        from .session import Session
+
+        return Session
+    raise AttributeError(f"module 'dtralloc.dtr' has no attribute {name!r}")
+
 
 __all__ = ["Session", "dtr"]

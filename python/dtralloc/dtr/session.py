@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -148,26 +148,6 @@ class Session:
         s = self.stats()
         return (f"<dtralloc.dtr session device={self.device} policy={self.policy} "
                 f"budget={_core.format_bytes(s['budget_bytes'])} evictions={s['evictions']} remats={s['remats']}>")
-
-
-def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, device=None, chaos: bool = False,
-        check_invariants: bool = False) -> Session:
-    """Live DTR: what is made inside the block may be evicted and recomputed.
-
-    Args:
-        budget: bytes or a size such as "512M" / "20G". On CUDA it caps the
-            installed pool's reserved bytes for the session (default: the
-            pool's own budget). With device="cpu" it caps the bytes of every
-            storage the session allocates, placed in a virtual pool with the
-            pool's settings (None: no cap).
-        policy: eviction policy (default: DTRALLOC_CONF's, else "dtralloc").
-        device: "cpu" for the CPU mirror, "cuda" / "cuda:N" for the installed
-            pool; None: CUDA when dtralloc.install() ran, else CPU.
-        chaos: evict every evictable value at every op: run it once to check
-            that a model is safe to rematerialize (slow).
-        check_invariants: check the engine, pool and registry after every op.
-    """
-    return Session(budget, policy, device, chaos, check_invariants)
 
 
 class _Exports:
