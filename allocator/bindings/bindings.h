@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "allocator.h"
 #include "config.h"
 
 namespace dtralloc::bindings {
@@ -18,6 +19,15 @@ namespace py = pybind11;
 void bind_pool(py::module_& m);
 // Trace replay through pool + engine + evictor (replay.cpp).
 void bind_replay(py::module_& m);
+// What dashboards and `dtralloc top` read: history columns, the history
+// model, the publisher (dashboard.cpp). Adds methods to Pool: after bind_pool.
+void bind_dashboard(py::module_& m);
+
+// One allocator's history as numpy columns (dashboard.cpp): action, addr,
+// size, stream, time_us, op, device_free, block_size, and action_names.
+// Reads the ring under the allocator's lock, with the segments of the same
+// moment going to `segments` (may be null).
+py::dict history_columns(Allocator& a, Snapshot* segments);
 
 // A split limit as torch reports it: bytes, or -1 for none.
 inline std::int64_t split_size_for_python(std::size_t limit) {

@@ -16,6 +16,7 @@ from __future__ import annotations
 from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library_path
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
+from .dashboard import dashboard
 from .pool import Pool
 from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
 from . import trace
@@ -40,6 +41,7 @@ __all__ = [
     "Pool",
     "ReplayResult",
     "cupy_allocator",
+    "dashboard",
     "describe_config",
     "effective_config",
     "empty_cache",
