@@ -183,6 +183,8 @@ void bind_dashboard(py::module_& m) {
            "The event history as numpy columns, oldest first: action (codes into "
            "action_names), addr, size, stream, time_us, op (the op stamp; -1 none), "
            "device_free (oom rows), block_size (alloc rows: the block as placed).")
+      .def_property_readonly("history_size", &Allocator::history_size,
+                             "Events in the history now (at most history_entries).")
       .def("set_op_stamp", &Allocator::set_op_stamp, py::arg("op"),
            "Stamp every history entry from now on with `op` (-1 = none).")
       .def_property_readonly("op_stamp", &Allocator::op_stamp)

@@ -100,13 +100,18 @@ def _history_payload(h: History, blobs: Blobs, event_x: Optional[np.ndarray]) ->
                         or np.any(m["segment_size"] % UNIT)) else 1
     streams, stream_idx = np.unique(np.concatenate([m["block_stream"], m["segment_stream"]]), return_inverse=True)
     nb = start.size
+    # (block size, requested size) pairs repeat (a training step asks for the
+    # same sizes again and again): a table of the distinct pairs and an index.
+    kinds, kind_idx = np.unique(np.stack([size // unit, size - m["block_requested"]], axis=1), axis=0,
+                                return_inverse=True)
     blocks = {
         "start": blobs.add(start, delta=True),
         "req": blobs.add(req - start),
         "done": blobs.add(done - req),
         "y": blobs.add(y // unit),
-        "size": blobs.add(size // unit),
-        "waste": blobs.add(size - m["block_requested"]),
+        "kind": blobs.add(kind_idx.reshape(-1)),
+        "kind_size": blobs.add(kinds[:, 0] if len(kinds) else kinds.reshape(-1)),
+        "kind_waste": blobs.add(kinds[:, 1] if len(kinds) else kinds.reshape(-1)),
         "stream": blobs.add(stream_idx[:nb]),
     }
     if h.block_label is not None and len(h.labels) > 1:

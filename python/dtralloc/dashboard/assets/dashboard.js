@@ -155,6 +155,8 @@
     const B = {};
     for (const k in h.blocks) B[k] = col(h.blocks[k]);
     const L = B.start.length;
+    B.size = h.unit < 512 ? new Float64Array(L) : new Uint32Array(L); B.waste = new Float64Array(L);  // from the table of (size, waste) pairs
+    for (let i = 0; i < L; i++) { B.size[i] = B.kind_size[B.kind[i]]; B.waste[i] = B.kind_waste[B.kind[i]]; }
     // Absolute ends (the columns hold lifetimes).
     const req = new Int32Array(L), done = new Int32Array(L);
     for (let i = 0; i < L; i++) { req[i] = B.start[i] + B.req[i]; done[i] = req[i] + B.done[i]; }
@@ -248,15 +250,23 @@
   const viewOf = (r) => state.view[r.domain] || (state.view[r.domain] = { x0: 0, x1: r.n });
 
   // ------------------------------------------------------------ canvases
+  // Canvas sizes are measured once per layout change (measure()): reading a
+  // size forces a layout of the page, which would cost the cursor tens of ms.
+  function measure() {
+    document.querySelectorAll("canvas").forEach((c) => {
+      const r = c.getBoundingClientRect();
+      c._w = Math.max(10, Math.round(r.width * DPR));
+      c._h = Math.max(10, Math.round(r.height * DPR));
+    });
+  }
   function canvasSize(c) {
-    const r = c.getBoundingClientRect();
-    const w = Math.max(10, Math.round(r.width * DPR)), h = Math.max(10, Math.round(r.height * DPR));
-    if (c.width !== w || c.height !== h) { c.width = w; c.height = h; }
+    if (c._w === undefined) measure();
+    if (c.width !== c._w || c.height !== c._h) { c.width = c._w; c.height = c._h; }
     const ctx = c.getContext("2d");
     ctx.setTransform(1, 0, 0, 1, 0, 0);
     return ctx;
   }
-  const PAD = { l: 70, r: 56, t: 8, b: 26 };
+  const PAD = { l: 70, r: 56, t: 8, b: 34 };
   function plotBox(c) {
     return { l: PAD.l * DPR, r: c.width - PAD.r * DPR, t: PAD.t * DPR, b: c.height - PAD.b * DPR };
   }
@@ -680,22 +690,48 @@
     return `event ${fmtInt(s)}`;
   }
 
+  // The tensor table shows every allocated block, but only the rows in view
+  // exist (a window of WINDOW_ROWS under a spacer): a cursor move replaces
+  // their text and creates no elements, whatever the number of blocks.
+  const ROW_PX = 22, WINDOW_ROWS = 24;
+  function tensorRows() {
+    const body = $("tensors").tBodies[0];
+    if (body.rows.length !== WINDOW_ROWS + 2) {
+      body.innerHTML = "<tr class=\"spacer\"><td colspan=\"7\"></td></tr>" +
+        "<tr><td></td><td></td><td></td><td></td><td></td><td class=\"made\"></td><td></td></tr>".repeat(WINDOW_ROWS) +
+        "<tr class=\"spacer\"><td colspan=\"7\"></td></tr>";
+      $("tensor-box").addEventListener("scroll", () => requestAnimationFrame(fillTensorWindow));
+    }
+    return body.rows;
+  }
   function drawTensors() {
-    const r = run(), A = state.alive, body = $("tensors").tBodies[0];
-    if (!A) { body.innerHTML = ""; $("tensor-caption").textContent = "(no history)"; return; }
-    const H = r.hist, B = H.B;
-    const live = A.blocks.filter((i) => A.e < B.reqAt[i]);
-    live.sort((a, b) => B.size[b] - B.size[a] || B.y[a] - B.y[b]);
-    const shown = live.slice(0, 200);
-    const rows = shown.map((i, k) => {
-      const size = B.size[i] * H.unit, waste = B.waste[i];
-      const since = B.X0[i];
-      return `<tr data-block="${i}"${i === state.selBlock ? ' class="selected"' : ""}><td>${k + 1}</td><td>${addressOf(H, B.y[i])}</td>` +
-        `<td>${fmtBytes(size - waste)}</td><td>${fmtBytes(size)}</td><td>${fmtBytes(waste)}</td>` +
-        `<td class="made">${esc(madeBy(r, i))}</td><td>${r.kind === "replay" ? "op " : "event "}${fmtInt(since)}</td></tr>`;
-    });
-    body.innerHTML = rows.join("");
-    $("tensor-caption").textContent = `${live.length} allocated blocks, largest first` + (live.length > shown.length ? ` (first ${shown.length} shown)` : "");
+    const r = run(), A = state.alive, H = r.hist;
+    const live = A ? A.blocks.filter((i) => A.e < H.B.reqAt[i]) : [];
+    if (A) {
+      const B = H.B;
+      live.sort((a, b) => B.size[b] - B.size[a] || B.y[a] - B.y[b]);
+    }
+    state.tensorList = live;
+    fillTensorWindow();
+    $("tensor-caption").textContent = !A ? "(no history)" : `${live.length} allocated blocks, largest first`;
+  }
+  function fillTensorWindow() {
+    const r = run(), H = r.hist, rows = tensorRows(), live = state.tensorList || [];
+    const first = Math.max(0, Math.min(Math.floor($("tensor-box").scrollTop / ROW_PX) - 2, live.length - WINDOW_ROWS));
+    rows[0].style.height = first * ROW_PX + "px";
+    rows[rows.length - 1].style.height = Math.max(0, live.length - first - WINDOW_ROWS) * ROW_PX + "px";
+    for (let k = 0; k < WINDOW_ROWS; k++) {
+      const tr = rows[k + 1], n = first + k;
+      if (n >= live.length) { if (!tr.hidden) tr.hidden = true; continue; }
+      const i = live[n], B = H.B, size = B.size[i] * H.unit, waste = B.waste[i];
+      const cells = tr.cells;
+      const text = [String(n + 1), addressOf(H, B.y[i]), fmtBytes(size - waste), fmtBytes(size), fmtBytes(waste),
+                    madeBy(r, i), (r.kind === "replay" ? "op " : "event ") + fmtInt(B.X0[i])];
+      for (let c = 0; c < 7; c++) if (cells[c].textContent !== text[c]) cells[c].textContent = text[c];
+      tr.hidden = false;
+      tr.dataset.block = i;
+      tr.classList.toggle("selected", i === state.selBlock);
+    }
   }
 
   function readoutRow(key, label, bytes, shown, cls, extra) {
@@ -747,20 +783,27 @@
     } else $("compare").innerHTML = "";
   }
 
+  // Cursor lines are 1-pixel elements moved by a transform: moving the
+  // cursor repaints no canvas.
+  function placeLine(line, left, top, height) {
+    line.style.display = "block";
+    line.style.top = top + "px";
+    line.style.height = height + "px";
+    line.style.transform = `translateX(${left}px)`;
+  }
   function drawCursorLines() {
     const r = run(), x = cursorOf(r), v = viewOf(r);
     for (const id of ["timeline", "frag", "addrtime"]) {
-      const base = $(id), over = $(id + "-over");
-      over.width = base.width; over.height = base.height;
-      const ctx = over.getContext("2d");
-      ctx.clearRect(0, 0, over.width, over.height);
+      const base = $(id), line = $(id + "-over").firstElementChild;
       const box = plotBox(base);
-      if (x < v.x0 || x >= v.x1) continue;
-      const px = Math.floor(xToPx(box, v, x + 0.5));
-      ctx.fillStyle = COLORS.cursor;
-      ctx.fillRect(px, box.t, Math.max(1, DPR), box.b - box.t);
+      if (x < v.x0 || x >= v.x1) { line.style.display = "none"; continue; }
+      placeLine(line, Math.floor(xToPx(box, v, x + 0.5)) / DPR, box.t / DPR, (box.b - box.t) / DPR);
     }
-    document.querySelectorAll("#runs td.mini canvas").forEach((cv) => drawMiniCursor(cv));
+    document.querySelectorAll("#runs td.mini canvas").forEach((cv) => {
+      const o = state.runs[+cv.dataset.run], line = cv.nextElementSibling;
+      if (o.domain !== r.domain) { line.style.display = "none"; return; }
+      placeLine(line, ((x + 0.5) / o.n) * (cv._w / DPR), 1, cv._h / DPR - 2);
+    });
   }
 
   // ------------------------------------------------------------ runs table, headline, sweep
@@ -782,21 +825,6 @@
     }
     const b = budgetOf(r);
     if (b) { ctx.fillStyle = COLORS.budget; ctx.fillRect(0, Math.floor(box.b - (b / scale) * (box.b - box.t)), cv.width, DPR); }
-    const copy = document.createElement("canvas");  // the picture without the cursor
-    copy.width = cv.width; copy.height = cv.height;
-    copy.getContext("2d").drawImage(cv, 0, 0);
-    cv._base = copy;
-  }
-  function drawMiniCursor(cv) {
-    const r = state.runs[+cv.dataset.run];
-    if (!cv._base) return;
-    const ctx = cv.getContext("2d");
-    ctx.clearRect(0, 0, cv.width, cv.height);
-    ctx.drawImage(cv._base, 0, 0);
-    if (state.cursor[r.domain] === undefined && r !== run()) return;
-    const x = cursorOf(r);
-    ctx.fillStyle = COLORS.cursor;
-    ctx.fillRect(Math.floor(((x + 0.5) / r.n) * cv.width), 0, Math.max(1, DPR), cv.height);
   }
   function buildRunsTable() {
     document.querySelectorAll("#runs tr.run-row").forEach((tr) => {
@@ -807,7 +835,7 @@
       tr.innerHTML = `<td class="run-label">${esc(r.label)}</td><td>${f.policy || "–"}</td><td>${budget ? fmtBytes(budget) + frac : "none"}</td>` +
         `<td>${fmtBytes(f.peak_reserved_bytes)}</td><td>${fmtBytes(f.peak_allocated_bytes)}</td><td>${fmtInt(f.evictions)}</td>` +
         `<td>${fmtInt(f.remats)}</td><td>${r.kind === "replay" ? fmtPct(f.compute_overhead) : "–"}</td><td>${result}</td>` +
-        `<td class="mini"><canvas data-run="${r.index}"></canvas></td>`;
+        `<td class="mini"><canvas data-run="${r.index}"></canvas><div class="cursor-line"></div></td>`;
       tr.addEventListener("click", () => select(r.index));
     });
     document.querySelectorAll("#runs td.mini canvas").forEach(drawMini);
@@ -838,8 +866,9 @@
   function drawSweep() {
     const sw = meta.sweep;
     if (!sw || !sw.policies || !Object.keys(sw.policies).length) return;
-    $("sweep-section").hidden = false;
-    const c = $("sweep"), ctx = canvasSize(c), box = plotBox(c);
+    const c = $("sweep");
+    if ($("sweep-section").hidden) { $("sweep-section").hidden = false; measure(); }
+    const ctx = canvasSize(c), box = plotBox(c);
     ctx.clearRect(0, 0, c.width, c.height);
     const pts = Object.entries(sw.policies);
     let maxO = 0.05;
@@ -853,7 +882,7 @@
     drawAxesY(ctx, box, maxO, (v) => (v * 100).toFixed(0) + "%");
     ctx.fillStyle = "#667085"; ctx.textAlign = "center"; ctx.textBaseline = "top";
     for (let f = Math.ceil(minF * 10) / 10; f <= 1.0001; f += 0.1) ctx.fillText(f.toFixed(1), X(f), box.b + 10 * DPR);
-    ctx.textAlign = "left"; ctx.fillText("budget / no-eviction peak", box.r - 150 * DPR, box.b + 10 * DPR);
+    ctx.textAlign = "right"; ctx.fillText("budget / no-eviction peak →", box.r, box.b + 10 * DPR + 12 * DPR);
     const palette = ["#3b6fd8", "#d9467a", "#2e9d8f", "#f29d38", "#6a1b9a", "#546e7a", "#8d6e63", "#c0ca33", "#00838f", "#5d4037"];
     let leg = [];
     pts.forEach(([policy, list], k) => {
@@ -884,11 +913,14 @@
     const t = performance.now();
     const r = run();
     state.cursor[r.domain] = Math.max(0, Math.min(r.n - 1, Math.round(x)));
-    state.alive = aliveAt(r, cursorOf(r));
-    drawCursorLines();
-    drawReadout();
-    drawAddrMap();
-    drawTensors();
+    const parts = api.timings.cursor_parts = {};
+    let t1 = performance.now();
+    const lap = (name) => { const now = performance.now(); parts[name] = now - t1; t1 = now; };
+    state.alive = aliveAt(r, cursorOf(r)); lap("alive");
+    drawCursorLines(); lap("lines");  // canvases first, the DOM after: no forced layout in between
+    drawAddrMap(); lap("map");
+    drawReadout(); lap("readout");
+    drawTensors(); lap("tensors");
     const ms = performance.now() - t;
     api.timings.last_cursor_ms = ms;
     return ms;
@@ -928,7 +960,7 @@
       scheduleViews();
     });
     window.addEventListener("mouseup", (ev) => {
-      if (drag && !drag.moved && ev.target === over) setCursor(Math.floor(xAt(ev)));
+      if (drag && !drag.moved && over.contains(ev.target)) setCursor(Math.floor(xAt(ev)));
       drag = null;
     });
     over.addEventListener("wheel", (ev) => {
@@ -1020,6 +1052,12 @@
   api.meta = meta;
   api.setCursor = (x) => setCursor(x);
   api.select = (i) => select(i);
+  // A cursor move as the user sees it: until the frame after it was painted.
+  api.setCursorPainted = (x) => new Promise((resolve) => {
+    const t = performance.now();
+    setCursor(x);
+    requestAnimationFrame(() => setTimeout(() => resolve(performance.now() - t), 0));
+  });
   api.cursor = () => cursorOf(run());
   api.readout = () => {
     const out = {};
