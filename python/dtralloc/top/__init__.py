@@ -12,6 +12,7 @@ output (rich), so it works over SSH; ``q`` or Ctrl-C quits.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import select
@@ -160,8 +161,9 @@ def render(frames: list, tracker: Tracker, width: int, height: int):
                 st.add_row(f"{seg['addr']:#x}", f"{fmt(seg['size']):>10}", t,
                            f"{100 * seg['allocated_bytes'] / max(1, seg['size']):3.0f}% used · "
                            f"largest free {fmt(seg['largest_free_bytes'])}")
-            body.append(Text(f"the {len(segs)} segments with the most free bytes (█ allocated, ░ free):",
-                             style="bold"))
+            which = (f"all {len(segs)} segments" if len(segs) == len(f.segments)
+                     else f"the {len(segs)} segments with the most free bytes")
+            body.append(Text(f"{which} (█ allocated, ░ free):", style="bold"))
             body.append(st)
         title = (f"pid {f.pid} · device {f.device} · {f.label} · frame {f['frame']} · "
                  f"{f['period_us'] / 1000:g} ms period · {f.age_s:.1f} s old")
@@ -217,6 +219,10 @@ def _live(pid, interval: float, device) -> int:
                 frames = _frames(pid, device)
                 if pid is not None and not pid_alive(pid):
                     break
+                # The terminal's size now (a resize applies at the next frame),
+                # not a COLUMNS the shell exported when it started.
+                with contextlib.suppress(OSError):
+                    console.size = os.get_terminal_size(sys.stdout.fileno())
                 live.update(render(frames, tracker, console.width, console.height), refresh=True)
                 if keys.wait(interval) == "q":
                     break
