@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -106,29 +105,46 @@ def measure_page(path: str, cursor_moves: int) -> dict:
             "redraw_median_ms": statistics.median(redraws), "redraw_max_ms": max(redraws)}
 
 
-def history_case(label: str, make, events: int, cursor_moves: int) -> str:
+WORKLOADS = {"training": ("training (gpt2 steps)", training_pool), "random": ("random sizes", random_pool)}
+
+
+def history_case(workload: str, events: int, cursor_moves: int) -> str:
+    """One case in a process of its own, so that its memory figures are its own."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, "--case", workload, str(events), str(cursor_moves)],
+                         capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout.splitlines()[-1])
+    return (f"{WORKLOADS[workload][0]:<22}{m['events']:>11,}{m['drive_s']:>8.1f}{m['export_s']:>9.2f}"
+            f"{m['export_mib']:>8.0f}{m['build_s']:>8.1f}{m['page_mb']:>9.2f}{m['decode_s']:>8.2f}"
+            f"{m['first_render_s']:>8.2f}{m['redraw_median_ms']:>9.1f}{m['redraw_max_ms']:>8.1f}")
+
+
+def run_case(workload: str, events: int, cursor_moves: int) -> dict:
     import dtralloc
 
     t = time.perf_counter()
-    pool = make(events)
+    pool = WORKLOADS[workload][1](events)
     drive_s = time.perf_counter() - t
     r0 = rss_mib()
     t = time.perf_counter()
     snap = pool.snapshot(columns=True)
     export_s = time.perf_counter() - t
     export_mib = rss_mib() - r0
-    n = snap["device_traces"][pool.device]["action"].size
+    n = int(snap["device_traces"][pool.device]["action"].size)
     del snap
     t = time.perf_counter()
     d = dtralloc.dashboard(pool)
     build_s = time.perf_counter() - t
+    del pool
     with tempfile.TemporaryDirectory() as tmp:
         path = d.save(os.path.join(tmp, "page.html"))
         size = os.path.getsize(path)
+        del d
         m = measure_page(path, cursor_moves)
-    return (f"{label:<22}{n:>10,}{drive_s:>8.1f}{export_s:>9.2f}{export_mib:>8.0f}{build_s:>8.1f}"
-            f"{size / 1e6:>9.2f}{m['decode_s']:>8.2f}{m['first_render_s']:>8.2f}"
-            f"{m['redraw_median_ms']:>9.1f}{m['redraw_max_ms']:>8.1f}")
+    return {"events": n, "drive_s": drive_s, "export_s": export_s, "export_mib": export_mib, "build_s": build_s,
+            "page_mb": size / 1e6, **m}
 
 
 def trace_case() -> str:
@@ -150,15 +166,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100k and 1M events only")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
+    parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "EVENTS", "MOVES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.case:
+        import json
+
+        print(json.dumps(run_case(args.case[0], int(args.case[1]), int(args.case[2]))))
+        return 0
     from _report import emit, header
 
     sizes = [100_000, 1_000_000] if args.quick else [1_000_000, 16_000_000]
-    lines = [f"{'workload':<22}{'events':>10}{'drive':>8}{'export':>9}{'+MiB':>8}{'build':>8}"
+    lines = [f"{'workload':<22}{'events':>11}{'drive':>8}{'export':>9}{'+MiB':>8}{'build':>8}"
              f"{'MB':>9}{'decode':>8}{'render':>8}{'redraw':>9}{'max':>8}"]
     for n in sizes:
-        lines.append(history_case("training (gpt2 steps)", training_pool, n, 30))
-    lines.append(history_case("random sizes", random_pool, 1_000_000, 30))
+        lines.append(history_case("training", n, 30))
+    for n in sizes:
+        lines.append(history_case("random", n, 30))
     lines.append("drive: s to make the events (Python calls into the pool); export: s for snapshot(columns=True) "
                  "and the RSS it added; build: s for dtralloc.dashboard(pool); MB: page size; decode / render: "
                  "s from navigation start to the columns decoded / the first render done (Chromium headless "

@@ -189,11 +189,14 @@ void bind_dashboard(py::module_& m) {
            "Stamp every history entry from now on with `op` (-1 = none).")
       .def_property_readonly("op_stamp", &Allocator::op_stamp)
       .def("publish",
-           [](Allocator& a, double period_ms, const std::string& label) {
+           [](Allocator& a, double period_ms, std::string label) {
+             if (label.empty()) label = std::string("pool ") + a.backend().name();
              py::gil_scoped_release release;  // stopping joins a thread that takes the pool lock
              return a.publish(static_cast<std::int64_t>(period_ms * 1000.0), label);
            },
-           py::arg("period_ms"), py::arg("label"))
+           py::arg("period_ms") = kDefaultPublishPeriodUs / 1000.0, py::arg("label") = "",
+           "Publish this pool's counters for `dtralloc top` every period_ms (0 stops); returns "
+           "the file's path. The label defaults to 'pool <backend>'.")
       .def_property_readonly("published_path", &Allocator::published_path)
       .def("add_published_counts", &Allocator::add_published_counts, py::arg("evictions"),
            py::arg("remats"));

@@ -82,6 +82,14 @@ def _narrow(a: np.ndarray, delta: bool) -> tuple[str, np.ndarray]:
     return "f64", a.astype(np.float64)
 
 
+def _factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values, index of each value into them); one value (one
+    stream, the common case) without a sort."""
+    if values.size == 0 or np.all(values == values[0]):
+        return values[:1].copy(), np.zeros(values.size, np.int64)
+    return np.unique(values, return_inverse=True)
+
+
 def _units(values: np.ndarray) -> tuple[np.ndarray, int]:
     """`values` in 512-byte units when all are multiples of 512, else bytes."""
     v = np.asarray(values).astype(np.int64)
@@ -98,12 +106,15 @@ def _history_payload(h: History, blobs: Blobs, event_x: Optional[np.ndarray]) ->
     size = m["block_size"]
     unit = UNIT if not (np.any(y % UNIT) or np.any(size % UNIT) or np.any(h.segment_y.astype(np.int64) % UNIT)
                         or np.any(m["segment_size"] % UNIT)) else 1
-    streams, stream_idx = np.unique(np.concatenate([m["block_stream"], m["segment_stream"]]), return_inverse=True)
+    streams, stream_idx = _factorize(np.concatenate([m["block_stream"], m["segment_stream"]]))
     nb = start.size
     # (block size, requested size) pairs repeat (a training step asks for the
     # same sizes again and again): a table of the distinct pairs and an index.
-    kinds, kind_idx = np.unique(np.stack([size // unit, size - m["block_requested"]], axis=1), axis=0,
-                                return_inverse=True)
+    waste = size - m["block_requested"]
+    if size.size and (int(waste.min()) < 0 or int(waste.max()) >= 1 << 32 or int(size.max() // unit) >= 1 << 31):
+        raise ValueError("dtralloc.dashboard: a block larger than 1 TiB or smaller than its request")
+    keys, kind_idx = _factorize((size // unit) << 32 | waste)
+    kinds = np.stack([keys >> 32, keys & 0xFFFFFFFF], axis=1)
     blocks = {
         "start": blobs.add(start, delta=True),
         "req": blobs.add(req - start),
