@@ -325,6 +325,16 @@ void Allocator::set_memory_fraction(double fraction) {
   budget_bytes_ = std::min(config_budget_bytes_, cap);
 }
 
+std::shared_ptr<EvictionHook> Allocator::eviction_hook() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return hook_;
+}
+
+void Allocator::override_budget(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  budget_bytes_ = bytes ? std::min(bytes, capacity_bytes_) : config_budget_bytes_;
+}
+
 void Allocator::set_eviction_hook(std::shared_ptr<EvictionHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   hook_ = std::move(hook);
@@ -364,6 +374,11 @@ void Allocator::add_published_counts(std::int64_t evictions, std::int64_t remats
 
 std::size_t Allocator::reserved_bytes() const {
   return static_cast<std::size_t>(pool_.stats().reserved_bytes[kStatAll].current);
+}
+
+Allocator::Usage Allocator::usage() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {reserved_bytes(), static_cast<std::size_t>(pool_.stats().allocated_bytes[kStatAll].current)};
 }
 
 StatsReport Allocator::stats_report() {

@@ -151,6 +151,10 @@ class Allocator {
   void set_memory_fraction(double fraction);
 
   void set_eviction_hook(std::shared_ptr<EvictionHook> hook);
+  std::shared_ptr<EvictionHook> eviction_hook();
+  // A live DTR session's budget (bytes, at most the capacity) in place of the
+  // configured one while it runs; 0 restores the configured budget.
+  void override_budget(std::size_t bytes);
   // Resizes the event history ring (0 turns it off) and clears it, like
   // torch.cuda.memory._record_memory_history(max_entries=...).
   void set_history_entries(std::size_t entries);
@@ -187,6 +191,11 @@ class Allocator {
   void add_published_counts(std::int64_t evictions, std::int64_t remats);
 
   StatsReport stats_report();
+  // Reserved and allocated bytes now, without building a report.
+  struct Usage {
+    std::size_t reserved, allocated;
+  };
+  Usage usage();
   Snapshot snapshot();
   // Segments only; the history (same moment, same lock) goes to `history`
   // instead of Snapshot::trace.

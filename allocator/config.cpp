@@ -144,16 +144,17 @@ struct CountKind {
 };
 
 struct PolicyKind {
-  static constexpr const char* accepts = "one of: " DTRALLOC_EVICTION_POLICIES;
-  static std::string parse(const std::string& key, const std::string& text) {
-    const std::string v = lower(trim(text));
-    const std::string known = std::string(", ") + DTRALLOC_EVICTION_POLICIES + ",";
-    if (v.empty() || v.find(',') != std::string::npos || known.find(" " + v + ",") == std::string::npos)
+  static const std::string accepts;  // "one of: " + the policy table's names
+  static Policy parse(const std::string& key, const std::string& text) {
+    try {
+      return parse_policy(lower(trim(text)));
+    } catch (const ConfigError&) {
       bad_value(key, text, accepts);
-    return v;
+    }
   }
-  static std::string format(const std::string& v) { return v; }
+  static std::string format(Policy v) { return policy_name(v); }
 };
+const std::string PolicyKind::accepts = "one of: " + policy_names();
 
 struct RealKind {
   static constexpr const char* accepts = "a number >= 1";
@@ -302,27 +303,19 @@ Config parse_config(const std::string& text) {
 }
 
 // Under the dtralloc policy with a budget, a block of 32 MiB or more is never
-// split: a big tensor keeps its segment to itself, and small tensors live in
-// the 20 MiB segments or in own-size ones below the limit. Without it, a
-// big segment freed once is carved up by small long-lived tensors (weight
-// gradients, optimizer state); its holes are what the budget then lacks
-// and no eviction can join. Measured on the bundled traces (min feasible
-// budget by scan, bench/replay_policies.py): every limit from 24 to 40 MiB
-// lowered dtralloc's by 0.05-0.09 of the peak (resnet50 0.34 -> 0.25); 48
-// lost llama's gain, 128 most of bert's, gpt2's and unet's.
+// split: a big tensor keeps its segment to itself. Otherwise a big segment
+// freed once is carved up by small long-lived tensors (weight gradients,
+// optimizer state), and its holes are what the budget then lacks and no
+// eviction can join. 32 MiB: the limits from 24 to 40 MiB all lowered
+// dtralloc's min feasible budget on the bundled traces, 48 and up lost the
+// gains on the transformers (bench/results/replay_policies-*.md).
 //
 // segment_fit:auto is on under the same condition (BlockPool::segment_size):
 // torch's 20 MiB segment holds two 9 MiB weights and strands 2 MiB, and a
-// transformer has a hundred such tails across weights, gradients and Adam
-// state (164 MiB at gpt2's first forced eviction at 0.9 of the peak).
-// Measured the same way, with the split limit above: dtralloc's min budget
-// bert 0.32 -> 0.31, gpt2 0.36 -> 0.33, llama and unet unchanged, resnet50
-// 0.25 -> 0.27 (its optimizer step then lacks room for evicted gradients'
-// recomputes at 0.25-0.26); free share of the budget at forced evictions at
-// 0.9 / 0.7 of the peak: bert 0.024 / 0.021 -> 0.013 / 0.003, gpt2 0.041 /
-// 0.030 -> 0.011 / 0.005.
+// transformer strands a hundred such tails across weights, gradients and
+// Adam state, which tight budgets lack (same bench).
 Config resolve_config(Config config) {
-  const bool dtralloc_placement = config.policy == "dtralloc" && !config.budget.none();
+  const bool dtralloc_placement = config.policy == Policy::kDtralloc && !config.budget.none();
   if (config.max_split_size_mb == kAutoSplit)
     config.max_split_size_mb = dtralloc_placement ? kDtrallocMaxSplit : kNoLimit;
   if (config.segment_fit == Switch::kAuto)

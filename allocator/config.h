@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "policies.h"
+
 namespace dtralloc {
 
 constexpr std::size_t kMiB = 1024 * 1024;
@@ -53,13 +55,9 @@ struct SwitchOption { using value_type = Switch; };         // on, off or auto
 struct DivisionsOption { using value_type = std::size_t; }; // 0, 1 or power of 2
 struct FractionOption { using value_type = double; };       // [0, 1)
 struct CountOption { using value_type = std::size_t; };
-struct PolicyOption { using value_type = std::string; };    // kEvictionPolicies
+struct PolicyOption { using value_type = Policy; };         // policies.h
 struct RealOption { using value_type = double; };           // a number >= 1
 struct SizeOption { using value_type = std::size_t; };      // bytes
-
-// Eviction policies the Evictor implements (evictor.h); "none" = no eviction.
-#define DTRALLOC_EVICTION_POLICIES \
-  "none, lru, size, msps, dtr, dtr_eq, dtr_local, dte, coop, dtralloc"
 
 // X(name, kind, default, doc). The doc is one line; it is what users read.
 #define DTRALLOC_OPTIONS(X)                                                    \
@@ -89,9 +87,9 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "size of the alloc/free event ring buffer kept for snapshot() "            \
     "device_traces; 0 = off, as in torch (costs ~15 ns a malloc+free pair). "  \
     "dtralloc.record_memory_history() changes it at run time")                \
-  X(policy, PolicyOption, "none",                                              \
-    "eviction policy under the budget (replay and live DTR): none, lru, "     \
-    "size, msps, dtr, dtr_eq, dtr_local, dte, coop, dtralloc")                 \
+  X(policy, PolicyOption, Policy::kNone,                                        \
+    "eviction policy under the budget (replay and live DTR); the policy "      \
+    "table in the README says how each chooses")                               \
   X(recompute_penalty, RealOption, 1.0,                                        \
     "dtralloc policy: a tensor's cost is multiplied by this per recompute it " \
     "already had (1 = off: on the bundled traces every value > 1 raised the " \
@@ -106,6 +104,9 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "seed of the eviction sampler; the same trace, budget and seed always "   \
     "evict the same tensors")
 
+// One field per option, named as the key. Unit: a *_mb key takes megabytes
+// (as in PYTORCH_CUDA_ALLOC_CONF) but its field holds bytes, already
+// multiplied out (SizeMbOption); kNoLimit is "none".
 struct Config {
 #define DTRALLOC_DECLARE_FIELD(name, kind, def, doc) \
   kind::value_type name = def;

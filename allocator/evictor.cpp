@@ -8,31 +8,11 @@
 
 namespace dtralloc {
 
-namespace {
-const struct { const char* name; Policy policy; } kPolicyNames[] = {
-    {"none", Policy::kNone},     {"lru", Policy::kLru},         {"size", Policy::kSize},
-    {"msps", Policy::kMsps},     {"dtr", Policy::kDtr},         {"dtr_eq", Policy::kDtrEq},
-    {"dtr_local", Policy::kDtrLocal}, {"dte", Policy::kDte},    {"coop", Policy::kCoop},
-    {"dtralloc", Policy::kDtralloc}};
-}  // namespace
-
-Policy parse_policy(const std::string& name) {
-  for (const auto& p : kPolicyNames)
-    if (name == p.name) return p.policy;
-  throw ConfigError("dtralloc: unknown eviction policy '" + name +
-                    "'; use one of: " DTRALLOC_EVICTION_POLICIES);
-}
-
-const char* policy_name(Policy policy) {
-  for (const auto& p : kPolicyNames)
-    if (p.policy == policy) return p.name;
-  return "none";  // unreachable: every Policy is in the table
-}
-
 Evictor::Evictor(Allocator& allocator, RematEngine& engine, Policy policy, const Config& config)
     : allocator_(allocator),
       engine_(engine),
       policy_(policy),
+      traits_(policy_traits(policy)),
       penalty_(config.recompute_penalty),
       cutoff_bytes_(config.small_tensor_cutoff),
       sample_threshold_(config.eviction_sample_threshold),
@@ -63,6 +43,9 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
   std::vector<int> victims = choose(bytes, stream);
   stats_.search_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                  std::chrono::steady_clock::now() - start).count());
+  if (log_)
+    log_->add(engine_.current_op(), EventKind::kRoomAsked, -1, bytes, 0, last_plan_, logged_.score,
+              logged_.addr, logged_.bytes);
   bool freed = false;
   for (int v : victims) freed |= engine_.evict(v);
   return freed;
@@ -123,74 +106,89 @@ std::size_t Evictor::free_beside(std::size_t i) const {
   return free_at(i - 1, items_[i].segment) + free_at(i + 1, items_[i].segment);
 }
 
-double Evictor::single_score(int v, std::size_t free_around) {
+// What evicting `v` costs, before any division (policies.h).
+double Evictor::victim_cost(int v) {
   const Value& x = engine_.value(v);
-  const double size = static_cast<double>(x.nbytes);
-  const double stale = static_cast<double>(engine_.clock() - x.last_access + 1);
-  switch (policy_) {
-    case Policy::kLru: return static_cast<double>(x.last_access);
-    case Policy::kSize: return -size;
-    case Policy::kMsps: return engine_.chain_cost(v) / size;
-    case Policy::kDtr: return engine_.estar_exact(v) / (size * stale);
-    case Policy::kDtrEq: return engine_.estar_eq(v) / (size * stale);
-    case Policy::kDtrLocal: return x.cost / (size * stale);
-    case Policy::kDte: return engine_.estar_eq(v) / ((size + free_around) * stale);
-    case Policy::kNone:
-    case Policy::kCoop:      // window policies score runs (choose_window)
-    case Policy::kDtralloc: break;
+  switch (traits_.cost) {
+    case VictimCost::kLastAccess: return static_cast<double>(x.last_access);
+    case VictimCost::kUnit: return 1.0;
+    case VictimCost::kProducer: return x.cost;
+    case VictimCost::kChain: return engine_.chain_cost(v);
+    case VictimCost::kEstarExact: return engine_.estar_exact(v);
+    case VictimCost::kEstarEq: return engine_.estar_eq(v);
+    case VictimCost::kNone: break;
   }
   return 0;
 }
 
-// What evicting `v` costs inside a run (free blocks cost nothing).
-// dtralloc charges what bringing v back will run: its producer plus every
-// evicted ancestor the recompute walks (Capuchin's chain), times
-// penalty^recomputes. DTR's e* (which also counts evicted *dependents*, costs
-// that evicting v does not cause) and 1/staleness are left out: measured on
-// the bundled traces (min feasible budget, bisection tol 0.02), swapping
-// chain for e* or adding 1/staleness each raised dtralloc's min budget by
-// 0.05-0.15 of the peak; the old score (e*, staleness, penalty 2) needed
-// bert 0.58 / gpt2 0.58 / unet 0.58, this one 0.33 / 0.45 / 0.42.
-double Evictor::window_weight(int v) {
+double Evictor::single_score(int v, std::size_t free_around) {
   const Value& x = engine_.value(v);
-  if (policy_ == Policy::kCoop) return x.cost;
-  const double chain = engine_.chain_cost(v);
-  return x.recomputes == 0 || penalty_ == 1.0 ? chain : chain * std::pow(penalty_, x.recomputes);
+  const double cost = victim_cost(v);
+  if (!traits_.per_byte) return cost;
+  double denominator = static_cast<double>(x.nbytes);
+  if (traits_.free_neighbours) denominator += static_cast<double>(free_around);
+  if (traits_.staleness) denominator *= static_cast<double>(engine_.clock() - x.last_access + 1);
+  return cost / denominator;
+}
+
+// What evicting `v` costs inside a run (free blocks cost nothing). dtralloc
+// charges what bringing v back will run, its chain (producer plus every
+// evicted ancestor the recompute walks), times penalty^recomputes; DTR's e*
+// (which also counts evicted *dependents*, costs that evicting v does not
+// cause) and 1/staleness are left out: either raised dtralloc's min feasible
+// budget on every bundled trace (bench/results/replay_policies-*.md).
+double Evictor::window_weight(int v) {
+  const double cost = victim_cost(v);
+  const int recomputes = engine_.value(v).recomputes;
+  if (!traits_.penalty || recomputes == 0 || penalty_ == 1.0) return cost;
+  return cost * std::pow(penalty_, recomputes);
 }
 
 std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
-  if (policy_ == Policy::kNone) return {};
-  if (policy_ == Policy::kCoop || policy_ == Policy::kDtralloc) {
+  last_plan_ = PlanKind::kNoPlan;
+  logged_ = Plan{};
+  logged_.score = 0;
+  if (traits_.choice == VictimChoice::kNone) return {};
+  if (traits_.choice == VictimChoice::kWindow) {
     // A large request is served by a large-pool run or by releasing segments;
     // the small pool (2 MiB segments of tiny tensors, often half the blocks)
     // can do little for it, so it is not walked.
     walk(stream, BlockPool::pool_for(bytes) == kLargePool, bytes);
     weight_.assign(items_.size(), -1.0);
     Plan window = choose_window(bytes);
-    // Only dtralloc compares the plans per byte, which lets the release
-    // search skip segments dearer than the window (choose_release).
+    // Plans scored per byte can be compared with the window's score as they
+    // are searched, which lets the release search skip segments dearer than
+    // the window (choose_release).
     Plan release = choose_release(
-        bytes, policy_ == Policy::kDtralloc && window.found() ? window.score
-                                                               : std::numeric_limits<double>::infinity());
+        bytes, traits_.per_byte && window.found() ? window.score : std::numeric_limits<double>::infinity());
     if (!window.found() && !release.found()) {
       ++stats_.no_plan;
       return {};
     }
-    if (window.found() && window.score <= release.score) {
-      ++stats_.windows;
-      return std::move(window.victims);
-    }
-    ++stats_.segment_releases;
-    return std::move(release.victims);
+    const bool use_window = window.found() && window.score <= release.score;
+    Plan& chosen = use_window ? window : release;
+    ++(use_window ? stats_.windows : stats_.segment_releases);
+    last_plan_ = use_window ? PlanKind::kWindow : PlanKind::kRelease;
+    logged_.score = chosen.score;
+    logged_.addr = chosen.addr;
+    logged_.bytes = chosen.bytes;
+    return std::move(chosen.victims);
   }
-  if (policy_ == Policy::kDte) walk(stream, false, 0);  // every block: free_beside needs them
-  return choose_single();
+  if (traits_.free_neighbours) walk(stream, false, 0);  // every block: free_beside needs them
+  std::vector<int> victims = choose_single();
+  if (!victims.empty()) {
+    last_plan_ = PlanKind::kSingle;
+    const Value& x = engine_.value(victims.front());
+    logged_.addr = x.addr;
+    logged_.bytes = x.nbytes;
+  }
+  return victims;
 }
 
 std::vector<int> Evictor::choose_single() {
   int best = -1;
   double best_score = std::numeric_limits<double>::infinity();
-  if (policy_ == Policy::kDte) {
+  if (traits_.free_neighbours) {
     // Scored from the address walk: neighbours' free bytes are known there.
     for (std::size_t i = 0; i < items_.size(); ++i) {
       const int v = items_[i].value;
@@ -225,13 +223,12 @@ double Evictor::weight(std::size_t i) {
 // by cost per byte freed, free neighbours outside the run included.
 Evictor::Plan Evictor::choose_window(std::size_t bytes) {
   const PoolKind pool = BlockPool::pool_for(bytes);
-  const bool sampling_allowed = policy_ == Policy::kDtralloc;
   // Window starts: free blocks and evictable values; below the small-tensor
   // cutoff a value only joins runs (unless the request itself is that small).
   auto is_start = [&](std::size_t i) {
     const int v = items_[i].value;
     if (v == kBlocked) return false;
-    if (v == kFree || policy_ != Policy::kDtralloc || bytes < cutoff_bytes_) return true;
+    if (v == kFree || !traits_.pruned || bytes < cutoff_bytes_) return true;
     return engine_.value(v).nbytes >= cutoff_bytes_;
   };
   std::vector<std::size_t>& starts = starts_;
@@ -241,7 +238,7 @@ Evictor::Plan Evictor::choose_window(std::size_t bytes) {
     for (std::size_t i = seg.begin; i < seg.end; ++i)
       if (is_start(i)) starts.push_back(i);
   }
-  if (sampling_allowed && starts.size() > sample_threshold_) {
+  if (traits_.pruned && starts.size() > sample_threshold_) {
     const auto k = static_cast<std::size_t>(std::ceil(std::sqrt(static_cast<double>(starts.size()))));
     std::vector<std::size_t> sample;
     for (std::size_t j = 0; j < k; ++j) sample.push_back(starts[next_random() % starts.size()]);
@@ -287,15 +284,19 @@ Evictor::Plan Evictor::choose_window(std::size_t bytes) {
     }
     if (evicting == 0) continue;  // the pool would have found this hole itself
     double score = std::max(cost, 0.0);
-    if (policy_ == Policy::kDtralloc) {
-      score /= static_cast<double>(have + free_at(l - 1, segment) + free_at(r, segment));
+    if (traits_.per_byte) {
+      const std::size_t beside = traits_.free_neighbours ? free_at(l - 1, segment) + free_at(r, segment) : 0;
+      score /= static_cast<double>(have + beside);
     }
     if (score < best.score) best.score = score, best_l = l, best_r = r, found = true;
   }
   if (!found) return best;
-  for (std::size_t i = best_l; i < best_r; ++i)
+  best.addr = items_[best_l].addr;
+  for (std::size_t i = best_l; i < best_r; ++i) {
+    best.bytes += items_[i].size;
     if (items_[i].value >= 0) best.victims.push_back(items_[i].value);
-  if (policy_ == Policy::kCoop) best.score /= static_cast<double>(bytes);  // comparable per byte
+  }
+  if (!traits_.per_byte) best.score /= static_cast<double>(bytes);  // comparable per byte
   return best;
 }
 
@@ -306,9 +307,10 @@ double Evictor::lower_weight(std::size_t i, bool* exact) {
   const int v = items_[i].value;
   if (v < 0 || weight_[i] >= 0) return weight(i);
   const Value& x = engine_.value(v);
-  if (policy_ == Policy::kCoop || x.missing == 0) return weight(i);
+  if (traits_.cost != VictimCost::kChain || x.missing == 0) return weight(i);
   *exact = false;
-  return x.recomputes == 0 || penalty_ == 1.0 ? x.cost : x.cost * std::pow(penalty_, x.recomputes);
+  return !traits_.penalty || x.recomputes == 0 || penalty_ == 1.0 ? x.cost
+                                                                  : x.cost * std::pow(penalty_, x.recomputes);
 }
 
 // Whole segments made only of free and evictable blocks, enough that once
@@ -433,8 +435,9 @@ Evictor::Plan Evictor::choose_release(std::size_t bytes, double bound) {
     for (std::size_t i = segs_[s].begin; i < segs_[s].end; ++i)
       if (items_[i].value >= 0) plan.victims.push_back(items_[i].value);
   }
-  plan.score = best_cost / static_cast<double>(released);
-  if (policy_ == Policy::kCoop) plan.score = best_cost / static_cast<double>(bytes);
+  plan.score = best_cost / static_cast<double>(traits_.per_byte ? released : bytes);
+  plan.addr = items_[segs_[chosen.front()].begin].addr;  // the first segment released
+  plan.bytes = released;
   return plan;
 }
 

@@ -1,29 +1,9 @@
 // Evictor: the pool's last resort under the budget (Allocator step 5). It
 // knows candidates and scores; it asks the pool about address neighbours
-// (Allocator::inspect_pool) and the engine about costs and states.
+// (Allocator::inspect_pool) and the engine about costs and states. How it
+// scores is the policy's descriptor (policies.h); the table there lists the
+// policies.
 //
-// Policies (DTRALLOC_CONF policy:..., or replay(policy=...)); every score is
-// "lower = evict first":
-//   lru        least recently used (staleness only)
-//   size       largest first
-//   msps       Capuchin: recompute time of the chain / bytes saved
-//   dtr        h_DTR = e*(t) / (size * staleness), e* walking the evicted
-//              neighbourhood exactly
-//   dtr_eq     the same with e* from union-find classes (h_DTR-eq)
-//   dtr_local  cost(t) / (size * staleness): no neighbourhood
-//   dte        MegEngine's eval_func: e* / ((size + free_left + free_right)
-//              * staleness), free_* the free blocks beside t in the pool
-//   coop       Coop: the run of address-adjacent free + evictable blocks
-//              that reaches the request with the least total op cost
-//   dtralloc   ours: the run of address-adjacent blocks with the least
-//              sum(chain(t) * penalty^recomputes(t)) per byte it frees,
-//              chain(t) = t's producer plus its evicted ancestors (what
-//              recomputing t runs, as in msps), free blocks on either side
-//              counted (DESIGN.md 4 generalized from one tensor to a run;
-//              staleness dropped, see window_weight); tensors below
-//              small_tensor_cutoff only join runs, never start one; with more
-//              than eviction_sample_threshold window starts, sqrt(N) of them
-//              are scored (fixed-seed sampler)
 // Single-tensor policies evict one tensor per call; the Allocator retries
 // and calls again while room is missing. Window policies make room in one
 // call, whichever of two plans costs less per byte it frees:
@@ -45,29 +25,27 @@
 
 #include "allocator.h"
 #include "config.h"
+#include "event_log.h"
+#include "policies.h"
 #include "remat_engine.h"
 
 namespace dtralloc {
 
-// An Allocator as the engine's MemoryPort (stream 0): engine allocations go
-// through the pool, tagged with the value id for the evictor's walk. Used by
-// the replay driver and the evictor's tests.
-class PoolPort : public MemoryPort {
+// An Allocator as the engine's driver (stream 0): engine allocations go
+// through the pool, tagged with the value id for the evictor's walk, and
+// recomputing a value is placing it again. The replay driver's, and the
+// evictor's tests'.
+class PoolPort : public RematDriver {
  public:
   explicit PoolPort(Allocator& allocator) : allocator_(allocator) {}
   std::uintptr_t allocate(std::size_t bytes, int value) override {
     return reinterpret_cast<std::uintptr_t>(allocator_.malloc(bytes, 0, value));
   }
-  void release(std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
+  void release(int /*value*/, std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
 
  private:
   Allocator& allocator_;
 };
-
-enum class Policy { kNone, kLru, kSize, kMsps, kDtr, kDtrEq, kDtrLocal, kDte, kCoop, kDtralloc };
-// Throws ConfigError for an unknown name.
-Policy parse_policy(const std::string& name);
-const char* policy_name(Policy policy);
 
 struct EvictorStats {
   std::size_t calls = 0;                 // make_room calls (forced evictions)
@@ -85,6 +63,8 @@ class Evictor : public EvictionHook {
   // The victims the policy picks now for `bytes` (rounded), evicting nothing.
   std::vector<int> choose(std::size_t bytes, Stream stream);
   const EvictorStats& stats() const { return stats_; }
+  // Where each call is logged (nullptr: nowhere); the engine logs the evictions.
+  void set_event_log(EventLog* log) { log_ = log; }
 
  private:
   struct Item {             // one block of the address walk
@@ -102,12 +82,15 @@ class Evictor : public EvictionHook {
   struct Plan {             // victims and their score (cost per byte freed)
     std::vector<int> victims;
     double score = std::numeric_limits<double>::infinity();
+    std::uintptr_t addr = 0;  // the address range it frees (a window), for the event log
+    std::size_t bytes = 0;
     bool found() const { return !victims.empty(); }
   };
   static constexpr int kFree = -1;
   static constexpr int kBlocked = -2;
 
   void walk(Stream stream, bool large_only, std::size_t window_bytes);
+  double victim_cost(int v);
   double single_score(int v, std::size_t free_around);
   double window_weight(int v);
   double weight(std::size_t i);
@@ -122,6 +105,7 @@ class Evictor : public EvictionHook {
   Allocator& allocator_;
   RematEngine& engine_;
   const Policy policy_;
+  const PolicyTraits traits_;
   const double penalty_;
   const std::size_t cutoff_bytes_;
   const std::size_t sample_threshold_;
@@ -141,6 +125,9 @@ class Evictor : public EvictionHook {
   std::vector<std::size_t> heap_;           // indices into candidates_
   std::vector<std::size_t> dearer_;         // the same, above the window's score
   EvictorStats stats_;
+  EventLog* log_ = nullptr;
+  PlanKind last_plan_ = PlanKind::kNoPlan;  // what choose() found, for the log
+  Plan logged_;                             // its score and range
 };
 
 }  // namespace dtralloc

@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <string>
 
+#include "event_log.h"
+
 namespace dtralloc {
 namespace {
 
-// Recursion guard: a recompute chain deeper than this is a bug (a cycle).
-constexpr int kMaxRematDepth = 1 << 20;
+// A recompute chain deeper than this is a bug (a cycle in the recipes): the
+// explicit stack would otherwise grow without end. Each level is two frames.
+constexpr std::size_t kMaxFrames = std::size_t{1} << 22;
 
 [[noreturn]] void broken(int v, const std::string& what) {
   throw std::logic_error("remat engine invariant broken at value " + std::to_string(v) + ": " + what);
@@ -42,7 +45,10 @@ void RematEngine::take_block(int v, std::uintptr_t addr) {
 std::uintptr_t RematEngine::drop_block(int v) {
   Value& x = values_[v];
   const std::uintptr_t addr = x.addr;
-  if (addr) by_addr_.erase(addr);
+  if (addr) {
+    auto it = by_addr_.find(addr);
+    if (it != by_addr_.end() && it->second == v) by_addr_.erase(it);
+  }
   const int pos = x.resident_pos;
   const int last = resident_.back();
   resident_[pos] = last;
@@ -55,56 +61,167 @@ std::uintptr_t RematEngine::drop_block(int v) {
 }
 
 int RematEngine::add_initial(std::size_t nbytes) {
+  const int id = static_cast<int>(values_.size());
+  const std::uintptr_t addr = nbytes ? driver_.allocate(nbytes, id) : 0;
   const int v = new_value(nbytes, -1, 0);
   values_[v].pinned = true;
-  take_block(v, nbytes ? memory_.allocate(nbytes, v) : 0);
+  take_block(v, addr);
   return v;
 }
 
-int RematEngine::begin_op(double cost, bool random) {
-  OpRecord op;
-  op.cost = cost;
-  op.random = random;
-  if (random) {  // a stand-in for the generator's state at first run
-    rng_counter_ = rng_counter_ * 6364136223846793005ull + 1442695040888963407ull;
-    op.rng_state = rng_counter_;
-  }
-  ops_.push_back(std::move(op));
-  counters_.base_cost += cost;
-  return static_cast<int>(ops_.size()) - 1;
+int RematEngine::add_external(std::size_t nbytes) {
+  const int v = new_value(nbytes, -1, 0);
+  values_[v].pinned = true;
+  values_[v].external = true;
+  take_block(v, 0);
+  return v;
 }
 
-void RematEngine::use_input(int op, int v) { use_inputs(op, {v}); }
-
-void RematEngine::use_inputs(int op, const std::vector<int>& vs) {
+int RematEngine::begin_op(const OpCall& call) {
+  OpRecord rec;
+  rec.cost = call.cost;
+  rec.random = call.random;
+  rec.writes = call.writes;
+  ops_.push_back(std::move(rec));
+  counters_.base_cost += call.cost;
+  const int op = static_cast<int>(ops_.size()) - 1;
+  for (int w : call.writes) prepare_write(w);
+  // What the op holds: its reads, then the written values it does not read.
+  std::vector<int> vs = call.reads;
+  for (int w : call.writes)
+    if (std::find(call.reads.begin(), call.reads.end(), w) == call.reads.end()) vs.push_back(w);
   for (int v : vs)
     if (values_[v].state == ValueState::kReleased) broken(v, "an op reads a released value");
-  hold(vs, 0);
+  hold(vs);
   for (int v : vs) {
     values_[v].last_access = clock_;
     ops_[op].inputs.push_back(v);
     ops_[op].locked.push_back(v);
   }
+  return op;
 }
 
-// Missing values first (each comes back locked), resident ones locked only
-// then: locking them up front would keep them locked through every nested
-// recompute, and those locks are what leaves the evictor no room. A resident
-// value evicted meanwhile is recomputed in the next round; every round holds
-// at least one more value, so the loop ends.
-void RematEngine::hold(const std::vector<int>& vs, int depth) {
-  std::vector<char> held(vs.size(), 0);
-  for (bool all_held = false; !all_held;) {
-    for (std::size_t i = 0; i < vs.size(); ++i)
-      if (!held[i] && values_[vs[i]].state != ValueState::kResident)
-        rematerialize(vs[i], depth), held[i] = 1;  // returns it locked
-    all_held = true;
-    for (std::size_t i = 0; i < vs.size(); ++i) {
-      if (held[i]) continue;
-      if (values_[vs[i]].state == ValueState::kResident)
-        lock(vs[i]), held[i] = 1;
+void RematEngine::acquire(int v) {
+  if (values_[v].state == ValueState::kReleased) broken(v, "acquiring a released value");
+  hold({v});
+  values_[v].last_access = clock_;
+}
+
+void RematEngine::unacquire(int v) { unlock(v); }
+
+// Makes `vs` resident and locked. Missing values first (each comes back
+// locked), resident ones locked only then: locking them up front would keep
+// them locked through every nested recompute, and those locks are what
+// leaves the evictor no room. A resident value evicted meanwhile is
+// recomputed in the next round; every round holds at least one more value,
+// so the loop ends. Nested recomputes are frames on `stack`, not calls.
+void RematEngine::hold(const std::vector<int>& vs) {
+  if (in_hold_) broken(-1, "hold() re-entered (a driver recomputed from inside a recompute)");
+  in_hold_ = true;
+  std::vector<Frame> stack;
+  stack.push_back(Frame{});
+  stack.back().vs = vs;
+  stack.back().held.assign(vs.size(), 0);
+  try {
+    while (!stack.empty()) {
+      if (stack.size() > kMaxFrames) broken(stack.back().v, "recompute chain too deep (a cycle?)");
+      if (stack.back().remat)
+        step_remat(stack);
       else
-        all_held = false;
+        step_hold(stack);
+    }
+  } catch (...) {
+    unwind(stack);
+    in_hold_ = false;
+    throw;
+  }
+  in_hold_ = false;
+}
+
+// One step of the hold frame on top: start recomputing the next missing
+// value, or, once the scan is through, lock the resident rest; the frame
+// ends when every value is held.
+void RematEngine::step_hold(std::vector<Frame>& stack) {
+  Frame& f = stack.back();
+  while (f.next < f.vs.size()) {
+    const std::size_t i = f.next++;
+    const int v = f.vs[i];
+    if (f.held[i] || values_[v].state == ValueState::kResident) continue;
+    Frame r;  // invalidates f
+    r.remat = true;
+    r.v = v;
+    r.parent_slot = static_cast<int>(i);
+    stack.push_back(std::move(r));
+    return;
+  }
+  bool all_held = true;
+  for (std::size_t i = 0; i < f.vs.size(); ++i) {
+    if (f.held[i]) continue;
+    if (values_[f.vs[i]].state == ValueState::kResident)
+      lock(f.vs[i]), f.held[i] = 1;
+    else
+      all_held = false;
+  }
+  if (all_held)
+    stack.pop_back();  // its values stay locked: the caller (or the remat below) owns them now
+  else
+    f.next = 0;
+}
+
+// One step of the recompute frame on top: first hold its recipe (a hold
+// frame above it); when that is done, lock the value, have the driver bring
+// it back, unlock the recipe, and hand the locked value to the hold frame
+// below.
+void RematEngine::step_remat(std::vector<Frame>& stack) {
+  Frame& f = stack.back();
+  const int v = f.v;
+  if (!f.started) {
+    if (values_[v].pinned || values_[v].producer < 0) broken(v, "asked to recompute a pinned value");
+    f.started = true;
+    f.vs = values_[v].recipe;
+    Frame h;  // invalidates f
+    h.vs = stack.back().vs;
+    h.held.assign(h.vs.size(), 0);
+    stack.push_back(std::move(h));
+    return;
+  }
+  f.recipe_held = true;  // the hold frame above is done
+  lock(v);
+  f.locked_self = true;
+  const OpRecord& op = ops_[values_[v].producer];
+  const std::size_t nbytes = values_[v].nbytes;
+  const std::uintptr_t addr = driver_.recompute(v, nbytes);  // may evict others; may throw
+  take_block(v, addr);
+  Value& x = values_[v];
+  ++x.recomputes;
+  x.last_access = clock_;
+  ++counters_.remats;
+  counters_.remat_cost += op.cost;
+  if (op.random) ++counters_.random_replays;  // the driver reran it with its first RNG state
+  if (log_) log_->add(current_op(), EventKind::kRecomputed, v, nbytes, addr);
+  // Union-find cannot split: the class just forgets this member's cost.
+  const int root = find(v);
+  uf_cost_[root] = std::max(0.0, uf_cost_[root] - x.cost);
+  const std::vector<int> recipe = std::move(f.vs);
+  const int slot = f.parent_slot;
+  stack.pop_back();
+  for (int r : recipe) unlock(r);
+  stack.back().held[slot] = 1;  // v comes back locked
+}
+
+// After an exception (OOM in the driver): every lock the frames took is
+// released, innermost first; values not yet brought back stay evicted.
+void RematEngine::unwind(std::vector<Frame>& stack) {
+  while (!stack.empty()) {
+    Frame f = std::move(stack.back());
+    stack.pop_back();
+    if (f.remat) {
+      if (f.locked_self) unlock(f.v);
+      if (f.recipe_held)
+        for (int r : f.vs) unlock(r);
+    } else {
+      for (std::size_t i = 0; i < f.vs.size(); ++i)
+        if (f.held[i]) unlock(f.vs[i]);
     }
   }
 }
@@ -135,15 +252,25 @@ void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
   }
 }
 
-int RematEngine::create_output(int op, std::size_t nbytes, const std::vector<int>& not_read) {
+int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, bool pinned, bool external) {
+  // Memory first, under the id the value will have: if the driver throws
+  // (OOM), nothing has changed. While the pool makes room the value does not
+  // exist yet, so the evictor cannot pick it.
+  const int id = static_cast<int>(values_.size());
+  if (external)
+    addr = 0;
+  else if (!addr && nbytes)
+    addr = driver_.allocate(nbytes, id);
   const int v = new_value(nbytes, op, ops_[op].cost);
-  set_recipe(v, op, not_read);
+  if (v != id) broken(v, "a value was created while the driver allocated");
+  values_[v].external = external;
+  if (pinned || external)
+    values_[v].pinned = true;  // never recomputed: no recipe to keep
+  else
+    set_recipe(v, op, ops_[op].writes);
   lock(v);
   ops_[op].locked.push_back(v);
-  // Not resident yet, so the evictor cannot pick it while making room.
-  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes, v) : 0;
   take_block(v, addr);
-  values_[v].last_access = clock_;
   return v;
 }
 
@@ -168,7 +295,7 @@ void RematEngine::prepare_write(int v) {
   std::vector<int> locked;
   for (int d : seen)
     if (values_[d].alive) locked.push_back(d);
-  hold(locked, 0);
+  hold(locked);
   pin_descendants(v);
   for (int d : locked) unlock(d);
 }
@@ -191,17 +318,26 @@ void RematEngine::pin_descendants(int v) {
         if (y.alive) broken(d, "pinned while evicted (prepare_write was skipped)");
         y.state = ValueState::kReleased;  // dead, memoryless, needed by no one now
         ++counters_.releases;
+        driver_.forget(d);
       }
       todo.push_back(d);
     }
   }
 }
 
-int RematEngine::write_in_place(int op, int v) {
+void RematEngine::prepare_writes(const std::vector<int>& vs) {
+  for (int v : vs) prepare_write(v);
+}
+
+int RematEngine::write(int op, int v, bool reads_old) {
   if (values_[v].state != ValueState::kResident || values_[v].locks == 0)
-    broken(v, "an in-place write needs the value resident and locked (use_input first)");
+    broken(v, "an in-place write needs the value resident and locked (begin_op's writes)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
-  set_recipe(n, op, {});
+  values_[n].external = values_[v].external;  // the memory stays where it was
+  if (reads_old)
+    set_recipe(n, op, {});
+  else
+    set_recipe(n, op, {v});
   // The block stays where it is; it now holds the new version.
   const std::uintptr_t addr = drop_block(v);
   take_block(n, addr);
@@ -214,6 +350,7 @@ int RematEngine::write_in_place(int op, int v) {
     pin_descendants(v);  // n included: its recipe reads a value gone for good
     old.state = ValueState::kReleased;
     ++counters_.releases;
+    driver_.forget(v);
   } else {
     old.state = ValueState::kDeadNeeded;  // the recomputable old version
     lose_memory(v);
@@ -221,9 +358,15 @@ int RematEngine::write_in_place(int op, int v) {
   return n;
 }
 
-void RematEngine::end_op(int op) {
+void RematEngine::end_op(int op, double cost) {
   std::vector<int> locked;
   locked.swap(ops_[op].locked);
+  if (cost >= 0 && cost != ops_[op].cost) {
+    counters_.base_cost += cost - ops_[op].cost;
+    ops_[op].cost = cost;
+    for (int v : locked)
+      if (values_[v].producer == op) values_[v].cost = cost;
+  }
   for (int v : locked) unlock(v);
 }
 
@@ -256,7 +399,7 @@ void RematEngine::maybe_release(int v) {
     x.state = ValueState::kDeadNeeded;
     ++counters_.fake_deletions;
     lose_memory(v);
-    if (addr) memory_.release(addr);
+    driver_.release(v, addr);
   } else {
     x.state = ValueState::kDeadNeeded;
   }
@@ -269,37 +412,16 @@ void RematEngine::release(int first) {
     todo.pop_back();
     Value& x = values_[v];
     if (x.state == ValueState::kReleased || x.alive || x.locks > 0 || x.needed_by > 0) continue;
-    std::uintptr_t addr = 0;
-    if (x.state == ValueState::kResident) addr = drop_block(v);
+    const bool had_memory = x.state == ValueState::kResident;
+    const std::uintptr_t addr = had_memory ? drop_block(v) : 0;
     x.state = ValueState::kReleased;
     ++counters_.releases;
     if (!x.pinned)
       for (int r : x.recipe)
         if (--values_[r].needed_by == 0) todo.push_back(r);
-    if (addr) memory_.release(addr);
+    if (had_memory) driver_.release(v, addr);
+    driver_.forget(v);
   }
-}
-
-void RematEngine::rematerialize(int v, int depth) {
-  if (depth > kMaxRematDepth) broken(v, "recompute chain too deep (a cycle?)");
-  if (values_[v].pinned || values_[v].producer < 0) broken(v, "asked to recompute a pinned value");
-  const std::vector<int> recipe = values_[v].recipe;  // copy: values_ may not grow, but be safe
-  hold(recipe, depth + 1);
-  lock(v);
-  const OpRecord& op = ops_[values_[v].producer];
-  const std::size_t nbytes = values_[v].nbytes;
-  const std::uintptr_t addr = nbytes ? memory_.allocate(nbytes, v) : 0;  // may evict others
-  take_block(v, addr);
-  Value& x = values_[v];
-  ++x.recomputes;
-  x.last_access = clock_;
-  ++counters_.remats;
-  counters_.remat_cost += op.cost;
-  if (op.random) ++counters_.random_replays;  // rerun with op.rng_state: bit-exact
-  // Union-find cannot split: the class just forgets this member's cost.
-  const int root = find(v);
-  uf_cost_[root] = std::max(0.0, uf_cost_[root] - x.cost);
-  for (int r : recipe) unlock(r);
 }
 
 bool RematEngine::evict(int v) {
@@ -312,8 +434,20 @@ bool RematEngine::evict(int v) {
   x.state = x.alive ? ValueState::kEvicted : ValueState::kDeadNeeded;
   ++counters_.evictions;
   lose_memory(v);
-  memory_.release(addr);
+  if (log_) log_->add(current_op(), EventKind::kEvicted, v, x.nbytes, addr);
+  driver_.release(v, addr);
   return true;
+}
+
+void RematEngine::pin(int v) {
+  Value& x = values_[v];
+  if (x.pinned || x.state == ValueState::kReleased) return;
+  if (x.state != ValueState::kResident) broken(v, "pinning a value without memory");
+  x.pinned = true;
+  for (int r : x.recipe) {
+    --values_[r].needed_by;
+    maybe_release(r);
+  }
 }
 
 void RematEngine::lose_memory(int v) {
@@ -410,6 +544,13 @@ std::size_t RematEngine::unevictable_resident_bytes() const {
   return total;
 }
 
+std::size_t RematEngine::evictable_resident_bytes() const {
+  std::size_t total = 0;
+  for (int v : resident_)
+    if (evictable(v)) total += values_[v].nbytes;
+  return total;
+}
+
 int RematEngine::value_at(std::uintptr_t addr) const {
   auto it = by_addr_.find(addr);
   return it == by_addr_.end() ? -1 : it->second;
@@ -420,7 +561,7 @@ void RematEngine::release_all() {
     const int v = resident_.back();
     const std::uintptr_t addr = drop_block(v);
     values_[v].state = ValueState::kReleased;
-    if (addr) memory_.release(addr);
+    driver_.release(v, addr);
   }
 }
 
@@ -434,7 +575,8 @@ void RematEngine::check_invariants() const {
       for (int r : x.recipe) ++needed[r];
     if (x.state == ValueState::kResident) {
       ++resident;
-      if ((x.addr != 0) != (x.nbytes != 0)) broken(v, "resident without its block (3.6)");
+      if (x.external ? x.addr != 0 : (x.addr != 0) != (x.nbytes != 0))
+        broken(v, "resident without its block, or external with one (3.6)");
       if (x.resident_pos < 0 || resident_[x.resident_pos] != v) broken(v, "not in the resident list");
       if (x.addr && value_at(x.addr) != v) broken(v, "address map disagrees (3.6)");
     } else {

@@ -1,4 +1,27 @@
-// RematEngine: the computation graph DTR needs to evict and recompute.
+// RematEngine: the computation graph DTR needs to evict and recompute, and
+// the per-op protocol both drivers (trace replay, live PyTorch) call.
+//
+// The per-op protocol (docs/engine.md has the diagram of who calls whom)
+// -------------------------------------------------------------------------
+//   op = begin_op(call)           writes prepared; every value the op reads
+//                                 made resident (recomputing what is missing,
+//                                 on an explicit stack, never by recursion)
+//                                 and locked for the op
+//   v  = add_output(op, bytes)    a value the op creates, locked; its memory
+//                                 comes from the driver (or is adopted: the
+//                                 live driver passes the address torch used)
+//   n  = write(op, v)             the op writes v in place: n is the new
+//                                 version, on v's block
+//   end_op(op [, cost])           unlocked; the cost recorded (the live driver
+//                                 measures it while the op runs)
+//   kill(v)                       the program dropped its last reference
+// The engine decides (what to recompute, in which order, what is evictable);
+// the driver does the work through RematDriver: memory, recomputing a value
+// (the replay places it; the live driver reruns the real op), dropping a
+// value's memory (the replay frees a block; the live driver drops the last
+// reference to a real storage). Evictions come from the Evictor (evictor.h),
+// which the pool asks for room; they may happen inside any driver call that
+// allocates, never to a locked value.
 //
 // Map of the structures
 // ---------------------
@@ -6,14 +29,16 @@
 //             A storage written in place gets a new value (its new version)
 //             that takes over the block; the old value keeps its recipe and
 //             loses its memory (Coop's recomputable in-place).
-//   ops_      every op that ran: cost, random flag, saved RNG state, and the
-//             values it read (its recipe inputs, at the versions it read).
+//   ops_      every op that ran: cost, random flag, the values it read (its
+//             recipe inputs, at the versions it read) and wrote.
 //   uf_       union-find over values without memory (evicted or fake-deleted):
 //             each class sums the cost of its members, so DTR's e*(t) is
 //             cost(t) + the classes of t's memoryless neighbours (h_DTR-eq).
 //
 // States (Value::state) and flags:
-//   kResident    owns exactly one block (Value::addr)
+//   kResident    owns exactly one block (Value::addr), or memory outside the
+//                pool (external: the live driver's tensors made before the
+//                session, which the budget does not count)
 //   kEvicted     alive (the program holds a reference), no block, recomputable
 //   kDeadNeeded  no reference left but another value's recipe reads it:
 //                memory freed, recipe kept ("fake deletion"). Recomputed
@@ -26,11 +51,15 @@
 //                or by a recompute in flight; never evicted (DESIGN 3.7)
 //
 // Invariants (check_invariants):
-//   state == kResident <=> addr != 0 <=> by_addr_[addr] == id      (DESIGN 3.6)
+//   state == kResident && !external <=> addr != 0 (nbytes > 0)    (DESIGN 3.6)
+//   addr != 0 <=> by_addr_[addr] == id
 //   evicted/dead-needed values are recomputable (not pinned)
 //   no locked value is ever evicted (evict() refuses; counted)     (DESIGN 3.7)
-//   needed_by(v) == #unreleased values whose recipe contains v
+//   needed_by(v) == #unreleased, unpinned values whose recipe contains v
 //   missing(v) == #entries of v's recipe that are not resident (unreleased v)
+//
+// Thread safety: none of its own. The replay runs it on one thread; the live
+// driver serializes every call under the GIL (dtr/ and docs/live.md).
 #pragma once
 
 #include <cstddef>
@@ -41,15 +70,28 @@
 
 namespace dtralloc {
 
-// Where the engine's memory comes from: the pool (through the Allocator) in
-// the drivers, a fake in the unit tests. allocate may evict (re-entering the
-// engine through the evictor) and may throw OutOfMemoryError.
-class MemoryPort {
+class EventLog;
+
+// What the engine asks its driver to do. allocate and recompute may evict
+// (re-entering the engine through the Evictor) and may throw
+// OutOfMemoryError; the engine then unwinds what it locked.
+class RematDriver {
  public:
-  virtual ~MemoryPort() = default;
-  // Memory for `value` (its id tags the pool block for the evictor's walk).
+  virtual ~RematDriver() = default;
+  // Memory for a new value (`value` tags the pool block for the evictor's walk).
   virtual std::uintptr_t allocate(std::size_t bytes, int value) = 0;
-  virtual void release(std::uintptr_t addr) = 0;
+  // `value`'s memory is no longer needed (evicted, released or fake-deleted).
+  virtual void release(int value, std::uintptr_t addr) = 0;
+  // Brings `value` back by rerunning its producer; every value of its
+  // recipe is resident and locked. Returns its block. Replaying a trace,
+  // running an op is placing its output.
+  virtual std::uintptr_t recompute(int value, std::size_t bytes) { return allocate(bytes, value); }
+  // Something outside the engine still references the value's memory (the
+  // live driver: a user's tensor); such a value is never evicted.
+  virtual bool held_elsewhere(int /*value*/) const { return false; }
+  // `value` is released for good: nothing will ever read or recompute it
+  // (after release(), if it had memory). The live driver drops its recipe.
+  virtual void forget(int /*value*/) {}
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
@@ -58,7 +100,7 @@ enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleas
 // weights read only these, once per block, mostly from cold cache.
 struct alignas(64) Value {
   std::size_t nbytes = 0;
-  std::uintptr_t addr = 0;       // block while resident; 0 otherwise (or 0-byte)
+  std::uintptr_t addr = 0;       // block while resident; 0 otherwise (or 0-byte, or external)
   double cost = 0;               // cost of the producer op (ns, or flops)
   std::uint64_t last_access = 0; // engine clock at last use (staleness)
   int producer = -1;             // op index; -1: initial (no recipe)
@@ -70,6 +112,7 @@ struct alignas(64) Value {
   ValueState state = ValueState::kResident;
   bool alive = true;             // the program still holds a reference
   bool pinned = false;           // not recomputable: never evicted
+  bool external = false;         // memory outside the pool (live driver only)
   std::vector<int> recipe;       // values the producer read (at those versions)
   std::vector<int> dependents;   // values whose recipe contains this one
 };
@@ -77,9 +120,17 @@ struct alignas(64) Value {
 struct OpRecord {
   double cost = 0;
   bool random = false;
-  std::uint64_t rng_state = 0;   // saved at first run; restored on recompute
   std::vector<int> inputs;       // values read (locked while the op runs)
+  std::vector<int> writes;       // values written in place (their old versions)
   std::vector<int> locked;       // everything locked for this op
+};
+
+// One op as a driver describes it to begin_op.
+struct OpCall {
+  double cost = 0;               // known up front (replay); else given to end_op
+  bool random = false;           // nondeterministic_seeded: recomputed with its first RNG state
+  std::vector<int> reads;        // distinct values read
+  std::vector<int> writes;       // distinct values written in place (held like reads)
 };
 
 struct EngineCounters {
@@ -95,45 +146,56 @@ struct EngineCounters {
 
 class RematEngine {
  public:
-  explicit RematEngine(MemoryPort& memory) : memory_(memory) {}
+  explicit RematEngine(RematDriver& driver) : driver_(driver) {}
 
-  // An initial storage (parameter, input): allocated now, pinned.
+  // An initial storage (parameter, input), allocated through the driver now; pinned.
   int add_initial(std::size_t nbytes);
+  // An initial storage whose memory the pool does not hold (external); pinned.
+  int add_external(std::size_t nbytes);
 
-  // --- one op: begin, use inputs, create outputs, write in place, end ----
-  int begin_op(double cost, bool random);
-  // Makes `v` resident (recomputing it and, recursively, its recipe) and
-  // locks it for the op. Records it as a recipe input of the op.
-  void use_input(int op, int v);
-  // The same for all of an op's (distinct) inputs at once: missing ones are
-  // recomputed before resident ones are locked (hold()).
-  void use_inputs(int op, const std::vector<int>& vs);
-  // A new value made by `op`, allocated through the memory port, locked.
-  // Its recipe is the op's inputs except `not_read` (values this op
-  // overwrites without reading for this output, e.g. batch norm's running
-  // statistics).
-  int create_output(int op, std::size_t nbytes, const std::vector<int>& not_read = {});
+  // --- the per-op protocol (see the top of this file) ---------------------
+  int begin_op(const OpCall& call);
+  // `addr` 0 (and nbytes > 0): the driver allocates; else the value adopts
+  // memory the driver already holds at `addr`. The recipe is the op's reads
+  // except its writes (an op that writes a storage and creates outputs, such
+  // as batch norm and its running statistics, does not read what it writes
+  // for them); `pinned`: not recomputable at all; `external`: its memory is
+  // outside the pool (pinned too, no address).
+  int add_output(int op, std::size_t nbytes, std::uintptr_t addr = 0, bool pinned = false,
+                 bool external = false);
   // `op` writes `v` in place: returns the new version, which takes the block
   // (locked for the op). `v` keeps its recipe without memory, or, if `v` was
-  // not recomputable, its dependents become pinned (evicted ones are
-  // rematerialized first: call prepare_write before the op writes).
-  int write_in_place(int op, int v);
-  // Before any allocation of the op: makes sure overwriting `v` loses no
-  // value that something alive still needs.
-  void prepare_write(int v);
-  void end_op(int op);
-
+  // not recomputable, its dependents become pinned (begin_op brought back the
+  // evicted ones first). `reads_old` false: the op overwrites all of `v`
+  // without reading it (fill_, copy_, zero_, out=), so the new version's
+  // recipe does not need `v`.
+  int write(int op, int v, bool reads_old = true);
+  // What begin_op does first for its writes, for drivers that must do it
+  // before the real op runs (the live driver: the write destroys the old
+  // contents): what depends on an unrecomputable value about to be
+  // overwritten is brought back and pinned.
+  void prepare_writes(const std::vector<int>& vs);
+  // Unlocks everything locked for the op. cost >= 0 replaces the cost given
+  // to begin_op (the live driver measures it while the op runs).
+  void end_op(int op, double cost = -1);
   // The program dropped its reference to `v`.
   void kill(int v);
+  // Makes `v` resident (recomputing as needed) and locks it, outside any op
+  // (a saved tensor autograd asks for); unacquire() unlocks it.
+  void acquire(int v);
+  void unacquire(int v);
 
   // --- eviction interface (the Evictor) --------------------------------
   bool evictable(int v) const {
     const Value& x = values_[v];
     return x.state == ValueState::kResident && !x.pinned && x.locks == 0 && x.nbytes > 0 &&
-           x.producer >= 0;
+           x.producer >= 0 && !driver_.held_elsewhere(v);
   }
   // Frees `v`'s block. Returns false (and counts) if `v` is not evictable.
   bool evict(int v);
+  // Makes `v` not recomputable from now on (its data left the engine's sight:
+  // a raw pointer, numpy). Its recipe is dropped.
+  void pin(int v);
   // DTR's e*: cost plus the cost of memoryless neighbours.
   double estar_eq(int v);                  // union-find classes (h_DTR-eq)
   double estar_exact(int v, int cap = 256);  // walks the neighbourhood (h_DTR)
@@ -142,13 +204,20 @@ class RematEngine {
   const std::vector<int>& resident() const { return resident_; }
   // Bytes of resident values no eviction can free now (pinned or locked).
   std::size_t unevictable_resident_bytes() const;
+  // Bytes of resident values the evictor may take now.
+  std::size_t evictable_resident_bytes() const;
 
   const Value& value(int v) const { return values_[v]; }
   const OpRecord& op(int o) const { return ops_[o]; }
   std::size_t num_values() const { return values_.size(); }
+  std::size_t num_ops() const { return ops_.size(); }
   std::uint64_t clock() const { return clock_; }
   void tick() { ++clock_; }
   const EngineCounters& counters() const { return counters_; }
+  // Where evictions and recomputes are logged (nullptr: nowhere).
+  void set_event_log(EventLog* log) { log_ = log; }
+  // The op in flight (or the last one), for event stamps; -1 before any.
+  int current_op() const { return static_cast<int>(ops_.size()) - 1; }
 
   // Frees every block still held (end of a replay).
   void release_all();
@@ -156,15 +225,34 @@ class RematEngine {
   void check_invariants() const;
 
  private:
+  // One frame of the explicit stack behind hold(): a set of values being
+  // made resident and locked, or one value being recomputed.
+  struct Frame {
+    bool remat = false;          // false: hold `vs`; true: recompute `v`
+    int v = -1;                  // remat: the value; its recipe is `vs`
+    int parent_slot = -1;        // remat: the index in the parent hold frame's vs
+    bool started = false;        // remat: the recipe's hold frame was pushed
+    bool recipe_held = false;    // remat: the recipe is resident and locked
+    bool locked_self = false;    // remat: v is locked
+    std::vector<int> vs;         // hold: the values; remat: the recipe
+    std::vector<char> held;      // hold: vs[i] resident and locked by this frame
+    std::size_t next = 0;        // hold: where the scan for missing values resumes
+  };
+
   // The walk behind estar_exact and chain_cost (remat_engine.cpp).
   template <typename Counts>
   double reachable_cost(int v, int cap, bool both_ways, Counts counts);
   int new_value(std::size_t nbytes, int producer, double cost);
   void set_recipe(int v, int op, const std::vector<int>& not_read);
   std::uint32_t next_epoch();
-  void rematerialize(int v, int depth);
-  // Makes every value of `vs` resident and locked (see remat_engine.cpp).
-  void hold(const std::vector<int>& vs, int depth);
+  // Makes every value of `vs` resident and locked, recomputing missing ones
+  // (and what they need) on an explicit stack. On an exception every lock it
+  // took is released before the exception leaves.
+  void hold(const std::vector<int>& vs);
+  void step_hold(std::vector<Frame>& stack);
+  void step_remat(std::vector<Frame>& stack);
+  void unwind(std::vector<Frame>& stack);
+  void prepare_write(int v);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
   void take_block(int v, std::uintptr_t addr);
@@ -176,7 +264,9 @@ class RematEngine {
   int find(int v);
   void unite(int a, int b);
 
-  MemoryPort& memory_;
+  RematDriver& driver_;
+  EventLog* log_ = nullptr;
+  bool in_hold_ = false;
   std::vector<Value> values_;
   std::vector<OpRecord> ops_;
   std::vector<int> resident_;
@@ -187,7 +277,6 @@ class RematEngine {
   std::uint32_t epoch_ = 0;
   std::vector<int> walk_;
   std::uint64_t clock_ = 1;
-  std::uint64_t rng_counter_ = 0x9e3779b97f4a7c15ull;
   EngineCounters counters_;
 };
 

@@ -62,19 +62,71 @@ void ReplayTrace::validate() const {
       throw std::invalid_argument("replay: storage id out of range in 'frees_before'");
 }
 
-ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
+namespace {
+
+// Storage ids -> their current values, each once, in order of first appearance.
+void current_values(const std::vector<int>& offsets, const std::vector<int>& sids, std::size_t op,
+                    const std::vector<int>& current, std::vector<int>* out) {
+  out->clear();
+  for (int k = offsets[op]; k < offsets[op + 1]; ++k) {
+    const int v = current[sids[k]];
+    if (std::find(out->begin(), out->end(), v) == out->end()) out->push_back(v);
+  }
+}
+
+void sample(Allocator& allocator, const RematEngine& engine, bool evicting, int op,
+            ReplayResult::Series* series) {
+  const StatsReport report = allocator.stats_report();
+  series->op.push_back(op);
+  series->reserved.push_back(report.stats.reserved_bytes[kStatAll].current);
+  series->allocated.push_back(report.stats.allocated_bytes[kStatAll].current);
+  series->evictable.push_back(evicting ? static_cast<std::int64_t>(engine.evictable_resident_bytes()) : 0);
+  series->largest_free.push_back(static_cast<std::int64_t>(report.largest_free_bytes));
+  series->free.push_back(static_cast<std::int64_t>(report.free_cached_bytes));
+}
+
+// The figures derived from the counters and the per-op samples, summed in op
+// order (the order Python's sum() would use).
+void derive(ReplayResult* out) {
+  out->compute_overhead = out->base_cost > 0 ? out->remat_cost / out->base_cost : 0.0;
+  double share = 0;
+  for (double f : out->free_share_per_call) share += f;
+  out->free_share_at_evictions = out->free_share_per_call.empty() ? 0.0 : share / out->free_share_per_call.size();
+  std::vector<std::int64_t> ns = out->search_ns_per_call;
+  std::sort(ns.begin(), ns.end());
+  out->search_ns = ns.empty() ? 0.0 : static_cast<double>(ns[ns.size() / 2]);
+  const auto& s = out->series;
+  double reserved_frag = 0, external_frag = 0;
+  for (std::size_t i = 0; i < s.op.size(); ++i) {
+    reserved_frag += s.reserved[i] ? 1.0 - double(s.allocated[i]) / double(s.reserved[i]) : 0.0;
+    external_frag += s.free[i] ? 1.0 - double(s.largest_free[i]) / double(s.free[i]) : 0.0;
+  }
+  const double n = static_cast<double>(s.op.size());
+  out->mean_reserved_fragmentation = s.op.empty() ? 0.0 : reserved_frag / n;
+  out->mean_external_fragmentation = s.op.empty() ? 0.0 : external_frag / n;
+}
+
+}  // namespace
+
+ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   t.validate();
   Config config = options.config;
   config.budget = Budget{};
   config.budget.bytes = options.budget_bytes;
-  config.policy = policy_name(options.policy);  // what the placement's auto keys depend on
+  config.policy = options.policy;  // what the placement's auto keys depend on
   Allocator allocator(make_virtual_backend(kVirtualCapacity), config);
   PoolPort port(allocator);
   RematEngine engine(port);
+  ReplayResult out;
+  out.policy = options.policy;
+  out.budget_bytes = options.budget_bytes;
+  engine.set_event_log(&out.events);
   auto evictor = std::make_shared<Evictor>(allocator, engine, options.policy, config);
-  if (options.policy != Policy::kNone) allocator.set_eviction_hook(evictor);
+  evictor->set_event_log(&out.events);
+  const bool evicting = policy_traits(options.policy).choice != VictimChoice::kNone;
+  if (evicting) allocator.set_eviction_hook(evictor);
+  const bool recipes = evicting || options.measure_floor;
 
-  ReplayOutcome out;
   std::vector<int> current(t.nbytes.size(), -1);  // storage id -> its current value
   auto check = [&] {
     if (!options.check_invariants) return;
@@ -82,8 +134,11 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
     check_engine_against_pool(engine, allocator);
     ++out.invariant_checks;
   };
+  // How often progress is reported: often enough for a terminal, rarely
+  // enough to cost nothing next to the ops.
+  constexpr std::size_t kProgressEvery = 2048;
   const std::size_t max_remats = kMaxRematsPerOp * (t.num_ops() + 16);
-  std::vector<int> used, not_read, inputs;
+  OpCall call;
   try {
     out.oom_op = -1;
     for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
@@ -93,46 +148,34 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
     for (std::size_t i = 0; i < t.num_ops(); ++i) {
       out.oom_op = static_cast<int>(i);
       engine.tick();
-      const int op = engine.begin_op(t.cost[i], t.random[i] != 0);
-      for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k)
-        engine.prepare_write(current[t.mutated[k]]);
-      used.clear();
-      for (int k = t.inputs_offsets[i]; k < t.inputs_offsets[i + 1]; ++k) used.push_back(t.inputs[k]);
-      for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) used.push_back(t.mutated[k]);
-      not_read.clear();
-      inputs.clear();
-      for (std::size_t j = 0; j < used.size(); ++j) {
-        const int sid = used[j];
-        if (std::find(used.begin(), used.begin() + j, sid) != used.begin() + j) continue;
-        inputs.push_back(current[sid]);
-      }
-      engine.use_inputs(op, inputs);
-      // An op that writes a storage and also creates outputs (batch norm and
-      // its running statistics) does not read the written storage for them.
-      for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k)
-        not_read.push_back(current[t.mutated[k]]);
+      call.cost = t.cost[i];
+      call.random = t.random[i] != 0;
+      current_values(t.inputs_offsets, t.inputs, i, current, &call.reads);
+      current_values(t.mutated_offsets, t.mutated, i, current, &call.writes);
+      const int op = engine.begin_op(call);
       for (int k = t.created_offsets[i]; k < t.created_offsets[i + 1]; ++k) {
         const int sid = t.created[k];
-        current[sid] = engine.create_output(op, t.nbytes[sid], not_read);
+        current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes);
       }
       for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) {
         const int sid = t.mutated[k];
-        current[sid] = engine.write_in_place(op, current[sid]);
+        current[sid] = engine.write(op, current[sid]);
       }
-      if (options.policy == Policy::kNone)
+      if (options.series) sample(allocator, engine, evicting, static_cast<int>(i), &out.series);
+      if (!evicting && options.measure_floor)
         out.resident_floor_bytes = std::max(out.resident_floor_bytes, engine.unevictable_resident_bytes());
       engine.end_op(op);
-      for (int k = t.frees_offsets[i]; k < t.frees_offsets[i + 1]; ++k)
-        engine.kill(current[t.frees[k]]);
+      for (int k = t.frees_offsets[i]; k < t.frees_offsets[i + 1]; ++k) engine.kill(current[t.frees[k]]);
       check();
       if (engine.counters().remats > max_remats)
         throw OutOfMemoryError("thrashing: more than " + std::to_string(kMaxRematsPerOp) +
                                " recomputes per op; the budget is too small for this policy");
+      if (options.progress && (i % kProgressEvery == 0 || i + 1 == t.num_ops())) options.progress(i + 1, t.num_ops());
     }
     out.oom_op = -2;
   } catch (const OutOfMemoryError& e) {
     out.feasible = false;
-    out.message = e.what();
+    out.oom_message = e.what();
   }
   allocator.set_eviction_hook(nullptr);
   const StatsReport report = allocator.stats_report();
@@ -144,8 +187,21 @@ ReplayOutcome run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.device_free_calls = report.stats.num_device_free;
   out.max_split_size = allocator.config().max_split_size_mb;
   out.segment_fit = allocator.config().segment_fit == Switch::kOn;
-  out.engine = engine.counters();
-  out.evictor = evictor->stats();
+  const EngineCounters& c = engine.counters();
+  out.base_cost = c.base_cost;
+  out.remat_cost = c.remat_cost;
+  out.evictions = c.evictions;
+  out.remats = c.remats;
+  out.random_replays = c.random_replays;
+  out.fake_deletions = c.fake_deletions;
+  const EvictorStats& e = evictor->stats();
+  out.eviction_calls = e.calls;
+  out.window_evictions = e.windows;
+  out.segment_releases = e.segment_releases;
+  out.no_plan = e.no_plan;
+  out.search_ns_per_call = e.search_ns;
+  out.free_share_per_call = e.free_fraction;
+  derive(&out);
   engine.release_all();
   return out;
 }

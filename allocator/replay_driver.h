@@ -1,22 +1,22 @@
 // Replay driver: runs a recorded trace (docs/trace-format.md) through an
 // Allocator on the virtual backend with the RematEngine and an Evictor, under
-// a budget. Addresses only; costs are the trace's op costs.
-//
-// Per op: (1) before a write to a value nobody can recompute, bring back what
-// depends on it; (2) lock the inputs and written storages, rematerializing
-// evicted ones recursively (each remat allocates through the pool and may
-// evict others, never a locked value: DESIGN 3.7); (3) allocate the created
-// storages (locked); (4) in-place writes take over the block, the old value
-// becomes a recomputable version; (5) unlock; (6) apply the frees: released,
-// or fake-deleted when a recipe still needs the value.
+// a budget. Addresses only; costs are the trace's op costs. It is a thin
+// loop over the engine's per-op protocol (remat_engine.h): for each op,
+// begin_op (its reads and writes), add_output per created storage, write per
+// storage written in place, end_op, kill per storage that died. With policy
+// `none` nothing is evicted and no recipe is kept (every value is created
+// pinned): that is the allocation-only replay, whose pool traffic is the
+// program's.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "config.h"
+#include "event_log.h"
 #include "evictor.h"
 
 namespace dtralloc {
@@ -24,14 +24,14 @@ namespace dtralloc {
 // The trace's columns; lists are CSR (offsets has one entry more than ops).
 struct ReplayTrace {
   std::vector<std::size_t> nbytes;     // per storage
-  std::vector<char> initial;           // per storage
+  std::vector<std::uint8_t> initial;   // per storage
   std::vector<int> frees_before;
   std::vector<int> inputs_offsets, inputs;
   std::vector<int> created_offsets, created;
   std::vector<int> mutated_offsets, mutated;
   std::vector<int> frees_offsets, frees;
   std::vector<double> cost;            // per op: duration_ns, else flops
-  std::vector<char> random;            // per op
+  std::vector<std::uint8_t> random;    // per op
 
   std::size_t num_ops() const { return cost.size(); }
   void validate() const;  // throws std::invalid_argument on malformed columns
@@ -42,30 +42,75 @@ struct ReplayOptions {
   Policy policy = Policy::kDtralloc;
   Config config;                       // pool settings and eviction knobs
   bool check_invariants = false;       // pool + engine invariants after every op
+  bool series = true;                  // sample the pool after every op (ReplayResult's columns)
+  // Policy none only: keep recipes as an evicting policy would, and measure
+  // resident_floor_bytes. Without it the allocation-only replay keeps none,
+  // so every storage is freed exactly when the trace frees it.
+  bool measure_floor = false;
+  // Called now and then with (ops done, ops in all), from the replaying thread.
+  std::function<void(std::size_t, std::size_t)> progress;
 };
 
-struct ReplayOutcome {
-  bool feasible = true;
-  int oom_op = -2;                     // -2: none; -1: initial storages
-  std::string message;
-  std::size_t peak_reserved_bytes = 0;
-  std::size_t peak_allocated_bytes = 0;
-  std::size_t final_reserved_bytes = 0;
-  std::int64_t segments_peak = 0;
-  std::int64_t device_alloc_calls = 0;
-  std::int64_t device_free_calls = 0;
-  std::size_t invariant_checks = 0;
+// The replay's scalar figures, declared once: the struct below and the
+// Python class (bindings/replay.cpp) are generated from this table.
+// X(type, name, default, doc)
+#define DTRALLOC_REPLAY_FIGURES(X)                                                        \
+  X(bool, feasible, true, "every op ran within the budget")                               \
+  X(std::size_t, peak_reserved_bytes, 0, "most bytes the pool held from the device")      \
+  X(std::size_t, peak_allocated_bytes, 0, "most bytes handed out at once")                \
+  X(std::size_t, final_reserved_bytes, 0, "bytes the pool held after the last op")        \
+  X(std::int64_t, segments_peak, 0, "most segments at once")                              \
+  X(std::int64_t, device_alloc_calls, 0, "segments obtained from the device (cudaMalloc)")\
+  X(std::int64_t, device_free_calls, 0, "segments returned to the device (cudaFree)")     \
+  X(std::size_t, invariant_checks, 0, "times every invariant was checked")                \
+  X(bool, segment_fit, false, "1-10 MiB requests got fitted segments (segment_fit:auto resolved)") \
+  X(double, base_cost, 0.0, "cost of running every op once (ns, or flops)")               \
+  X(double, remat_cost, 0.0, "cost of the recomputes")                                    \
+  X(double, compute_overhead, 0.0, "remat_cost / base_cost")                              \
+  X(std::size_t, evictions, 0, "values evicted")                                          \
+  X(std::size_t, remats, 0, "values recomputed")                                          \
+  X(std::size_t, random_replays, 0, "recomputes of random ops (replayed with their first RNG state)") \
+  X(std::size_t, fake_deletions, 0, "dead values whose memory was dropped but recipe kept")\
+  X(std::size_t, eviction_calls, 0, "times the pool asked the evictor for room")          \
+  X(std::size_t, window_evictions, 0, "calls served by a window of adjacent blocks")      \
+  X(std::size_t, segment_releases, 0, "calls served by releasing whole segments")        \
+  X(std::size_t, no_plan, 0, "calls where no eviction could serve the request")           \
+  X(double, search_ns, 0.0, "median time to choose victims, per call (ns)")              \
+  X(double, mean_reserved_fragmentation, 0.0,                                             \
+    "1 - allocated / reserved after each op, averaged over the ops")                      \
+  X(double, mean_external_fragmentation, 0.0,                                             \
+    "1 - largest free block / free cached bytes after each op, averaged over the ops")    \
+  X(double, free_share_at_evictions, 0.0,                                                 \
+    "mean (budget - allocated) / budget when the evictor was called: 0 = the budget was " \
+    "full of live data; more = free but unusable (fragmented) memory forced the call")    \
+  X(std::size_t, resident_floor_bytes, 0,                                                 \
+    "policy none with measure_floor only: the most bytes that had to be resident at "     \
+    "once (pinned values plus what the op in flight holds); no policy can run the "       \
+    "trace with less")
+
+struct ReplayResult {
+#define DTRALLOC_REPLAY_FIELD(type, name, def, doc) type name = def;
+  DTRALLOC_REPLAY_FIGURES(DTRALLOC_REPLAY_FIELD)
+#undef DTRALLOC_REPLAY_FIELD
+  std::size_t budget_bytes = 0;        // 0: no budget
+  int oom_op = -2;                     // -2: none; -1: the initial storages
+  std::string name;                    // the trace's (set by the caller)
+  std::string conf;                    // the pool settings (set by the caller)
+  std::size_t no_eviction_peak_reserved_bytes = 0;  // set by the caller: a fractional budget's reference
+  std::string oom_message;
+  Policy policy = Policy::kNone;
   std::size_t max_split_size = kNoLimit;  // the pool's, max_split_size_mb:auto resolved
-  bool segment_fit = false;                // the pool's, segment_fit:auto resolved
-  // Policy none only: the most bytes that had to be resident at once, pinned
-  // values plus what the op in flight holds locked, sampled when the op's
-  // outputs are allocated. No eviction policy can run the trace with less
-  // allocated (the pool adds its fragmentation on top).
-  std::size_t resident_floor_bytes = 0;
-  EngineCounters engine;
-  EvictorStats evictor;
+  std::vector<std::int64_t> search_ns_per_call;
+  std::vector<double> free_share_per_call;
+  // Per op, sampled after its outputs are allocated and before its frees
+  // (ReplayOptions::series; ops after an OOM are absent).
+  struct Series {
+    std::vector<std::int32_t> op;
+    std::vector<std::int64_t> reserved, allocated, evictable, largest_free, free;
+  } series;
+  EventLog events;
 };
 
-ReplayOutcome run_replay(const ReplayTrace& trace, const ReplayOptions& options);
+ReplayResult run_replay(const ReplayTrace& trace, const ReplayOptions& options);
 
 }  // namespace dtralloc

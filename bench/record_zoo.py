@@ -13,8 +13,6 @@ other, so the peak RSS printed is that model's own.
 from __future__ import annotations
 
 import argparse
-import gc
-import inspect
 import os
 import resource
 import subprocess
@@ -22,12 +20,9 @@ import sys
 import tempfile
 import time
 
+from dtralloc.zoo import MODELS, record_model as record_zoo_model
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from bench.models import MODELS, SMALL_SIZES  # noqa: E402
-
 BUNDLED_DIR = os.path.join(REPO, "python", "dtralloc", "traces")
 SMALL_DIR = os.path.join(tempfile.gettempdir(), "dtralloc-zoo-small")
 
@@ -40,33 +35,13 @@ def _progress(name: str, t0: float, message: str) -> None:
     print(f"[{name} {time.perf_counter() - t0:7.1f}s] {message}", flush=True)
 
 
-def effective_sizes(name: str, sizes: dict) -> dict:
-    """Every builder keyword with the value used: its default unless overridden."""
-    params = inspect.signature(MODELS[name]).parameters
-    return {k: sizes.get(k, p.default) for k, p in params.items()}
-
-
-def record_model(name: str, sizes: dict, out_dir: str):
+def record_model(name: str, sizes: dict, small: bool, out_dir: str):
     """Build, warm up, record and save one model; return (trace, path)."""
-    import dtralloc.trace
     from dtralloc._core import format_bytes
 
     t0 = time.perf_counter()
-    _progress(name, t0, f"building with {sizes or 'default sizes'}")
-    workload = MODELS[name](**sizes)
-    _progress(name, t0, workload.description)
-    workload.step()
-    _progress(name, t0, f"warm-up step done, peak RSS {format_bytes(peak_rss_bytes())}")
-    gc.collect()
-    t_rec = time.perf_counter()
-    trace = dtralloc.trace.record(workload.step, name=name)
-    record_s = time.perf_counter() - t_rec
-    trace.meta.update(
-        description=workload.description,
-        sizes=effective_sizes(name, sizes),
-        torch_threads=__import__("torch").get_num_threads(),
-    )
-    _progress(name, t0, f"recorded step in {record_s:.1f}s, peak RSS {format_bytes(peak_rss_bytes())}")
+    trace = record_zoo_model(name, small=small, sizes=sizes, echo=lambda message: _progress(
+        name, t0, f"{message}, peak RSS {format_bytes(peak_rss_bytes())}"))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.dtrace")
     trace.save(path)
@@ -112,9 +87,8 @@ def main(argv=None) -> int:
         return 1 if failed else 0
 
     name = names[0]
-    sizes = {**(SMALL_SIZES[name] if args.small else {}), **_parse_sizes(args.size)}
     t0 = time.perf_counter()
-    record_model(name, sizes, out_dir)
+    record_model(name, _parse_sizes(args.size), args.small, out_dir)
     print(f"[{name}] total {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB",
           flush=True)
     return 0

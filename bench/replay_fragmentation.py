@@ -28,8 +28,7 @@ VARIANTS = [
 GPU_RUN = textwrap.dedent(
     """
     import sys, torch, dtralloc
-    sys.path.insert(0, ".")
-    from bench.models import MODELS
+    from dtralloc.zoo import MODELS
     w = MODELS[sys.argv[1]]()
     w.step()                                   # warm-up: optimizer state exists
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()

@@ -22,7 +22,7 @@ import sys
 import time
 
 BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
-POLICIES = ("lru", "size", "msps", "dtr", "dtr_eq", "dtr_local", "dte", "coop", "dtralloc")
+POLICIES = tuple(p for p in __import__("dtralloc").POLICIES if p != "none")
 # dtralloc's placement (what max_split_size_mb:auto and segment_fit:auto
 # resolve to under dtralloc), given to every policy for the "same placement" table.
 SAME_PLACEMENT = "max_split_size_mb:32,segment_fit:on"
@@ -32,21 +32,11 @@ def scan_with_conf(trace, policy: str, conf: str, peak: int, step: float = 0.01)
     """min_feasible_budget(method="scan") with `conf` for the eviction runs
     only: fractions stay of the default pool's no-eviction `peak`, the same
     denominator as every other table (an explicit conf would also change the
-    baseline replay's peak)."""
-    from dtralloc.replay import _run_remat
+    no-eviction replay's peak)."""
+    import dtralloc
 
-    def feasible(fraction: float) -> bool:
-        return _run_remat(trace, max(1, int(fraction * peak)), policy, conf, False).feasible
-
-    if not feasible(1.0):
-        return None
-    steps = round(1 / step)
-    lowest = 1.0
-    for k in range(steps - 1, 0, -1):
-        if not feasible(k / steps):
-            break
-        lowest = k / steps
-    return lowest
+    return dtralloc.min_feasible_budget(trace, policy, conf=conf, tolerance=step, method="scan",
+                                        reference_bytes=peak)
 
 
 SEARCH_REPEATS = 5  # replays pooled for the victim-search figures of dtr and dtralloc
@@ -57,11 +47,11 @@ def pooled_search_ns(trace, budget_bytes: int, policy: str) -> float:
     replays (the same victims each time). One replay's median is noisy where
     there are few calls: 2 at 0.9 of the peak on the transformers, so one
     scheduler hiccup is the figure."""
-    from dtralloc.replay import _columns, _core
+    import dtralloc
 
-    columns, ns = _columns(trace), []
+    ns = []
     for _ in range(SEARCH_REPEATS):
-        ns += _core.remat_replay(*columns, budget_bytes, policy, "", False)["search_ns"]
+        ns += list(dtralloc.replay(trace, budget=budget_bytes, policy=policy).search_ns_per_call)
     ns.sort()
     return float(ns[len(ns) // 2]) if ns else 0.0  # the upper median, as ReplayResult.search_ns
 
@@ -165,8 +155,8 @@ def targets(names, grid, floors, base) -> list:
                  for b in both if grid[name, "dtralloc", b].compute_overhead > grid[name, "dtr", b].compute_overhead]
         overhead = "yes" if both and not worse else ("no forced eviction" if not both else "no (" + "; ".join(worse) + ")")
         frag = ", ".join(
-            f"{b}: {grid[name, 'dtralloc', b].fragmentation / grid[name, 'dtr', b].fragmentation:.2f}"
-            for b in both if grid[name, "dtr", b].fragmentation > 0)
+            f"{b}: {grid[name, 'dtralloc', b].free_share_at_evictions / grid[name, 'dtr', b].free_share_at_evictions:.2f}"
+            for b in both if grid[name, "dtr", b].free_share_at_evictions > 0)
         search = ", ".join(f"{b}: {grid[name, 'dtralloc', b, 'search'] / 1e3:.0f}"
                            for b in BUDGETS if grid[name, "dtralloc", b].eviction_calls)
         out.append(f"| {name} | {pair(mine, mine_s)} | {pair(best, best_s)} ({who}/{who_s}) | {same} | {ratio} | "
@@ -189,7 +179,7 @@ def report(names, grid, floors, base, command: str) -> str:
                        ("By scan (`method=\"scan\"`: every budget on the 0.01 grid from here up is feasible)",
                         ("scan",))):
         lines.append(f"{title}:\n")
-        lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak | resident floor |")
+        lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak (of live) | resident floor |")
         lines.append("|---|" + "---|" * (len(POLICIES) + 2))
         for name in names:
             cells = [f"{floors[(name, p) + key]:.2f}" if floors[(name, p) + key] is not None else "-"
@@ -198,7 +188,10 @@ def report(names, grid, floors, base, command: str) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} | "
                          f"{floors[name, 'resident floor']:.2f} |")
         lines.append("")
-    lines.append("resident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
+    lines.append("Chen sqrt(n) peak (of live): the plan's live-byte peak as a share of the step's "
+                 "live-byte peak (`BaselineResult.peak_fraction`; the static baselines count live bytes, "
+                 "not the pool's reserved bytes). "
+                 "resident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
                  "outputs at the worst op; no policy can run below it. Feasibility is not quite "
                  "monotone in the budget (where the pool puts blocks changes with it), so bisection "
                  "reports a point on some boundary, possibly below a budget that fails; the scan "
@@ -222,8 +215,8 @@ def report(names, grid, floors, base, command: str) -> str:
         for p in POLICIES:
             lines.append(f"| {p} | " + " | ".join(fmt_cell(grid[name, p, b]) for b in BUDGETS) + " |")
         chen = base[name, "chen"]
-        lines.append(f"\nChen sqrt(n): overhead {chen.compute_overhead:.3f} at peak fraction "
-                     f"{chen.peak_fraction:.2f}.")
+        lines.append(f"\nChen sqrt(n): overhead {chen.compute_overhead:.3f} at a peak of "
+                     f"{chen.peak_fraction:.2f} of the live-byte peak.")
         solved = [(b, base[name, "checkmate", b]) for b in BUDGETS if (name, "checkmate", b) in base]
         if solved and solved[0][1].status == "too large":
             from dtralloc.baselines import MAX_GROUPS
@@ -245,8 +238,8 @@ def report(names, grid, floors, base, command: str) -> str:
             if not (d.feasible or o.feasible):
                 continue
             packed = base[name, "packed", b]
-            lines.append(f"| {name} | {b} | {fmt_cell(d)} | {fmt_cell(o)} | {d.fragmentation:.3f} | "
-                         f"{o.fragmentation:.3f} | {f'{packed.free_fraction:.3f}' if packed else '-'} | "
+            lines.append(f"| {name} | {b} | {fmt_cell(d)} | {fmt_cell(o)} | {d.free_share_at_evictions:.3f} | "
+                         f"{o.free_share_at_evictions:.3f} | {f'{packed.free_fraction:.3f}' if packed else '-'} | "
                          f"{grid[name, 'dtr', b, 'search'] / 1e3:.1f} | "
                          f"{grid[name, 'dtralloc', b, 'search'] / 1e3:.1f} | "
                          f"{d.eviction_calls} | {o.eviction_calls} |")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 from dtralloc import baselines as B
+from dtralloc.baselines.contraction import _contract_runs
+from dtralloc.baselines.grouped import _graph
 from dtralloc.trace import Op, Storage, Trace
 
 K = 1024
@@ -81,7 +83,7 @@ def diamond():
 
 def test_no_eviction_peak_and_compute():
     r = B.no_eviction(chain())
-    assert r.feasible and r.peak_bytes == 5 * K + 512 == r.baseline_peak_bytes
+    assert r.feasible and r.peak_bytes == 5 * K + 512 == r.live_peak_bytes
     assert r.baseline_compute == CHAIN_COMPUTE and r.compute_overhead == 0.0
     assert r.details["last_use_peak_bytes"] == 5 * K + 512
     assert B.no_eviction(chain(), budget=5 * K).feasible is False
@@ -145,7 +147,7 @@ def test_chen_keeps_random_and_mutated_outputs():
     t.ops[2].mutated = [2]
     t.ops[2].inputs = [2]
     t.validate()
-    g = B._graph(t)
+    g = _graph(t)
     assert [grp.recomputable for grp in g.groups[:4]] == [True, False, False, True]
     r = B.checkpoint_sqrt_n(t)
     # only a0 (op0, seg 0) and a3 (op3, seg 1) can be dropped
@@ -163,7 +165,7 @@ def test_in_place_op_joins_its_producers_group():
         {"inputs": [x], "created": [y], "frees": [x], "duration_ns": 5},
         {"inputs": [], "created": [], "outputs": [], "duration_ns": 0, "flops": 2},  # a view: cost 2
     ], initial={P})
-    g = B._graph(t)
+    g = _graph(t)
     assert [grp.ops for grp in g.groups] == [[0, 1], [2, 3]]
     assert g.groups[0].recomputable and g.groups[0].recompute_cost == 7
     assert g.groups[0].recompute_nops == 2
@@ -174,7 +176,7 @@ def test_in_place_op_joins_its_producers_group():
 def test_random_op_is_never_recomputed():
     t = chain()
     t.ops[0].random = True  # a0 is dropout-like: must be kept from op0 to op7
-    g = B._graph(t)
+    g = _graph(t)
     assert not g.groups[0].recomputable
     r = B.checkmate(t, 4 * K + 512)
     # a0 can't be dropped now: drop a1 instead (kept a0, recompute op1 for op6: 20)
@@ -191,7 +193,7 @@ def test_deadline_after_input_is_written():
         {"inputs": [a], "mutated": [a], "outputs": [a]},  # joins c's group
         {"inputs": [b, c], "created": [d]},
     ], initial={P})
-    g = B._graph(t)
+    g = _graph(t)
     assert g.groups[1].deadline == 2 and g.groups[0].recomputable is False
     assert g.groups[2].recomputable is False  # writes a storage it did not create
 
@@ -275,6 +277,17 @@ def test_determinism():
     assert B.checkpoint_sqrt_n(diamond()) == B.checkpoint_sqrt_n(diamond())
 
 
+def test_a_fractional_budget_is_a_share_of_the_live_byte_peak():
+    t = chain()
+    live_peak = 5 * K + 512
+    for result in (B.no_eviction(t, budget=0.8), B.checkpoint_sqrt_n(t, budget=0.8), B.checkmate(t, 0.8)):
+        assert result.live_peak_bytes == live_peak
+        assert result.budget_bytes == int(0.8 * live_peak)
+    assert B.checkmate(t, 4 * K).budget_bytes == 4 * K  # an int is bytes
+    with pytest.raises(ValueError, match="share of the live-byte peak"):
+        B.no_eviction(t, budget=-0.5)
+
+
 def test_min_feasible_budget():
     t = chain()
     peak = 5 * K + 512
@@ -284,7 +297,7 @@ def test_min_feasible_budget():
     # 3.5K is also the simple lower bound, so the first solve settles it
     cm = B.min_feasible_budget(t, "checkmate", tol=0.005)
     assert cm["fraction"] == pytest.approx((3 * K + 512) / peak) and cm["exact"]
-    assert cm["bytes"] == 3 * K + 512
+    assert cm["budget_bytes"] == 3 * K + 512 and cm["live_peak_bytes"] == peak
     with pytest.raises(ValueError):
         B.min_feasible_budget(t, "nope")
 
@@ -378,7 +391,7 @@ def test_lp_bound_at_the_peak_is_zero():
 
 def test_restricted_plan_is_real_and_no_better_than_exact():
     t = long_chain(8)  # 17 groups, contracted to 8
-    g = B._graph(t)
+    g = _graph(t)
     for b in (7680, 8704, 9216):
         exact = B.checkmate(t, b)
         r = B.checkmate(t, b, mode="restricted", max_groups=8)
@@ -417,9 +430,9 @@ def test_restricted_without_contraction_is_exact():
 
 
 def test_contraction_respects_the_limit_and_order():
-    g = B._graph(long_chain(8))
+    g = _graph(long_chain(8))
     for k in (1, 3, 8, 17, 40):
-        runs = B._contract_runs(g, k)
+        runs = _contract_runs(g, k)
         assert len(runs) == min(k, len(g.groups))
         assert [j for run in runs for j in run] == list(range(len(g.groups)))
 

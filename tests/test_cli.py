@@ -1,9 +1,12 @@
-"""The `dtralloc` command as a user runs it: demo, bench, help, errors."""
+"""The `dtralloc` command as a user runs it: demo, bench, record, help, errors."""
+import os
 import subprocess
 import sys
 
 import pytest
 
+import dtralloc
+from dtralloc.cli import build_parser
 from dtralloc.traces import list_bundled
 
 
@@ -70,6 +73,40 @@ def test_help_lists_every_command_and_no_command_is_an_error():
     for command in ("config", "demo", "record", "replay", "bench"):
         assert command in out
     assert run(check=False).returncode == 2
+
+
+def test_record_and_replay_a_zoo_model_from_outside_the_source_tree(tmp_path):
+    """The installed package records a zoo model by name from any directory (it
+    never imports the source tree), then replays what it wrote."""
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DTRALLOC_CONF")}
+
+    def run_at_root(*args):
+        return subprocess.run([sys.executable, *args], cwd="/", env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    # From "/" the source tree's bench/ cannot be imported, so a zoo that still
+    # lived there would fail below.
+    assert run_at_root("-c", "import importlib.util as u, sys; sys.exit(u.find_spec('bench') is not None)"
+                       ).returncode == 0
+    out = tmp_path / "x.dtrace"
+    record = run_at_root("-m", "dtralloc", "record", "resnet50", "--small", "--out", str(out))
+    assert record.returncode == 0, record.stderr
+    assert f"wrote {out}" in record.stdout and "warm-up step done" in record.stderr
+    trace = dtralloc.trace.load(str(out))
+    assert trace.meta["name"] == "resnet50" and trace.meta["description"].startswith("ResNet")
+    assert any(op.backward for op in trace.ops)
+    replay = run_at_root("-m", "dtralloc", "replay", str(out))
+    assert replay.returncode == 0, replay.stderr
+    row = replay.stdout.splitlines()[2]
+    assert row.split()[0] == "resnet50" and " yes " in row
+
+
+def test_record_takes_o_for_out_and_lists_every_zoo_model():
+    zoo = pytest.importorskip("dtralloc.zoo")
+    assert build_parser().parse_args(["record", "mlp", "-o", "step.dtrace"]).out == "step.dtrace"
+    help_text = " ".join(run("record", "--help").stdout.split())
+    assert all(name in help_text for name in zoo.MODELS)
 
 
 def test_replay_policies_bench_runs_on_one_trace(tmp_path):

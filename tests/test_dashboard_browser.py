@@ -15,6 +15,7 @@ from _browser import launch, require
 from _pool_workload import MiB, drive, expected, make
 
 import dtralloc
+from dtralloc.traces import bundled_path
 
 require()
 
@@ -189,13 +190,14 @@ def _replay_has_history() -> bool:
     return "history" in inspect.signature(dtralloc.replay).parameters
 
 
-@pytest.mark.skipif(not _replay_has_history(), reason="dtralloc.replay(..., history=True) is not on this branch yet")
 def test_bundled_trace_page_figures_equal_replay(open_page, tmp_path):
-    d = dtralloc.dashboard("mlp", budgets=[0.7, 0.5], policies=["dtralloc", "dtr"])
-    page = open_page(d.save(tmp_path / "mlp.html"))
-    trace = dtralloc.trace.load(dtralloc.traces.bundled_path("mlp"))
+    # Window policies report an OOM at once (single-tensor ones thrash first):
+    # the page of two of them, each feasible and not, builds in a second.
+    d = dtralloc.dashboard("resnet50", budgets=[0.7, 0.2], policies=["dtralloc", "coop"])
+    page = open_page(d.save(tmp_path / "resnet50.html"))
+    trace = dtralloc.trace.load(bundled_path("resnet50"))
     rows = page.page.locator("tr.run-row[data-run]")
-    combos = [("none", None), ("dtralloc", 0.7), ("dtralloc", 0.5), ("dtr", 0.7), ("dtr", 0.5)]
+    combos = [("none", None), ("dtralloc", 0.7), ("dtralloc", 0.2), ("coop", 0.7), ("coop", 0.2)]
     assert rows.count() == len(combos)
     for i, (policy, budget) in enumerate(combos):
         r = dtralloc.replay(trace, budget=budget, policy=policy)
@@ -206,19 +208,59 @@ def test_bundled_trace_page_figures_equal_replay(open_page, tmp_path):
         assert int(row.get_attribute("data-peak-allocated-bytes")) == r.peak_allocated_bytes
         assert int(row.get_attribute("data-evictions")) == r.evictions
         assert int(row.get_attribute("data-remats")) == r.remats
+        assert float(row.get_attribute("data-compute-overhead")) == r.compute_overhead
+        assert row.get_attribute("data-feasible") == ("true" if r.feasible else "false")
+    assert [f["peak_reserved_bytes"] for f in d.runs] == [int(rows.nth(i).get_attribute("data-peak-reserved-bytes"))
+                                                           for i in range(len(combos))]
     # Readouts at an op equal the per-op series of the replay.
-    r = dtralloc.replay(trace, budget=0.5, policy="dtralloc", history=True)
-    page.page.evaluate("window.dtrallocDashboard.select(2)")
-    for op in (0, len(trace.ops) // 2, len(trace.ops) - 1):
+    r = dtralloc.replay(trace, budget=0.7, policy="dtralloc")
+    assert r.feasible and r.evictions > 0
+    page.page.evaluate("window.dtrallocDashboard.select(1)")
+    n = len(r.series["op"])
+    for op in (0, n // 2, n - 1):
         got = page.cursor(op)
+        assert got["x"] == op
         for key in ("reserved", "allocated", "evictable", "largest_free", "free"):
             assert got[key] == int(r.series[key][op]), (op, key)
-        assert got["map_reserved"] == got["reserved"] and got["map_allocated"] == got["allocated"]
-    for view in VIEWS + ("sweep",):
+        assert got["budget"] == r.budget_bytes
+        if _replay_has_history():  # the address views: their totals are the series'
+            assert got["map_reserved"] == got["reserved"] and got["map_allocated"] == got["allocated"]
+    before = page.readout()
+    page.page.keyboard.press("Home")
+    assert page.readout() != before and page.readout()["x"] == 0
+    # A run that ran out of memory: no samples after its OOM op, shown as such.
+    oom = dtralloc.replay(trace, budget=0.2, policy="coop")
+    assert not oom.feasible
+    page.page.evaluate("window.dtrallocDashboard.select(4)")
+    assert page.page.locator("tr.run-row[data-run='4']").get_attribute("data-feasible") == "false"
+    got = page.cursor(len(trace.ops) - 1)
+    assert got["reserved"] != got["reserved"]  # NaN: not sampled (the cell shows "–")
+    views = ("timeline", "frag", "sweep") + (("addrmap", "addrtime") if _replay_has_history() else ())
+    for view in views:
         assert page.pixels(view) > 1000, view
+    # The sweep behind the overhead curves: every policy at every grid budget.
+    sweep = page.page.evaluate("window.dtrallocDashboard.meta.sweep")
+    assert set(sweep["policies"]) == {"dtralloc", "coop"}
+    for policy, points in sweep["policies"].items():
+        for p in points[:3]:
+            r = dtralloc.replay(trace, budget=p["fraction"], policy=policy)
+            assert (p["feasible"], p["compute_overhead"], p["budget_bytes"]) == \
+                (r.feasible, r.compute_overhead, r.budget_bytes)
+
+
+def test_bundled_trace_screenshot_for_the_readme(open_page, tmp_path):
+    """The README's picture of a bundled trace's page (written with
+    DTRALLOC_UPDATE_SCREENSHOTS=1), with the cursor at the first eviction."""
+    d = dtralloc.dashboard("gpt2", budgets=[0.5, 0.7], policies=["dtralloc", "coop"])
+    page = open_page(d.save(tmp_path / "gpt2.html"))
+    page.page.evaluate("window.dtrallocDashboard.select(1)")
+    page.cursor(0)
+    page.page.keyboard.press("]")  # the next marker: the evictor's first call
+    assert page.readout()["x"] > 0
+    assert page.pixels("timeline") > 5000
     if os.environ.get("DTRALLOC_UPDATE_SCREENSHOTS"):
         page.page.screenshot(path=os.path.join(os.path.dirname(__file__), "..", "docs", "img", "dashboard.png"),
-                             clip={"x": 0, "y": 0, "width": 1400, "height": 1250})
+                             clip={"x": 0, "y": 0, "width": 1400, "height": 1020})
 
 
 def test_snapshot_page_screenshot_for_the_readme(open_page, tmp_path):

@@ -37,7 +37,7 @@ def test_eviction_makes_tight_budgets_feasible(traces):
         assert r.peak_reserved_bytes <= r.budget_bytes
         assert r.evictions > 0 and r.remats > 0
         assert 0 < r.compute_overhead < 50
-        assert 0 <= r.fragmentation <= 1
+        assert 0 <= r.free_share_at_evictions <= 1
         assert r.search_ns > 0
 
 
@@ -51,8 +51,8 @@ def test_same_trace_and_policy_give_the_same_result(traces):
         a = dtralloc.replay(traces["gpt2"], budget=0.65, policy=policy)
         b = dtralloc.replay(traces["gpt2"], budget=0.65, policy=policy)
         assert (a.feasible, a.evictions, a.remats, a.compute_overhead, a.peak_reserved_bytes,
-                a.fragmentation) == (b.feasible, b.evictions, b.remats, b.compute_overhead,
-                                     b.peak_reserved_bytes, b.fragmentation)
+                a.free_share_at_evictions) == (b.feasible, b.evictions, b.remats, b.compute_overhead,
+                                     b.peak_reserved_bytes, b.free_share_at_evictions)
 
 
 def test_dtralloc_keeps_big_blocks_whole(traces):
@@ -89,7 +89,7 @@ def test_dtralloc_fits_segments_to_their_tensors(traces):
     fit = dtralloc.replay(trace, budget=0.7, policy="dtralloc")
     torch_sizes = dtralloc.replay(trace, budget=0.7, policy="dtralloc", conf="segment_fit:off")
     assert fit.compute_overhead < torch_sizes.compute_overhead
-    assert fit.fragmentation < torch_sizes.fragmentation / 2
+    assert fit.free_share_at_evictions < torch_sizes.free_share_at_evictions / 2
 
 
 def test_policy_from_conf_and_errors(traces):

@@ -20,7 +20,7 @@ from _steps import training_step
 from conftest import MiB
 
 import dtralloc
-from dtralloc.replay import POLICIES, format_results
+from dtralloc.replay import POLICIES, format_results, table_row
 from dtralloc.trace import Op, Storage, Trace
 
 MIN_BLOCK = 512
@@ -80,7 +80,7 @@ def test_exact_trace_without_budget():
     assert r.feasible and r.oom_op is None and r.oom_message == ""
     assert r.budget_bytes is None
     assert r.peak_allocated_bytes == 9 * MiB
-    assert r.peak_reserved_bytes == r.baseline_peak_bytes == SMALL_SEGMENT + LARGE_SEGMENT
+    assert r.peak_reserved_bytes == r.no_eviction_peak_reserved_bytes == SMALL_SEGMENT + LARGE_SEGMENT
     assert r.final_reserved_bytes == SMALL_SEGMENT + LARGE_SEGMENT  # policy none keeps its cache
     assert r.segments_peak == 2 and r.device_alloc_calls == 2 and r.device_free_calls == 0
     reserved = 22 * MiB
@@ -106,13 +106,13 @@ def test_exact_trace_under_budgets():
     short = dtralloc.replay(trace, budget=11 * MiB, check_invariants=True)
     assert not short.feasible and short.oom_op == 1
     assert "out of memory" in short.oom_message and short.peak_reserved_bytes <= 11 * MiB
-    assert short.baseline_peak_bytes == 22 * MiB
+    assert short.no_eviction_peak_reserved_bytes == 22 * MiB
     assert len(short.reserved_fragmentation) == 1, "sampled only for ops that completed"
     # Not even the storages alive before the step fit.
     none = dtralloc.replay(trace, budget=MiB)
     assert not none.feasible and none.oom_op == -1
-    assert none.table_row()["feasible"] == "OOM: initial storages"
-    assert short.table_row()["feasible"] == "OOM at op 1"
+    assert table_row(none)["feasible"] == "OOM: initial storages"
+    assert table_row(short)["feasible"] == "OOM at op 1"
 
 
 # -- a recorded training step -------------------------------------------------------
@@ -121,7 +121,7 @@ def test_no_budget_is_feasible_and_bounded_by_the_trace(mlp_trace):
     r = dtralloc.replay(mlp_trace)
     live_peak = mlp_trace.peak_live_bytes()
     assert r.feasible and r.budget_bytes is None
-    assert r.baseline_peak_bytes == r.peak_reserved_bytes >= r.peak_allocated_bytes
+    assert r.no_eviction_peak_reserved_bytes == r.peak_reserved_bytes >= r.peak_allocated_bytes
     # Allocated bytes are the trace's live bytes, each rounded up to 512.
     assert live_peak <= r.peak_allocated_bytes <= live_peak + MIN_BLOCK * len(mlp_trace.storages)
     initial = sum(_rounded(s.nbytes) for s in mlp_trace.storages if s.initial)
@@ -145,7 +145,7 @@ def test_fractional_budgets(mlp_trace):
     full = dtralloc.replay(mlp_trace, budget=1.0, check_invariants=True)
     assert full.feasible and full.budget_bytes == base.peak_reserved_bytes
     assert full.peak_reserved_bytes <= full.budget_bytes
-    assert full.baseline_peak_bytes == base.peak_reserved_bytes
+    assert full.no_eviction_peak_reserved_bytes == base.peak_reserved_bytes
     # Below the allocated peak nothing fits without eviction, which policy
     # "none" does not do.
     fraction = 0.9 * base.peak_allocated_bytes / base.peak_reserved_bytes
@@ -155,7 +155,7 @@ def test_fractional_budgets(mlp_trace):
     assert tight.oom_op is not None and -1 <= tight.oom_op < len(mlp_trace.ops)
     assert "out of memory" in tight.oom_message
     assert tight.peak_reserved_bytes <= tight.budget_bytes
-    assert tight.baseline_peak_bytes == base.peak_reserved_bytes
+    assert tight.no_eviction_peak_reserved_bytes == base.peak_reserved_bytes
 
 
 def test_byte_budgets_and_size_strings(mlp_trace):
@@ -199,7 +199,7 @@ def test_conf_is_passed_to_the_pool_but_not_a_budget():
         dtralloc.replay(_exact_trace(), conf="no_such_key:1")
     r = dtralloc.replay(_exact_trace(), conf="max_split_size_mb:64")
     assert r.feasible and r.conf == "max_split_size_mb:64"
-    assert r.table_row()["conf"] == "max_split_size_mb:64"
+    assert table_row(r)["conf"] == "max_split_size_mb:64"
 
 
 def test_conf_none_does_not_pick_up_the_environment(monkeypatch):
@@ -231,7 +231,7 @@ def test_replay_reads_a_saved_trace(mlp_trace, mlp_file):
 
 def test_empty_trace():
     r = dtralloc.replay(Trace(meta={"name": "empty"}), budget="1M", check_invariants=True)
-    assert r.feasible and r.peak_allocated_bytes == 0 and r.reserved_fragmentation == []
+    assert r.feasible and r.peak_allocated_bytes == 0 and len(r.reserved_fragmentation) == 0
 
 
 def test_zero_byte_storages_take_no_memory():

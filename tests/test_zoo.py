@@ -1,4 +1,4 @@
-"""The model zoo (bench/models) and the traces bundled from it (dtralloc.traces).
+"""The model zoo (dtralloc.zoo) and the traces bundled from it (dtralloc.traces).
 
 Every zoo model is built at its tiny size and one step is recorded, as
 bench/record_zoo.py does at full size; every bundled trace must load, be
@@ -15,12 +15,8 @@ torch = pytest.importorskip("torch")
 
 import dtralloc.trace  # noqa: E402
 from dtralloc import traces  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from bench.models import MODELS, NEEDS_TRANSFORMERS, SMALL_SIZES  # noqa: E402
+from dtralloc import zoo  # noqa: E402
+from dtralloc.zoo import MODELS, NEEDS_TRANSFORMERS, SMALL_SIZES  # noqa: E402
 
 ZOO = ["gpt2", "bert", "llama", "resnet50", "unet", "mlp"]
 WITH_DROPOUT = {"gpt2", "bert", "mlp"}   # Llama's config has none; the CNNs have none
@@ -62,6 +58,34 @@ def small_traces():
 def test_registry_has_the_six_models():
     assert sorted(MODELS) == sorted(ZOO)
     assert sorted(SMALL_SIZES) == sorted(ZOO)
+    with pytest.raises(ValueError, match="unknown zoo model 'gpt3'; available: gpt2, bert"):
+        zoo.build("gpt3")
+
+
+def test_without_transformers_its_models_name_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    for name in sorted(NEEDS_TRANSFORMERS):
+        with pytest.raises(ImportError, match=rf'the {name} zoo model .* pip install "dtralloc\[zoo\]"'):
+            zoo.build(name, small=True)
+    assert zoo.build("mlp", small=True).description  # the others need only torch
+    from dtralloc.cli import main
+
+    with pytest.raises(SystemExit, match=r'^error: the gpt2 zoo model .*"dtralloc\[zoo\]"'):
+        main(["record", "gpt2", "--small", "-o", str(tmp_path / "gpt2.dtrace")])
+    assert not (tmp_path / "gpt2.dtrace").exists()
+
+
+def test_record_model_warms_up_and_describes_the_step():
+    messages = []
+    trace = zoo.record_model("mlp", small=True, sizes={"batch": 4}, echo=messages.append)
+    trace.validate()
+    assert trace.meta["name"] == "mlp" and trace.meta["description"].startswith("MLP")
+    assert trace.meta["sizes"] == {**zoo.effective_sizes("mlp", {}), **SMALL_SIZES["mlp"], "batch": 4}
+    assert "warm-up step done" in messages
+    # After the warm-up, Adam's moments exist before the recorded step: initial storages.
+    params = sum(1 for s in trace.storages if s.initial and s.outlives)
+    cold = zoo.record_model("mlp", small=True, warmup=False)
+    assert params > sum(1 for s in cold.storages if s.initial and s.outlives)
 
 
 @pytest.mark.parametrize("name", ZOO)

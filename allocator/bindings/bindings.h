@@ -19,6 +19,8 @@ namespace py = pybind11;
 void bind_pool(py::module_& m);
 // Trace replay through pool + engine + evictor (replay.cpp).
 void bind_replay(py::module_& m);
+// Live DTR on eager PyTorch: the session and saved handles (live.cpp).
+void bind_live(py::module_& m);
 // What dashboards and `dtralloc top` read: history columns, the history
 // model, the publisher (dashboard.cpp). Adds methods to Pool: after bind_pool.
 void bind_dashboard(py::module_& m);

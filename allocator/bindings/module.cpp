@@ -39,5 +39,6 @@ PYBIND11_MODULE(_core, m) {
 
   bindings::bind_pool(m);
   bindings::bind_replay(m);
+  bindings::bind_live(m);
   bindings::bind_dashboard(m);
 }

@@ -1,5 +1,8 @@
-// Bindings of the replay room: a trace's columns through pool + remat engine
-// + evictor under a budget (replay_driver.h).
+// Bindings of the replay room: the trace's columns (ReplayTrace), one replay
+// through pool + remat engine + evictor (run_replay), its result
+// (ReplayResult, generated from DTRALLOC_REPLAY_FIGURES), and the policy table.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <string>
@@ -7,81 +10,204 @@
 
 #include "bindings.h"
 #include "config.h"
+#include "policies.h"
 #include "replay_driver.h"
 
 namespace dtralloc::bindings {
 namespace {
 
-// The trace arrives as its columns (python/dtralloc/replay.py builds them);
-// the result is a plain dict that replay.py turns into a ReplayResult.
-py::dict remat_replay(ReplayTrace trace, std::size_t budget_bytes, const std::string& policy,
-                      const std::string& conf, bool check_invariants) {
+// A column of `owner` as a numpy array that keeps `owner` alive (no copy).
+template <typename T>
+py::array_t<T> column(const std::vector<T>& v, py::handle owner) {
+  return py::array_t<T>({static_cast<py::ssize_t>(v.size())}, {static_cast<py::ssize_t>(sizeof(T))},
+                        v.data(), owner);
+}
+
+py::dict series_dict(const ReplayResult& r, py::handle owner) {
+  py::dict d;
+  d["op"] = column(r.series.op, owner);
+  d["reserved"] = column(r.series.reserved, owner);
+  d["allocated"] = column(r.series.allocated, owner);
+  d["evictable"] = column(r.series.evictable, owner);
+  d["largest_free"] = column(r.series.largest_free, owner);
+  d["free"] = column(r.series.free, owner);
+  return d;
+}
+
+py::dict events_dict(const EventLog& e, py::handle owner) {
+  py::dict d;
+  d["op"] = column(e.op, owner);
+  d["kind"] = column(e.kind, owner);
+  d["value"] = column(e.value, owner);
+  d["bytes"] = column(e.bytes, owner);
+  d["addr"] = column(e.addr, owner);
+  d["plan"] = column(e.plan, owner);
+  d["score"] = column(e.score, owner);
+  d["window_addr"] = column(e.window_addr, owner);
+  d["window_bytes"] = column(e.window_bytes, owner);
+  return d;
+}
+
+// 1 - a / b per op (0 where b is 0), as an array.
+py::array_t<double> one_minus_ratio(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b) {
+  py::array_t<double> out(static_cast<py::ssize_t>(a.size()));
+  auto w = out.mutable_unchecked<1>();
+  for (std::size_t i = 0; i < a.size(); ++i) w(i) = b[i] ? 1.0 - double(a[i]) / double(b[i]) : 0.0;
+  return out;
+}
+
+ReplayResult replay(const ReplayTrace& trace, std::size_t budget_bytes, const std::string& policy,
+                    const std::string& conf, bool check_invariants, bool series, bool measure_floor,
+                    py::object progress) {
   ReplayOptions options;
   options.config = parse_config(conf);
   options.policy = parse_policy(policy);
   options.budget_bytes = budget_bytes;
   options.check_invariants = check_invariants;
-  ReplayOutcome r;
-  {
-    py::gil_scoped_release release;
-    r = run_replay(trace, options);
+  options.series = series;
+  options.measure_floor = measure_floor;
+  if (!progress.is_none()) {
+    options.progress = [progress](std::size_t done, std::size_t total) {
+      py::gil_scoped_acquire gil;
+      progress(done, total);
+    };
   }
-  py::dict d;
-  d["feasible"] = r.feasible;
-  d["oom_op"] = r.oom_op;
-  d["message"] = r.message;
-  d["peak_reserved_bytes"] = r.peak_reserved_bytes;
-  d["peak_allocated_bytes"] = r.peak_allocated_bytes;
-  d["final_reserved_bytes"] = r.final_reserved_bytes;
-  d["segments_peak"] = r.segments_peak;
-  d["device_alloc_calls"] = r.device_alloc_calls;
-  d["device_free_calls"] = r.device_free_calls;
-  d["invariant_checks"] = r.invariant_checks;
-  d["max_split_size"] = split_size_for_python(r.max_split_size);
-  d["segment_fit"] = r.segment_fit;
-  d["base_cost"] = r.engine.base_cost;
-  d["remat_cost"] = r.engine.remat_cost;
-  d["evictions"] = r.engine.evictions;
-  d["remats"] = r.engine.remats;
-  d["random_replays"] = r.engine.random_replays;
-  d["fake_deletions"] = r.engine.fake_deletions;
-  d["eviction_calls"] = r.evictor.calls;
-  d["window_evictions"] = r.evictor.windows;
-  d["segment_releases"] = r.evictor.segment_releases;
-  d["no_plan"] = r.evictor.no_plan;
-  d["resident_floor_bytes"] = r.resident_floor_bytes;
-  d["search_ns"] = r.evictor.search_ns;
-  d["free_fraction"] = r.evictor.free_fraction;
-  return d;
+  py::gil_scoped_release release;
+  return run_replay(trace, options);
 }
+
+// Two replays measured the same: every figure, every per-op sample and
+// every logged event (search times excepted: they are wall-clock).
+bool same_replay(const ReplayResult& a, const ReplayResult& b) {
+#define DTRALLOC_SAME(type, name, def, doc) \
+  if (std::string(#name) != "search_ns" && !(a.name == b.name)) return false;
+  DTRALLOC_REPLAY_FIGURES(DTRALLOC_SAME)
+#undef DTRALLOC_SAME
+  const auto& s = a.series;
+  const auto& t = b.series;
+  const auto& e = a.events;
+  const auto& f = b.events;
+  return a.budget_bytes == b.budget_bytes && a.oom_op == b.oom_op && a.oom_message == b.oom_message &&
+         a.policy == b.policy && a.max_split_size == b.max_split_size && a.name == b.name &&
+         a.conf == b.conf && a.no_eviction_peak_reserved_bytes == b.no_eviction_peak_reserved_bytes &&
+         a.free_share_per_call == b.free_share_per_call && s.op == t.op && s.reserved == t.reserved &&
+         s.allocated == t.allocated && s.evictable == t.evictable && s.largest_free == t.largest_free &&
+         s.free == t.free && e.op == f.op && e.kind == f.kind && e.value == f.value && e.bytes == f.bytes &&
+         e.addr == f.addr && e.plan == f.plan && e.score == f.score && e.window_addr == f.window_addr &&
+         e.window_bytes == f.window_bytes;
+}
+
 }  // namespace
 
 void bind_replay(py::module_& m) {
-  m.def("remat_replay",
-        [](std::vector<std::size_t> nbytes, std::vector<int> initial, std::vector<int> frees_before,
-           std::vector<int> inputs_offsets, std::vector<int> inputs, std::vector<int> created_offsets,
-           std::vector<int> created, std::vector<int> mutated_offsets, std::vector<int> mutated,
-           std::vector<int> frees_offsets, std::vector<int> frees, std::vector<double> cost,
-           std::vector<int> random, std::size_t budget_bytes, const std::string& policy,
-           const std::string& conf, bool check_invariants) {
-          ReplayTrace t;
-          t.nbytes = std::move(nbytes);
-          t.initial.assign(initial.begin(), initial.end());
-          t.frees_before = std::move(frees_before);
-          t.inputs_offsets = std::move(inputs_offsets);
-          t.inputs = std::move(inputs);
-          t.created_offsets = std::move(created_offsets);
-          t.created = std::move(created);
-          t.mutated_offsets = std::move(mutated_offsets);
-          t.mutated = std::move(mutated);
-          t.frees_offsets = std::move(frees_offsets);
-          t.frees = std::move(frees);
-          t.cost = std::move(cost);
-          t.random.assign(random.begin(), random.end());
-          return remat_replay(std::move(t), budget_bytes, policy, conf, check_invariants);
-        },
-        "Replay a trace (as columns) with eviction and rematerialization under a budget "
-        "(0 = none); returns a dict of results.");
+  py::class_<ReplayTrace>(m, "ReplayTrace",
+                          "A trace's columns as the replay driver reads them (CSR lists: offsets "
+                          "has one entry more than ops). dtralloc.replay builds it from a Trace.")
+      .def(py::init<>())
+      .def_readwrite("nbytes", &ReplayTrace::nbytes)
+      .def_readwrite("initial", &ReplayTrace::initial)
+      .def_readwrite("frees_before", &ReplayTrace::frees_before)
+      .def_readwrite("inputs_offsets", &ReplayTrace::inputs_offsets)
+      .def_readwrite("inputs", &ReplayTrace::inputs)
+      .def_readwrite("created_offsets", &ReplayTrace::created_offsets)
+      .def_readwrite("created", &ReplayTrace::created)
+      .def_readwrite("mutated_offsets", &ReplayTrace::mutated_offsets)
+      .def_readwrite("mutated", &ReplayTrace::mutated)
+      .def_readwrite("frees_offsets", &ReplayTrace::frees_offsets)
+      .def_readwrite("frees", &ReplayTrace::frees)
+      .def_readwrite("cost", &ReplayTrace::cost)
+      .def_readwrite("random", &ReplayTrace::random)
+      .def_property_readonly("num_ops", &ReplayTrace::num_ops)
+      .def("validate", &ReplayTrace::validate, "Raise ValueError if the columns are malformed.");
+
+  py::class_<ReplayResult> result(m, "ReplayResult", "What one replay measured (dtralloc.replay).");
+#define DTRALLOC_BIND_FIGURE(type, name, def, doc) result.def_readonly(#name, &ReplayResult::name, doc);
+  DTRALLOC_REPLAY_FIGURES(DTRALLOC_BIND_FIGURE)
+#undef DTRALLOC_BIND_FIGURE
+  result
+      .def_property_readonly("budget_bytes", [](const ReplayResult& r) -> py::object {
+        return r.budget_bytes ? py::cast(r.budget_bytes) : py::none();
+      }, "the cap on reserved bytes; None: no budget")
+      .def_property_readonly("oom_op", [](const ReplayResult& r) -> py::object {
+        return r.oom_op == -2 ? py::none() : py::cast(r.oom_op);
+      }, "the op whose allocation failed (-1: the storages alive before the step); None if feasible")
+      .def_readonly("oom_message", &ReplayResult::oom_message)
+      .def_property_readonly("policy", [](const ReplayResult& r) { return std::string(policy_name(r.policy)); })
+      .def_property_readonly("max_split_size", [](const ReplayResult& r) { return split_size_for_python(r.max_split_size); },
+                             "the pool's block split limit (max_split_size_mb:auto resolved), bytes; -1: none")
+      .def_property_readonly("search_ns_per_call", [](py::object self) {
+        return column(self.cast<const ReplayResult&>().search_ns_per_call, self);
+      })
+      .def_property_readonly("free_share_per_call", [](py::object self) {
+        return column(self.cast<const ReplayResult&>().free_share_per_call, self);
+      })
+      .def_property_readonly("series", [](py::object self) {
+        return series_dict(self.cast<const ReplayResult&>(), self);
+      }, "per op, after its outputs are allocated: op, reserved, allocated, evictable, largest_free, free "
+         "(numpy arrays)")
+      .def_property_readonly("events", [](py::object self) {
+        return events_dict(self.cast<const ReplayResult&>().events, self);
+      }, "the evictor's calls, evictions and recomputes: op, kind (0 room asked, 1 evicted, "
+         "2 recomputed), value, bytes, addr, plan (0 none, 1 window, 2 segment release, 3 single), "
+         "score, window_addr, window_bytes (numpy arrays)")
+      .def_property_readonly("reserved_fragmentation", [](const ReplayResult& r) {
+        return one_minus_ratio(r.series.allocated, r.series.reserved);
+      }, "1 - allocated / reserved after each op")
+      .def_property_readonly("external_fragmentation", [](const ReplayResult& r) {
+        return one_minus_ratio(r.series.largest_free, r.series.free);
+      }, "1 - largest free block / free cached bytes after each op")
+      .def_property_readonly("reserved_over_allocated", [](const ReplayResult& r) {
+        return r.peak_allocated_bytes ? double(r.peak_reserved_bytes) / double(r.peak_allocated_bytes) : 1.0;
+      }, "peak reserved / peak allocated (1.0 = no cache overhead)")
+      // Set by dtralloc.replay from the call (the trace's name, the pool
+      // settings, and the no-eviction peak a fractional budget is a share of).
+      .def_readwrite("name", &ReplayResult::name)
+      .def_readwrite("conf", &ReplayResult::conf)
+      .def_readwrite("no_eviction_peak_reserved_bytes", &ReplayResult::no_eviction_peak_reserved_bytes,
+                     "peak reserved of the same trace replayed with no budget and no eviction: the "
+                     "reference a fractional budget is a share of")
+      .def("__eq__", [](const ReplayResult& a, const ReplayResult& b) { return same_replay(a, b); },
+           py::is_operator())
+      .def("__repr__", [](const ReplayResult& r) {
+        return "<ReplayResult " + r.name + " policy=" + policy_name(r.policy) +
+               " feasible=" + (r.feasible ? "True" : "False") +
+               " peak_reserved=" + format_bytes(r.peak_reserved_bytes) + ">";
+      });
+
+  m.def("replay", &replay, py::arg("trace"), py::arg("budget_bytes"), py::arg("policy"), py::arg("conf"),
+        py::arg("check_invariants") = false, py::arg("series") = true, py::arg("measure_floor") = false,
+        py::arg("progress") = py::none(),
+        "Replay `trace` (a ReplayTrace) through a fresh pool on the virtual backend under "
+        "`budget_bytes` (0 = none) with eviction `policy`.");
+
+  m.def("policies", []() {
+    py::list out;
+    for (const PolicyInfo& p : policy_table()) {
+      const PolicyTraits& t = p.traits;
+      py::dict d;
+      d["name"] = p.name;
+      d["doc"] = p.doc;
+      d["choice"] = t.choice == VictimChoice::kNone ? "none" : t.choice == VictimChoice::kSingle ? "single" : "window";
+      const char* cost = "";
+      switch (t.cost) {
+        case VictimCost::kNone: cost = "none"; break;
+        case VictimCost::kLastAccess: cost = "last access"; break;
+        case VictimCost::kUnit: cost = "1"; break;
+        case VictimCost::kProducer: cost = "producer cost"; break;
+        case VictimCost::kChain: cost = "recompute chain"; break;
+        case VictimCost::kEstarExact: cost = "e* (exact)"; break;
+        case VictimCost::kEstarEq: cost = "e* (union-find)"; break;
+      }
+      d["cost"] = cost;
+      d["per_byte"] = t.per_byte;
+      d["free_neighbours"] = t.free_neighbours;
+      d["staleness"] = t.staleness;
+      d["penalty"] = t.penalty;
+      d["pruned"] = t.pruned;
+      out.append(d);
+    }
+    return out;
+  }, "The eviction policies (allocator/policies.h), in table order, with their descriptors.");
 }
 
 }  // namespace dtralloc::bindings

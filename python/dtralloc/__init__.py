@@ -10,16 +10,20 @@ Quick start::
 Everything tunable goes through ``DTRALLOC_CONF="key:value,..."`` (run
 ``python -m dtralloc config`` for the table). :class:`Pool` drives a pool
 directly, on the ``cuda``, ``host`` or ``virtual`` backend.
+:mod:`dtralloc.trace` records a training step, :func:`replay` runs one through
+the pool; ``dtralloc.baselines`` and ``dtralloc.zoo`` (needs torch) are
+imported by name. This module only re-exports.
 """
 from __future__ import annotations
 
+from . import trace
 from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library_path
+from ._version import __version__
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
 from .dashboard import dashboard
 from .pool import Pool
 from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
-from . import trace
 from .stats import (
     empty_cache,
     memory_stats,
@@ -29,14 +33,14 @@ from .stats import (
     reset_peak_memory_stats,
     snapshot,
 )
-from .torch_hooks import install, installed
-
-__version__ = "0.1.0"
+from .torch_hooks import InstallError, install, installed
 
 __all__ = [
-    "ConfigError",
-    "InvalidPointerError",
-    "OutOfMemoryError",
+    # errors users can cause, each naming the cause and the fix
+    "ConfigError",          # a bad DTRALLOC_CONF key or value (a ValueError)
+    "InstallError",         # install() too late, twice with another conf, or without CUDA torch
+    "InvalidPointerError",  # a free of an address the pool did not hand out (a ValueError)
+    "OutOfMemoryError",     # a Pool request over the budget or the device (a MemoryError)
     "POLICIES",
     "Pool",
     "ReplayResult",
@@ -51,12 +55,12 @@ __all__ = [
     "library_path",
     "memory_stats",
     "memory_summary",
+    "min_feasible_budget",
     "record_memory_history",
     "replay",
-    "resident_floor",
-    "min_feasible_budget",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "resident_floor",
     "snapshot",
     "trace",
 ]

@@ -9,8 +9,12 @@ from . import _core
 
 def _cmd_config(args) -> int:
     from .config import format_config_markdown, format_config_table
+    from .replay import format_policies_markdown
 
-    print(format_config_markdown() if args.markdown else format_config_table(args.conf))
+    if args.policies:
+        print(format_policies_markdown())
+    else:
+        print(format_config_markdown() if args.markdown else format_config_table(args.conf))
     return 0
 
 
@@ -84,53 +88,69 @@ def _load_trace(path: str):
 
 
 def _cmd_record(args) -> int:
-    import importlib
     import os
     import time
 
-    from .trace import record
+    def echo(message: str) -> None:
+        print(message, file=sys.stderr)
 
+    start = time.perf_counter()
     if ":" in args.target:
-        module_name, _, func_name = args.target.partition(":")
-        sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise SystemExit(f"error: cannot import {module_name!r} for {args.target}: {e}. "
-                             "Run from the directory that holds it or put it on PYTHONPATH.")
-        factory = getattr(module, func_name, None)
-        if factory is None:
-            raise SystemExit(f"error: {module_name} has no attribute {func_name!r}")
-        step = factory()
-        if not callable(step):
-            raise SystemExit(f"error: {args.target} must return the step function (a callable "
-                             f"taking no arguments), got {type(step).__name__}")
-        name = func_name
+        from .trace import record
+
+        step, name = _user_step(args.target)
+        if not args.no_warmup:
+            echo("warm-up step ...")
+            step()
+        echo("recording one step ...")
+        trace = record(step, name=name)
     else:
-        sys.path.insert(0, os.getcwd())
         try:
-            from bench.models import MODELS
-        except ImportError:
-            raise SystemExit("error: zoo models live in bench/models of the dtralloc source tree; "
-                             "run `dtralloc record` from there, or pass module:function "
-                             "(a function returning your step function)")
+            from .zoo import MODELS, record_model
+        except ImportError as e:  # torch is missing
+            raise SystemExit(f"error: {e}")
         if args.target not in MODELS:
             raise SystemExit(f"error: unknown zoo model {args.target!r}; choose from "
                              f"{', '.join(sorted(MODELS))} or pass module:function")
-        workload = MODELS[args.target](small=args.small)
-        print(f"model: {workload.description}", file=sys.stderr)
-        step, name = workload.step, args.target
-    if not args.no_warmup:
-        print("warm-up step ...", file=sys.stderr)
-        step()
-    print("recording one step ...", file=sys.stderr)
-    start = time.perf_counter()
-    trace = record(step, name=name)
-    out = args.out or f"{name}.dtrace"
+        try:
+            trace = record_model(args.target, small=args.small, warmup=not args.no_warmup, echo=echo)
+        except ImportError as e:  # transformers is missing
+            raise SystemExit(f"error: {e}")
+    out = args.out or f"{trace.meta['name']}.dtrace"
     trace.save(out)
-    print(f"{trace.summary()}\nwrote {out} ({os.path.getsize(out) / 1e6:.2f} MB) "
+    print(f"{trace.summary()}\nwrote {out} ({_core.format_bytes(os.path.getsize(out))}) "
           f"in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _core_policies() -> list[str]:
+    return [p["name"] for p in _core.policies()]
+
+
+def _user_step(target: str):
+    """(step function, name) from ``module:function``: ``function()`` returns the step.
+
+    The module is imported from the current directory or PYTHONPATH: that is
+    where a user's own training code lives (zoo names never look there).
+    """
+    import importlib
+    import os
+
+    module_name, _, func_name = target.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"error: cannot import {module_name!r} for {target}: {e}. "
+                         "Run from the directory that holds it or put it on PYTHONPATH.")
+    factory = getattr(module, func_name, None)
+    if factory is None:
+        raise SystemExit(f"error: {module_name} has no attribute {func_name!r}")
+    step = factory()
+    if not callable(step):
+        raise SystemExit(f"error: {target} must return the step function (a callable "
+                         f"taking no arguments), got {type(step).__name__}")
+    return step, func_name
 
 
 def _cmd_dashboard(args) -> int:
@@ -139,7 +159,11 @@ def _cmd_dashboard(args) -> int:
     if not args.inputs:
         raise SystemExit("error: give at least one input: a .dtrace file or bundled trace name, or a "
                          "memory snapshot pickle (torch.cuda.memory._dump_snapshot or dtralloc.snapshot())")
-    d = dashboard(*args.inputs, budgets=args.budget, policies=args.policy, conf=args.conf,
+    budgets = None
+    if args.budget:  # "0.5,6G" and repeated flags; "none" is a run without a budget
+        budgets = [None if t.strip().lower() == "none" else _parse_budget(t.strip())
+                   for text in args.budget for t in text.split(",") if t.strip()]
+    d = dashboard(*args.inputs, budgets=budgets, policies=args.policy, conf=args.conf,
                   sweep=not args.no_sweep, min_budget=not args.no_min_budget, title=args.title)
     d.save(args.output)
     print(f"wrote {args.output} ({len(d.html.encode()) / 2**20:.2f} MiB, {len(d.runs)} runs)")
@@ -162,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective DTRALLOC_CONF settings with their docs")
     p.add_argument("--conf", default=None, help="settings to check instead of $DTRALLOC_CONF")
     p.add_argument("--markdown", action="store_true", help="print the option table as markdown")
+    p.add_argument("--policies", action="store_true",
+                   help="print the eviction policy table (the values of `policy`) as markdown")
     p.set_defaults(func=_cmd_config)
     p = sub.add_parser("demo", help="replay the bundled training steps under several settings")
     p.add_argument("--trace", action="append", help="a bundled trace to replay (repeatable; default all)")
@@ -172,10 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a budget fraction of the peak for the budget table (repeatable; default 0.7, 0.5)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
-    p.add_argument("target", help="a zoo model name (from bench/models) or module:function "
-                   "returning a step function")
-    p.add_argument("--out", help="output file (default NAME.dtrace)")
-    p.add_argument("--small", action="store_true", help="zoo models: small sizes (quick)")
+    p.add_argument("target", help="a zoo model of dtralloc.zoo (gpt2, bert, llama, resnet50, unet, mlp), "
+                   "or module:function, function() returning your step function (the module is "
+                   "imported from the current directory or PYTHONPATH)")
+    p.add_argument("-o", "--out", help="output file (default NAME.dtrace)")
+    p.add_argument("--small", action="store_true", help="zoo models: tiny sizes of the same architecture (quick)")
     p.add_argument("--no-warmup", action="store_true",
                    help="record the first step (default: run one step first so optimizer state exists)")
     p.set_defaults(func=_cmd_record)
@@ -185,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on reserved bytes: a size (6G) or a fraction of the no-eviction peak "
                         "(0.5); repeatable")
     p.add_argument("--policy", action="append",
-                   help="eviction policy under the budget (none, lru, size, msps, dtr, dtr_eq, "
-                        "dtr_local, dte, coop, dtralloc); repeatable; default none")
+                   help=f"eviction policy under the budget ({', '.join(_core_policies())}; "
+                        "`dtralloc config --policies` says how each chooses); repeatable; default none")
     p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the pool")
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("dashboard", help="one self-contained HTML page for traces and memory snapshots")

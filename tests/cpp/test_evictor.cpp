@@ -29,11 +29,19 @@ struct Graph {
   ~Graph() { engine.release_all(); }
   // The output (`bytes`) of an op of `cost` that reads `input` (-1: none).
   int make(double cost, int input, std::size_t bytes) {
-    const int op = engine.begin_op(cost, false);
-    if (input >= 0) engine.use_input(op, input);
-    const int v = engine.create_output(op, bytes);
+    OpCall call;
+    call.cost = cost;
+    if (input >= 0) call.reads = {input};
+    const int op = engine.begin_op(call);
+    const int v = engine.add_output(op, bytes);
     engine.end_op(op);
     return v;
+  }
+  // An op of no cost that only reads `v`.
+  void read(int v) {
+    OpCall call;
+    call.reads = {v};
+    engine.end_op(engine.begin_op(call));
   }
 };
 
@@ -68,10 +76,8 @@ void test_single_tensor_policies() {
   for (const char* p : {"msps", "dtr", "dtr_eq", "dtr_local", "dte"})
     CHECK(choose(p, l, 1 << 20) == std::vector<int>{l.b});
   // Touch B: now A is least recently used, and B's staleness shrinks.
-  const int op = l.engine.begin_op(0, false);
   l.engine.tick();
-  l.engine.use_input(op, l.b);
-  l.engine.end_op(op);
+  l.read(l.b);
   l.engine.tick();
   CHECK(choose("lru", l, 1 << 20) == std::vector<int>{l.a});
   CHECK(choose("dtr_local", l, 1 << 20) == std::vector<int>{l.c});
@@ -108,9 +114,7 @@ void test_dtralloc_recompute_penalty() {
   // the 1 MiB windows cost AB 522, BC 513, CD 101 (same staleness): CD wins.
   for (int i = 0; i < 3; ++i) {
     CHECK(l.engine.evict(l.b));
-    const int op = l.engine.begin_op(0, false);
-    l.engine.use_input(op, l.b);
-    l.engine.end_op(op);
+    l.read(l.b);
   }
   CHECK_EQ(l.engine.value(l.b).recomputes, 3);
   CHECK(choose("dtralloc", l, 1 << 20) == (std::vector<int>{l.c, l.d}));
@@ -138,12 +142,29 @@ void test_make_room_serves_request() {
   Layout l;
   auto ev = std::make_shared<Evictor>(l.allocator, l.engine, Policy::kDtralloc, l.allocator.config());
   l.allocator.set_eviction_hook(ev);
+  EventLog log;
+  ev->set_event_log(&log);
+  l.engine.set_event_log(&log);
   const std::uintptr_t b_addr = l.engine.value(l.b).addr;
   // A 1 MiB output does not fit under the budget: B and C go, it lands there.
-  const int op = l.engine.begin_op(5, false);
-  const int e = l.engine.create_output(op, 1 << 20);
+  OpCall call;
+  call.cost = 5;
+  const int op = l.engine.begin_op(call);
+  const int e = l.engine.add_output(op, 1 << 20);
   l.engine.end_op(op);
   CHECK_EQ(l.engine.value(e).addr, b_addr);
+  // Logged: the call (a window over B and C, at B's address), then B and C.
+  CHECK_EQ(log.size(), std::size_t{3});
+  CHECK_EQ(log.kind[0], static_cast<std::uint8_t>(EventKind::kRoomAsked));
+  CHECK_EQ(log.plan[0], static_cast<std::uint8_t>(PlanKind::kWindow));
+  CHECK_EQ(log.window_addr[0], b_addr);
+  CHECK_EQ(log.window_bytes[0], std::int64_t{1 << 20});
+  CHECK_EQ(log.bytes[0], std::int64_t{1 << 20});
+  CHECK(log.score[0] > 0);
+  CHECK_EQ(log.kind[1], static_cast<std::uint8_t>(EventKind::kEvicted));
+  CHECK_EQ(log.value[1], l.b);
+  CHECK_EQ(log.value[2], l.c);
+  CHECK_EQ(log.op[1], op);
   CHECK(l.engine.value(l.b).state == ValueState::kEvicted);
   CHECK(l.engine.value(l.c).state == ValueState::kEvicted);
   CHECK(l.engine.value(l.a).state == ValueState::kResident);
@@ -195,8 +216,10 @@ void test_release_plans() {
     Segments s("60M");
     auto ev = std::make_shared<Evictor>(s.allocator, s.engine, Policy::kDtralloc, s.allocator.config());
     s.allocator.set_eviction_hook(ev);
-    const int op = s.engine.begin_op(1, false);
-    const int big = s.engine.create_output(op, 40 << 20);
+    OpCall call;
+    call.cost = 1;
+    const int op = s.engine.begin_op(call);
+    const int big = s.engine.add_output(op, 40 << 20);
     s.engine.end_op(op);
     CHECK(s.engine.value(big).state == ValueState::kResident);
     CHECK(s.engine.value(s.x).state == ValueState::kEvicted);
@@ -204,8 +227,8 @@ void test_release_plans() {
     CHECK_EQ(ev->stats().calls, std::size_t{1});
     CHECK_EQ(ev->stats().segment_releases, std::size_t{1});
     // Now nothing can make 60 MiB: make_room says so at once, and malloc OOMs.
-    const int op2 = s.engine.begin_op(1, false);
-    CHECK_CONTAINS(check::thrown_message<OutOfMemoryError>([&] { s.engine.create_output(op2, 60 << 20); }),
+    const int op2 = s.engine.begin_op(call);
+    CHECK_CONTAINS(check::thrown_message<OutOfMemoryError>([&] { s.engine.add_output(op2, 60 << 20); }),
                    "out of memory");
     CHECK_EQ(ev->stats().no_plan, std::size_t{1});
     s.engine.end_op(op2);
@@ -239,7 +262,18 @@ void test_release_plan_costs_chains() {
 void test_unknown_policy() {
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_policy("belady"); }), "belady");
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "policy");
-  CHECK(parse_config("policy:dtr").policy == "dtr");
+  CHECK(parse_config("policy:dtr").policy == Policy::kDtr);
+  CHECK(parse_config("policy: DTRALLOC ").policy == Policy::kDtralloc);
+  // The table: names round-trip, and the descriptor is what the evictor reads.
+  for (const PolicyInfo& p : policy_table()) {
+    CHECK(parse_policy(p.name) == p.policy);
+    CHECK(std::string(policy_name(p.policy)) == p.name);
+    CHECK(policy_names().find(p.name) != std::string::npos);
+  }
+  CHECK(policy_traits(Policy::kNone).choice == VictimChoice::kNone);
+  CHECK(policy_traits(Policy::kDtralloc).choice == VictimChoice::kWindow);
+  CHECK(policy_traits(Policy::kDtr).choice == VictimChoice::kSingle);
+  CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "dtralloc");
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
-// RematEngine: state machine, recompute chains, e*, in-place versions, fake
-// deletion, locks. Memory comes from a fake port that records live blocks.
+// RematEngine: the per-op protocol, state machine, recompute chains (on an
+// explicit stack), e*, in-place versions, fake deletion, locks, unwinding
+// after an OOM. Memory comes from a fake driver that records live blocks.
 #include <functional>
 #include <map>
+#include <set>
 
 #include "check.h"
 #include "remat_engine.h"
@@ -10,41 +12,67 @@ using namespace dtralloc;
 
 namespace {
 
-class FakeMemory : public MemoryPort {
+// Addresses from here up stand for memory the driver already held (adopted
+// by add_output), not allocated through this fake.
+constexpr std::uintptr_t kAdopted = std::uintptr_t{1} << 40;
+
+class FakeMemory : public RematDriver {
  public:
   std::uintptr_t allocate(std::size_t bytes, int value) override {
     if (on_allocate) on_allocate(value);
+    if (fail_after >= 0 && fail_after-- == 0) throw std::runtime_error("fake OOM");
+    if (!bytes) return 0;
     const std::uintptr_t addr = next_;
     next_ += (bytes + 511) / 512 * 512 + 512;
     live[addr] = bytes;
     return addr;
   }
-  void release(std::uintptr_t addr) override {
-    CHECK(live.erase(addr) == 1);
+  void release(int value, std::uintptr_t addr) override {
+    released.push_back(value);
+    if (addr && addr < kAdopted) CHECK(live.erase(addr) == 1);
   }
+  std::uintptr_t recompute(int value, std::size_t bytes) override {
+    recomputed.push_back(value);
+    return allocate(bytes, value);
+  }
+  bool held_elsewhere(int value) const override { return held.count(value) > 0; }
   std::map<std::uintptr_t, std::size_t> live;
   std::function<void(int)> on_allocate;  // before each allocation, e.g. to evict
+  int fail_after = -1;                   // >= 0: that many more allocations succeed, then one throws
+  std::vector<int> released, recomputed;
+  std::set<int> held;
 
  private:
   std::uintptr_t next_ = 0x10000;
 };
 
+OpCall call(double cost, std::vector<int> reads = {}, std::vector<int> writes = {}, bool random = false) {
+  OpCall c;
+  c.cost = cost;
+  c.random = random;
+  c.reads = std::move(reads);
+  c.writes = std::move(writes);
+  return c;
+}
+
 // One op with no inputs making one value of `bytes` at `cost`.
 int leaf(RematEngine& e, std::size_t bytes, double cost) {
-  const int op = e.begin_op(cost, false);
-  const int v = e.create_output(op, bytes);
+  const int op = e.begin_op(call(cost));
+  const int v = e.add_output(op, bytes);
   e.end_op(op);
   return v;
 }
 
 // One op reading `inputs`, making one value.
 int apply(RematEngine& e, std::vector<int> inputs, std::size_t bytes, double cost, bool random = false) {
-  const int op = e.begin_op(cost, random);
-  for (int i : inputs) e.use_input(op, i);
-  const int v = e.create_output(op, bytes);
+  const int op = e.begin_op(call(cost, inputs, {}, random));
+  const int v = e.add_output(op, bytes);
   e.end_op(op);
   return v;
 }
+
+// An op that only reads `inputs` (the way a test asks for values).
+void read(RematEngine& e, std::vector<int> inputs) { e.end_op(e.begin_op(call(1, std::move(inputs)))); }
 
 void test_states_and_release() {
   FakeMemory mem;
@@ -86,9 +114,7 @@ void test_evict_and_recompute_chain() {
   CHECK_EQ(mem.live.size(), std::size_t{1});  // x only
   e.check_invariants();
   // Reading c recomputes a, then b, then c.
-  const int op = e.begin_op(1, false);
-  e.use_input(op, c);
-  e.end_op(op);
+  read(e, {c});
   CHECK_EQ(e.counters().remats, std::size_t{3});
   CHECK_EQ(e.counters().remat_cost, 15.0);
   CHECK(e.value(c).state == ValueState::kResident);
@@ -130,10 +156,8 @@ void test_in_place_versions() {
   const int a = apply(e, {x}, 2048, 3);
   const std::uintptr_t addr = e.value(a).addr;
   // relu_(a): the block stays, the new version takes it.
-  const int op = e.begin_op(2, false);
-  e.use_input(op, a);
-  e.prepare_write(a);
-  const int a2 = e.write_in_place(op, a);
+  const int op = e.begin_op(call(2, {a}, {a}));
+  const int a2 = e.write(op, a);
   CHECK(e.value(a2).locks > 0);  // pinned while the write is live
   CHECK(!e.evictable(a2));
   e.end_op(op);
@@ -144,9 +168,7 @@ void test_in_place_versions() {
   e.check_invariants();
   // Evict the new version; reading it recomputes the old one, then the write.
   CHECK(e.evict(a2));
-  const int op2 = e.begin_op(1, false);
-  e.use_input(op2, a2);
-  e.end_op(op2);
+  read(e, {a2});
   CHECK_EQ(e.counters().remats, std::size_t{2});
   CHECK_EQ(e.counters().remat_cost, 5.0);
   e.check_invariants();
@@ -160,11 +182,9 @@ void test_write_to_pinned_value() {
   const int a = apply(e, {p}, 1024, 3);
   CHECK(e.evict(a));
   // The optimizer overwrites p: a must come back first and is pinned after.
-  const int op = e.begin_op(1, false);
-  e.prepare_write(p);
+  const int op = e.begin_op(call(1, {p}, {p}));
   CHECK(e.value(a).state == ValueState::kResident);
-  e.use_input(op, p);
-  const int p2 = e.write_in_place(op, p);
+  const int p2 = e.write(op, p);
   e.end_op(op);
   CHECK(e.value(a).pinned);
   CHECK(e.value(p2).pinned);
@@ -180,17 +200,13 @@ void test_locked_never_evicted_and_random() {
   const int x = e.add_initial(1024);
   const int r = apply(e, {x}, 1024, 4, /*random=*/true);
   CHECK(e.op(e.value(r).producer).random);
-  CHECK(e.op(e.value(r).producer).rng_state != 0);
-  const int op = e.begin_op(1, false);
-  e.use_input(op, r);
+  const int op = e.begin_op(call(1, {r}));
   CHECK(!e.evict(r));  // in use by the op in flight (3.7)
   CHECK_EQ(e.counters().refused_locked, std::size_t{1});
   CHECK_CONTAINS(check::thrown_message<std::logic_error>([&] { e.check_invariants(); }), "3.7");
   e.end_op(op);
   CHECK(e.evict(r));
-  const int op2 = e.begin_op(1, false);
-  e.use_input(op2, r);
-  e.end_op(op2);
+  read(e, {r});
   CHECK_EQ(e.counters().random_replays, std::size_t{1});
   e.release_all();
 }
@@ -215,9 +231,7 @@ void test_missing_inputs() {
   CHECK_EQ(e.value(c).missing, 2);
   CHECK_EQ(e.chain_cost(c), 12.0);  // c, b, a: a counted once
   e.check_invariants();
-  const int op = e.begin_op(1, false);
-  e.use_input(op, b);  // recomputes a, then b
-  e.end_op(op);
+  read(e, {b});  // recomputes a, then b
   CHECK_EQ(e.value(b).missing, 0);
   CHECK_EQ(e.value(c).missing, 0);
   e.check_invariants();
@@ -245,8 +259,7 @@ void test_inputs_locked_after_recompute() {
       CHECK(e.evict(c));
     }
   };
-  const int op = e.begin_op(1, false);
-  e.use_inputs(op, {c, b});  // c resident, b missing (and a, in b's recipe)
+  const int op = e.begin_op(call(1, {c, b}));  // c resident, b missing (and a, in b's recipe)
   mem.on_allocate = nullptr;
   // Allocations: a, b (c unlocked, evicted at the first), then c again.
   CHECK_EQ(c_locks.size(), std::size_t{3});
@@ -262,6 +275,96 @@ void test_inputs_locked_after_recompute() {
   e.release_all();
 }
 
+// A chain far deeper than any C stack allows for recursion (and than
+// Python's recursion limit): recomputing its end runs on the engine's
+// explicit stack.
+void test_deep_chain_recomputes_without_recursion() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  constexpr int kDepth = 100000;
+  std::vector<int> chain{e.add_initial(512)};
+  for (int i = 0; i < kDepth; ++i) chain.push_back(apply(e, {chain.back()}, 512, 1));
+  for (int i = 1; i <= kDepth; ++i) CHECK(e.evict(chain[i]));
+  read(e, {chain.back()});
+  CHECK_EQ(e.counters().remats, std::size_t{kDepth});
+  // Recomputed in dependency order: the value next to the parameter first.
+  CHECK_EQ(mem.recomputed.front(), chain[1]);
+  CHECK_EQ(mem.recomputed.back(), chain.back());
+  for (int v : chain) CHECK_EQ(e.value(v).locks, 0);
+  e.check_invariants();
+  e.release_all();
+}
+
+// An OOM in the middle of a recompute chain leaves nothing locked; what was
+// brought back stays, the rest stays evicted, and the engine goes on.
+void test_oom_during_recompute_unwinds() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(1024);
+  const int a = apply(e, {x}, 1024, 1);
+  const int b = apply(e, {a}, 1024, 2);
+  const int c = apply(e, {b}, 1024, 3);
+  for (int v : {a, b, c}) CHECK(e.evict(v));
+  mem.fail_after = 1;  // a comes back, b's allocation fails
+  CHECK_CONTAINS(check::thrown_message<std::runtime_error>([&] { read(e, {c}); }), "fake OOM");
+  CHECK(e.value(a).state == ValueState::kResident);
+  CHECK(e.value(b).state == ValueState::kEvicted && e.value(c).state == ValueState::kEvicted);
+  for (int v : {x, a, b, c}) CHECK_EQ(e.value(v).locks, 0);
+  CHECK(e.evictable(a));
+  e.check_invariants();
+  read(e, {c});
+  CHECK(e.value(c).state == ValueState::kResident);
+  // An OOM for an op's output leaves no value behind and the inputs unlockable.
+  const std::size_t values = e.num_values();
+  const int op = e.begin_op(call(1, {c}));
+  mem.fail_after = 0;
+  CHECK_CONTAINS(check::thrown_message<std::runtime_error>([&] { e.add_output(op, 1024); }), "fake OOM");
+  CHECK_EQ(e.num_values(), values);
+  e.end_op(op);
+  CHECK_EQ(e.value(c).locks, 0);
+  e.check_invariants();
+  e.release_all();
+}
+
+// The live driver: outputs adopt memory it already holds, may be pinned
+// (not recomputable), and get their cost when the op has run.
+void test_adopted_pinned_and_late_cost() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_external(4096);
+  CHECK(e.value(x).external && e.value(x).pinned && e.value(x).addr == 0);
+  CHECK(e.value(x).state == ValueState::kResident);
+  const int op = e.begin_op(call(0, {x}));
+  const int a = e.add_output(op, 2048, kAdopted + 0xA0000);
+  const int p = e.add_output(op, 512, kAdopted + 0xB0000, /*pinned=*/true);
+  e.end_op(op, 42.0);
+  CHECK(mem.live.empty());  // nothing allocated through the driver
+  CHECK_EQ(e.value(a).addr, kAdopted + 0xA0000);
+  CHECK_EQ(e.value(a).cost, 42.0);
+  CHECK_EQ(e.counters().base_cost, 42.0);
+  CHECK_EQ(e.value(x).needed_by, 1);  // a's recipe; p keeps none
+  CHECK(e.value(p).recipe.empty() && !e.evictable(p));
+  CHECK(e.evictable(a));
+  mem.held.insert(a);  // a user's tensor still points at it
+  CHECK(!e.evictable(a));
+  CHECK(!e.evict(a));
+  mem.held.clear();
+  CHECK(e.evict(a));
+  CHECK_EQ(mem.released.back(), a);
+  e.acquire(a);  // autograd asks for it: back, and locked until handed out
+  CHECK(e.value(a).state == ValueState::kResident && e.value(a).locks == 1);
+  CHECK(!e.evictable(a));
+  e.unacquire(a);
+  CHECK(e.evictable(a));
+  // An in-place write to external memory keeps the memory external.
+  const int w = e.begin_op(call(1, {x}, {x}));
+  const int x2 = e.write(w, x);
+  e.end_op(w);
+  CHECK(e.value(x2).external && e.value(x2).pinned);
+  e.check_invariants();
+  e.release_all();
+}
+
 int main() {
   test_states_and_release();
   test_evict_and_recompute_chain();
@@ -271,5 +374,8 @@ int main() {
   test_locked_never_evicted_and_random();
   test_missing_inputs();
   test_inputs_locked_after_recompute();
+  test_deep_chain_recomputes_without_recursion();
+  test_oom_during_recompute_unwinds();
+  test_adopted_pinned_and_late_cost();
   return check::check_summary("test_remat_engine");
 }

@@ -13,39 +13,11 @@ object displays inline.
 """
 from __future__ import annotations
 
-import html as _html
-import os
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
-# Budgets every policy is replayed at for the overhead-vs-budget curves (on
-# top of the runs' own): a 0.1 grid is what the policy tables in bench/ use,
-# and replays of the bundled traces take milliseconds each.
-SWEEP_FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-DEFAULT_POLICIES = ("dtralloc",)
-DEFAULT_BUDGETS = (0.5,)
+from .result import DEFAULT_BUDGETS, DEFAULT_POLICIES, SWEEP_FRACTIONS, Dashboard
 
-
-class Dashboard:
-    """A built page. ``save(path)`` writes it; in Jupyter it displays inline."""
-
-    def __init__(self, html: str, runs: list, facts: dict):
-        self.html = html
-        self.runs = runs        # the runs' figures, as the page's data-run elements hold them
-        self.facts = facts      # sizes: raw column bytes, blobs
-
-    def save(self, path: Union[str, os.PathLike]) -> str:
-        path = os.fspath(path)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.html)
-        return path
-
-    def _repr_html_(self) -> str:
-        # An iframe keeps the page's script and styles apart from the notebook's.
-        return (f'<iframe srcdoc="{_html.escape(self.html, quote=True)}" sandbox="allow-scripts" '
-                'style="width:100%;height:1100px;border:1px solid #ddd"></iframe>')
-
-    def __repr__(self) -> str:
-        return f"<dtralloc.Dashboard: {len(self.runs)} runs, {len(self.html) / 2**20:.2f} MiB>"
+__all__ = ["DEFAULT_BUDGETS", "DEFAULT_POLICIES", "SWEEP_FRACTIONS", "Dashboard", "dashboard"]
 
 
 def dashboard(*inputs, budgets: Optional[Sequence] = None, policies: Optional[Sequence[str]] = None,
@@ -65,7 +37,8 @@ def dashboard(*inputs, budgets: Optional[Sequence] = None, policies: Optional[Se
       * nothing: the process-wide allocators (``dtralloc.snapshot()``).
 
     ``budgets``: fractions of the no-eviction peak (0.5), bytes (6 << 30),
-    sizes ("6G") or None (no budget). ``sweep``: also replay each policy on a
+    sizes ("6G") or None (no budget); the command line's "0.5,6G,none" is
+    parsed by the command. ``sweep``: also replay each policy on a
     budget grid for the overhead curves. ``min_budget``: find each policy's
     smallest feasible budget (a bisection of replays).
     """

@@ -6,7 +6,7 @@ import os
 import pickle
 from typing import Optional
 
-from . import DEFAULT_BUDGETS, DEFAULT_POLICIES, SWEEP_FRACTIONS, Dashboard
+from .result import DEFAULT_BUDGETS, DEFAULT_POLICIES, SWEEP_FRACTIONS, Dashboard
 from .page import DATA_ATTRIBUTES, build_page
 from .runs import Run, replay_run, snapshot_run, snapshot_runs
 from .history import build_history
@@ -61,11 +61,9 @@ def _budget_label(budget) -> str:
 def _trace_runs(trace, budgets, policies, conf, min_budget: bool) -> list[Run]:
     from ..replay import min_feasible_budget, replay
 
-    if not _replay_records_history():
-        raise NotImplementedError(
-            "dtralloc.dashboard: replaying a trace for the page needs dtralloc.replay(..., history=True) "
-            "(per-op series, eviction log and allocator history), which this build of dtralloc does not "
-            "have yet. Snapshots work: pass a torch or dtralloc memory snapshot, or a Pool.")
+    # The allocator's own history of a replay (for the address views) comes
+    # with replay(..., history=True) where the replay driver records it.
+    extra = {"history": True} if _replay_records_history() else {}
     name = str(trace.meta.get("name", "trace"))
     combos = [("none", None)]
     for p in policies:
@@ -77,7 +75,7 @@ def _trace_runs(trace, budgets, policies, conf, min_budget: bool) -> list[Run]:
     for policy, budget in combos:
         if min_budget and policy != "none" and policy not in mins:
             mins[policy] = min_feasible_budget(trace, policy, conf=conf)
-        result = replay(trace, budget=budget, policy=policy, conf=conf, history=True)
+        result = replay(trace, budget=budget, policy=policy, conf=conf, **extra)
         label = f"{name} · {policy if policy != 'none' else 'no eviction'} · {_budget_label(budget)}"
         runs.append(replay_run(trace, result, label, mins.get(policy)))
     return runs
@@ -94,23 +92,10 @@ def _sweep(trace, policies, budgets, conf, mins: dict) -> dict:
         points = []
         for f in fractions:
             r = replay(trace, budget=f, policy=policy, conf=conf)
-            out["baseline_peak_bytes"] = int(r.baseline_peak_bytes)
+            out["no_eviction_peak_reserved_bytes"] = int(r.no_eviction_peak_reserved_bytes)
             points.append({"fraction": f, "budget_bytes": int(r.budget_bytes), "compute_overhead": float(r.compute_overhead),
                            "feasible": bool(r.feasible), "evictions": int(r.evictions)})
         out["policies"][policy] = points
-    return out
-
-
-def _parse_budgets(budgets) -> list:
-    from ..cli import _parse_budget
-
-    out = []
-    for b in budgets:
-        if isinstance(b, str):
-            out.extend(None if t.strip().lower() == "none" else _parse_budget(t.strip())
-                       for t in b.split(",") if t.strip())
-        else:
-            out.append(b)
     return out
 
 
@@ -120,7 +105,7 @@ def build(inputs: list, budgets=None, policies=None, conf=None, sweep: bool = Tr
     from ..pool import Pool
     from ..replay import POLICIES, ReplayResult
 
-    budgets = _parse_budgets(budgets if budgets is not None else DEFAULT_BUDGETS)
+    budgets = list(budgets if budgets is not None else DEFAULT_BUDGETS)
     policies = [p.strip() for x in (policies or DEFAULT_POLICIES) for p in x.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:

@@ -183,7 +183,7 @@ def _asset(name: str) -> str:
 
 def build_page(runs: list[Run], title: str, sweep: Optional[dict] = None, source: str = "") -> tuple[str, dict]:
     """The HTML of the page and a few facts about it (raw and page bytes)."""
-    from .. import __version__
+    from .._version import __version__
 
     blobs = Blobs()
     meta = {

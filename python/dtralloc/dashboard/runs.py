@@ -71,13 +71,10 @@ def sample_events(op_column: np.ndarray, action: np.ndarray, n_ops: int) -> np.n
 
 def replay_run(trace, result, label: str, min_budget: Optional[float] = None) -> Run:
     """A run from dtralloc.replay(trace, ..., history=True)."""
-    missing = [a for a in ("series", "events") if getattr(result, a, None) is None]
-    if missing:
-        raise ValueError(
-            "dtralloc.dashboard: this replay result has no " + " / ".join(missing) +
-            " (replay with dtralloc.replay(trace, ..., history=True))")
     series = {k: np.asarray(result.series[k], np.int64) for k in SERIES}
-    n = int(len(result.series["op"]))
+    # The x axis is the trace's ops, shared with the other runs of the trace;
+    # a replay that ran out of memory has no samples after its OOM op.
+    n = len(trace.ops)
     name = str(trace.meta.get("name", "trace"))
     figures = replay_figures(result)
     figures["min_feasible_budget"] = min_budget
@@ -88,6 +85,13 @@ def replay_run(trace, result, label: str, min_budget: Optional[float] = None) ->
     if hist is not None:
         run.history = build_history(hist)
         run.x_event = sample_events(run.history.cols["op"], run.history.cols["action"], n)
+    else:
+        run.notes.append("This replay carries no allocator history (dtralloc.replay(..., history=True) is "
+                         "not in this build), so the address map, the address x time map and the tensor "
+                         "list are empty; the timeline, fragmentation and eviction markers come from the "
+                         "per-op series and the eviction log.")
+    if not result.feasible:
+        run.notes.append(f"OOM at op {result.oom_op}: {result.oom_message}")
     return run
 
 
@@ -104,7 +108,7 @@ def replay_figures(result) -> dict:
         "feasible": bool(result.feasible),
         "oom_op": result.oom_op,
         "ooms": 0 if result.feasible else 1,
-        "baseline_peak_bytes": int(result.baseline_peak_bytes),
+        "no_eviction_peak_reserved_bytes": int(result.no_eviction_peak_reserved_bytes),
     }
 
 

@@ -5,7 +5,7 @@
     ['bert', 'gpt2', 'llama', 'mlp', 'resnet50', 'unet']
     >>> trace = load_bundled("gpt2")
 
-Each is one step (after a warm-up step) of a model in ``bench/models``, recorded
+Each is one step (after a warm-up step) of a model of :mod:`dtralloc.zoo`, recorded
 on CPU by ``bench/record_zoo.py``; ``trace.meta["description"]`` names the model,
 its sizes and its optimizer. Replaying one needs neither torch nor the model.
 """

@@ -140,7 +140,8 @@
       S.free = { a: free, u: 1 };
     }
     run.S = S;
-    run.val = (k, x) => (S[k] && x >= 0 && x < run.n ? S[k].a[x] * S[k].u : 0);
+    // NaN where a run has no sample (after an OOM): not drawn, shown as "–".
+    run.val = (k, x) => (!S[k] ? 0 : x >= 0 && x < S[k].a.length ? S[k].a[x] * S[k].u : NaN);
     if (m.evlog) {
       const e = {};
       for (const k in m.evlog) e[k] = col(m.evlog[k]);
@@ -830,7 +831,7 @@
     document.querySelectorAll("#runs tr.run-row").forEach((tr) => {
       const r = state.runs[+tr.dataset.run], f = r.figures;
       const budget = budgetOf(r);
-      const frac = budget && f.baseline_peak_bytes ? ` (${(budget / f.baseline_peak_bytes).toFixed(2)})` : "";
+      const frac = budget && f.no_eviction_peak_reserved_bytes ? ` (${(budget / f.no_eviction_peak_reserved_bytes).toFixed(2)})` : "";
       const result = f.feasible ? "ok" : `<span class="bad">OOM${f.oom_op !== null && f.oom_op !== undefined ? " at op " + f.oom_op : ""}${f.ooms > 1 ? " ×" + f.ooms : ""}</span>`;
       tr.innerHTML = `<td class="run-label">${esc(r.label)}</td><td>${f.policy || "–"}</td><td>${budget ? fmtBytes(budget) + frac : "none"}</td>` +
         `<td>${fmtBytes(f.peak_reserved_bytes)}</td><td>${fmtBytes(f.peak_allocated_bytes)}</td><td>${fmtInt(f.evictions)}</td>` +
@@ -848,11 +849,11 @@
     const budget = budgetOf(r);
     let h = card("peak reserved", fmtBytes(f.peak_reserved_bytes), r.kind === "replay" ? "" : "over the history") +
       card("peak allocated", fmtBytes(f.peak_allocated_bytes), f.peak_reserved_bytes ? `${((100 * f.peak_allocated_bytes) / f.peak_reserved_bytes).toFixed(1)}% of reserved` : "") +
-      card("budget", budget ? fmtBytes(budget) : "none", budget && f.baseline_peak_bytes ? `${(budget / f.baseline_peak_bytes).toFixed(2)} of the no-eviction peak` : "");
+      card("budget", budget ? fmtBytes(budget) : "none", budget && f.no_eviction_peak_reserved_bytes ? `${(budget / f.no_eviction_peak_reserved_bytes).toFixed(2)} of the no-eviction peak` : "");
     if (r.kind === "replay") {
       const mfb = f.min_feasible_budget;
       h += card("min feasible budget", mfb === null || mfb === undefined ? "–" : (mfb * 100).toFixed(0) + "%",
-                mfb && f.baseline_peak_bytes ? fmtBytes(mfb * f.baseline_peak_bytes) + " for " + f.policy : "of the no-eviction peak");
+                mfb && f.no_eviction_peak_reserved_bytes ? fmtBytes(mfb * f.no_eviction_peak_reserved_bytes) + " for " + f.policy : "of the no-eviction peak");
     }
     h += card("OOMs", fmtInt(f.ooms), f.oom_op !== null && f.oom_op !== undefined ? `at op ${f.oom_op}` : "", f.ooms > 0);
     if (r.kind === "replay") {
@@ -905,7 +906,7 @@
       if (mf) { ctx.setLineDash([3 * DPR, 3 * DPR]); ctx.beginPath(); ctx.moveTo(X(mf), box.t); ctx.lineTo(X(mf), box.b); ctx.stroke(); ctx.setLineDash([]); }
     });
     $("sweep-caption").innerHTML = legend(leg) + " · dots: feasible replays, ×: OOM, dashed: min feasible budget" +
-      (sw.baseline_peak_bytes ? ` · no-eviction peak ${fmtBytes(sw.baseline_peak_bytes)}` : "");
+      (sw.no_eviction_peak_reserved_bytes ? ` · no-eviction peak ${fmtBytes(sw.no_eviction_peak_reserved_bytes)}` : "");
   }
 
   // ------------------------------------------------------------ interaction

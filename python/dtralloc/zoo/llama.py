@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, causal_lm_loss, param_millions
+from .workload import Workload, causal_lm_loss, param_millions, require_transformers
 
 
 def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
@@ -13,6 +13,7 @@ def build(batch: int = 4, seq: int = 1024, layers: int = 8, hidden: int = 1024,
     """Smaller than any released Llama (hidden 1024, 8 layers, 16 heads,
     intermediate 2816, vocab 32000) so a step fits on CPU; Llama's default of
     no dropout is kept, so its trace has no random ops."""
+    require_transformers("llama")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)

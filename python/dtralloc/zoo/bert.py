@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, param_millions
+from .workload import Workload, param_millions, require_transformers
 
 # BERT pre-training masks 15% of the tokens; the loss counts only those.
 MASK_FRACTION = 0.15
@@ -14,6 +14,7 @@ def build(batch: int = 8, seq: int = 512, layers: int = 12, hidden: int = 768,
           attn: str = "sdpa", seed: int = 0) -> Workload:
     """BERT-base by default (BertConfig defaults: 12 layers, 768 hidden, 12 heads,
     intermediate 3072, vocab 30522, dropout 0.1), masked-LM loss on 15% of tokens."""
+    require_transformers("bert")
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""The one thing every zoo model is: a Workload whose ``step()`` is a training step."""
+"""The one thing every zoo model is: a Workload whose ``step()`` is a training step;
+and the helpers the builders share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,3 +55,15 @@ def causal_lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     of every layer's keys and values until the step ends).
     """
     return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+
+def require_transformers(model: str) -> None:
+    """Raise an ImportError that names the extra to install when ``transformers``,
+    which builds ``model`` from its config, is missing."""
+    try:
+        import transformers  # noqa: F401  (cheap: transformers imports its models lazily)
+    except ImportError as e:
+        raise ImportError(
+            f"the {model} zoo model is built from a transformers config and transformers is "
+            f'not installed: pip install "dtralloc[zoo]"'
+        ) from e

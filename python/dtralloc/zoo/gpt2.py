@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from .workload import Workload, causal_lm_loss, param_millions
+from .workload import Workload, causal_lm_loss, param_millions, require_transformers
 
 
 def build(batch: int = 2, seq: int = 1024, layers: int = 12, hidden: int = 768,
           heads: int = 12, vocab: int = 50257, attn: str = "sdpa", seed: int = 0) -> Workload:
     """GPT-2 small by default (GPT2Config defaults: 12 layers, 768 hidden, 12 heads,
     vocab 50257, dropout 0.1 everywhere), causal-LM loss on random token ids."""
+    require_transformers("gpt2")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)

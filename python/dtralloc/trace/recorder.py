@@ -1,4 +1,8 @@
-"""The TorchDispatchMode behind dtralloc.trace.record (torch imported here only).
+"""Recording a step: dtralloc.trace.record and the TorchDispatchMode behind it.
+
+torch is imported here and nowhere else in dtralloc.trace, so a trace loads
+and replays without torch; ``dtralloc.trace.record`` imports this module on
+first use.
 
 Storage identity is the StorageImpl (``untyped_storage()._cdata``); its death
 is observed with a weakref on the storage's Python object, which torch keeps
@@ -11,12 +15,15 @@ import datetime
 import threading
 import time
 import weakref
+from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .trace import Op, Storage, Trace
+from .._version import __version__
+from .model import Trace
+from .records import Op, Storage
 
 try:  # FLOP formulas for matmul/conv/attention; others count one per element
     from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
@@ -203,8 +210,6 @@ class Recorder(TorchDispatchMode):
                 if ref() is not None:
                     self.storages[sid].outlives = True
         devices = sorted({s.device for s in self.storages})
-        from . import __version__
-
         meta = {
             "name": name,
             "torch": torch.__version__,
@@ -216,3 +221,21 @@ class Recorder(TorchDispatchMode):
         trace = Trace(self.storages, self.ops, self.frees_before, meta)
         trace.validate()
         return trace
+
+
+def record(step_fn: Callable[[], object], name: Optional[str] = None, time_ops: bool = True) -> Trace:
+    """Run ``step_fn()`` once and return its trace.
+
+    ``step_fn`` should run one training step (forward, backward, optimizer
+    step) of an eager model on any device. Storages alive before the call and
+    touched by it are "initial"; storages alive after it "outlive" the step.
+    Keep references you want to outlive the step outside ``step_fn`` (its
+    return value is held until recording ends, so it outlives the step too).
+    """
+    recorder = Recorder(time_ops=time_ops)
+    with recorder:
+        result = step_fn()
+        recorder.flush_frees()
+    trace = recorder.finish(name or getattr(step_fn, "__name__", "step"))
+    del result
+    return trace

@@ -1,0 +1,785 @@
+// LiveSession: registry, per-op record, saved handles, recompute (live_session.h).
+#include "live_session.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+#include "backend.h"
+#include "global.h"
+
+namespace dtralloc::live {
+namespace {
+
+// Python objects are reached through the C API on the hot path: attribute
+// and method names interned once.
+PyObject* intern(const char* s) {
+  PyObject* o = PyUnicode_InternFromString(s);
+  if (!o) throw py::error_already_set();
+  return o;
+}
+struct Names {
+  PyObject* untyped_storage = intern("untyped_storage");
+  PyObject* cdata = intern("_cdata");
+  PyObject* nbytes = intern("nbytes");
+  PyObject* data_ptr = intern("data_ptr");
+  PyObject* dtype = intern("dtype");
+  PyObject* size = intern("size");
+  PyObject* stride = intern("stride");
+  PyObject* storage_offset = intern("storage_offset");
+  PyObject* version = intern("_version");
+};
+const Names& names() {
+  static const Names n;
+  return n;
+}
+
+py::object call_method(py::handle o, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(o.ptr(), name);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+py::object get_attr(py::handle o, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(o.ptr(), name);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+std::int64_t as_int(const py::object& o) {
+  const long long v = PyLong_AsLongLong(o.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+// The placeholder a template holds where a tensor was: (kMarker, k).
+py::object& marker() {
+  static py::object* m = new py::object(py::reinterpret_steal<py::object>(PyObject_CallNoArgs(
+      reinterpret_cast<PyObject*>(&PyBaseObject_Type))));
+  return *m;
+}
+int placeholder_index(PyObject* o) {
+  if (!PyTuple_CheckExact(o) || PyTuple_GET_SIZE(o) != 2 || PyTuple_GET_ITEM(o, 0) != marker().ptr()) return -1;
+  return static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(o, 1)));
+}
+
+// Tensor leaves of an op's arguments or outputs, in a fixed order (tuples,
+// lists and dict values, depth first): record() and the recompute agree on it.
+template <typename Fn>
+void for_each_tensor(PyObject* o, PyObject* tensor_type, Fn&& fn, int depth = 0) {
+  if (depth > 8) return;  // ATen arguments nest a list in a tuple at most
+  if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type))) {
+    fn(o);
+  } else if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    for (Py_ssize_t i = 0; i < n; ++i) for_each_tensor(items[i], tensor_type, fn, depth + 1);
+  } else if (PyDict_CheckExact(o)) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) for_each_tensor(value, tensor_type, fn, depth + 1);
+  }
+}
+
+const char* pin_doc(PinReason r) {
+  switch (r) {
+#define DTRALLOC_PIN_DOC(e, doc) \
+  case PinReason::e: return doc;
+    DTRALLOC_PIN_REASONS(DTRALLOC_PIN_DOC)
+#undef DTRALLOC_PIN_DOC
+  }
+  return "";
+}
+
+}  // namespace
+
+// The engine's driver: memory, recompute and release go to the session.
+class LiveSession::Driver : public RematDriver {
+ public:
+  explicit Driver(LiveSession& s) : s_(s) {}
+  std::uintptr_t allocate(std::size_t bytes, int value) override { return s_.allocate_mirror(bytes, value); }
+  void release(int value, std::uintptr_t addr) override { s_.release(value, addr); }
+  std::uintptr_t recompute(int value, std::size_t bytes) override { return s_.recompute(value, bytes); }
+  bool held_elsewhere(int value) const override { return s_.held_elsewhere(value); }
+  void forget(int value) override { s_.forget(value); }
+
+ private:
+  LiveSession& s_;
+};
+
+// The pool's eviction hook. It takes the GIL first: on CUDA it is called from
+// whichever thread allocates, with or without the GIL. A session that is gone
+// (or makes no room) hands the request to the hook that was there before.
+class LiveSession::Hook : public EvictionHook {
+ public:
+  Hook(std::weak_ptr<LiveSession> s, std::shared_ptr<EvictionHook> previous)
+      : session_(std::move(s)), previous_(std::move(previous)) {}
+  bool make_room(std::size_t bytes, Stream stream) override {
+    {
+      py::gil_scoped_acquire gil;
+      if (auto s = session_.lock())
+        if (s->make_room(bytes, stream)) return true;
+    }
+    return previous_ && previous_->make_room(bytes, stream);
+  }
+  std::shared_ptr<EvictionHook> previous() const { return previous_; }
+
+ private:
+  std::weak_ptr<LiveSession> session_;
+  std::shared_ptr<EvictionHook> previous_;
+};
+
+LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(options) {
+  view_ = helpers["view"];
+  run_ = helpers["run"];
+  new_storage_ = helpers["new_storage"];
+  use_count_fn_ = helpers["use_count"];
+  version_error_ = helpers["version_error"];
+  what_of_ = helpers["what_of"];
+  tensor_type_ = helpers["tensor_type"];
+  device_ = helpers["device"];
+  Config config = parse_config(options.conf);
+  config.policy = options.policy;
+  if (options.cuda) {
+    pool_ = &global::allocator(options.device);
+  } else {
+    config.budget = Budget{};
+    config.budget.bytes = options.budget_bytes;
+    // Any capacity: only the budget bounds the mirror.
+    mirror_ = std::make_unique<Allocator>(make_virtual_backend(std::size_t{1} << 44), config);
+    pool_ = mirror_.get();
+  }
+  driver_ = std::make_unique<Driver>(*this);
+  engine_ = std::make_unique<RematEngine>(*driver_);
+  evictor_ = std::make_shared<Evictor>(*pool_, *engine_, options.policy, config);
+  // One callback for every storage the session watches: it only queues the
+  // value; flush_deaths() tells the engine at the next entry point.
+  watch_callback_ = py::cpp_function([this](py::handle weakref) {
+    auto it = watched_.find(weakref.ptr());
+    if (it == watched_.end()) return;
+    dead_.push_back(it->second);
+    watched_.erase(it);
+  });
+}
+
+LiveSession::~LiveSession() {
+  // Runs with the GIL (the last Python reference went). Weakrefs first, so
+  // that dropping the storages reports no death into a session being torn down.
+  stop();
+  for (Slot& s : slots_) s.watch = py::object();
+  watched_.clear();
+  for (Slot& s : slots_) {
+    s.storage = py::object();
+    s.family = py::object();
+    s.external = py::object();
+  }
+  ops_.clear();
+}
+
+void LiveSession::start() {
+  if (started_) return;
+  started_ = true;
+  previous_hook_ = options_.cuda ? pool_->eviction_hook() : nullptr;
+  hook_ = std::make_shared<Hook>(weak_from_this(), previous_hook_);
+  pool_->set_eviction_hook(hook_);
+  if (options_.cuda && options_.budget_bytes) pool_->override_budget(options_.budget_bytes);
+}
+
+void LiveSession::stop() {
+  if (!started_) return;
+  started_ = false;
+  if (pool_->eviction_hook() == hook_) pool_->set_eviction_hook(previous_hook_);
+  if (options_.cuda && options_.budget_bytes) pool_->override_budget(0);
+}
+
+Slot& LiveSession::slot(int value) {
+  if (static_cast<std::size_t>(value) >= slots_.size()) slots_.resize(engine_->num_values());
+  return slots_[value];
+}
+
+// ---- watching storages ---------------------------------------------------
+
+void LiveSession::watch(int value, py::handle storage, std::uintptr_t cdata) {
+  Slot& s = slot(value);
+  PyObject* wr = PyWeakref_NewRef(storage.ptr(), watch_callback_.ptr());
+  if (!wr) throw py::error_already_set();
+  s.watch = py::reinterpret_steal<py::object>(wr);
+  watched_[wr] = value;
+  s.cdata = cdata;
+  by_storage_[cdata] = value;
+}
+
+void LiveSession::unwatch(int value) {
+  Slot& s = slots_[value];
+  if (s.watch) {
+    watched_.erase(s.watch.ptr());
+    s.watch = py::object();
+  }
+  if (s.cdata) {
+    auto it = by_storage_.find(s.cdata);
+    if (it != by_storage_.end() && it->second == value) by_storage_.erase(it);
+    s.cdata = 0;
+  }
+}
+
+void LiveSession::flush_deaths() {
+  while (!dead_.empty()) {
+    const int v = dead_.back();
+    dead_.pop_back();
+    Slot& s = slots_[v];
+    s.watch = py::object();  // already dead; its callback has run
+    if (s.cdata) {
+      auto it = by_storage_.find(s.cdata);
+      if (it != by_storage_.end() && it->second == v) by_storage_.erase(it);
+      s.cdata = 0;
+    }
+    s.family = py::object();
+    if (engine_->value(v).state != ValueState::kReleased) engine_->kill(v);
+  }
+}
+
+// ---- the driver side -------------------------------------------------------
+
+std::uintptr_t LiveSession::allocate_mirror(std::size_t bytes, int value) {
+  if (!mirror_) throw std::logic_error("dtralloc live session: on CUDA the pool allocates, not the driver");
+  const auto addr = reinterpret_cast<std::uintptr_t>(mirror_->malloc(bytes, 0, value));
+  return addr;
+}
+
+void LiveSession::release(int value, std::uintptr_t addr) {
+  if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
+  Slot& s = slot(value);
+  unwatch(value);
+  s.family = py::object();
+  // Last: dropping the storage may free device memory (dtralloc_free, which
+  // re-enters the pool; it is not locked here).
+  py::object storage = std::move(s.storage);
+}
+
+bool LiveSession::held_elsewhere(int value) const {
+  const Slot& s = slots_[value];
+  if (!s.storage) return true;  // the registry does not own it: the program does
+  if (Py_REFCNT(s.storage.ptr()) != 1) return true;
+  return use_count(s.cdata) != 1;
+}
+
+std::int64_t LiveSession::use_count(std::uintptr_t cdata) const {
+  if (raw_refcount_) {
+    // c10::intrusive_ptr_target keeps its strong count in the low 32 bits of
+    // the word after the vtable pointer (refcount_ in older torch,
+    // combined_refcount_ in newer); use_raw_refcount() checked it agrees
+    // with torch._C._storage_Use_Count on this torch before turning it on.
+    return __atomic_load_n(reinterpret_cast<const std::uint32_t*>(cdata + sizeof(void*)), __ATOMIC_RELAXED);
+  }
+  return as_int(use_count_fn_(cdata));
+}
+
+bool LiveSession::use_raw_refcount(bool on) {
+  raw_refcount_ = on;
+  return raw_refcount_;
+}
+
+void LiveSession::forget(int value) {
+  const int producer = engine_->value(value).producer;
+  if (static_cast<std::size_t>(value) >= slots_.size() || !slots_[value].counted) return;
+  slots_[value].counted = false;
+  if (producer < 0 || static_cast<std::size_t>(producer) >= ops_.size() || !ops_[producer]) return;
+  if (--ops_[producer]->recipes <= 0) ops_[producer].reset();
+}
+
+bool LiveSession::make_room(std::size_t bytes, Stream stream) {
+  flush_deaths();
+  return evictor_->make_room(bytes, stream);
+}
+
+py::object LiveSession::storage_of(int value) const {
+  const Slot& s = slots_[value];
+  if (s.storage) return s.storage;
+  if (s.external) return call_method(s.external, names().untyped_storage);
+  if (s.watch) {
+    PyObject* o = PyWeakref_GetObject(s.watch.ptr());
+    if (o && o != Py_None) return py::reinterpret_borrow<py::object>(o);
+  }
+  throw std::logic_error("dtralloc live session: value " + std::to_string(value) +
+                         " is resident but its storage is gone");
+}
+
+// ---- recording an op -----------------------------------------------------
+
+int LiveSession::value_of(py::handle, std::uintptr_t cdata) const {
+  auto it = by_storage_.find(cdata);
+  return it == by_storage_.end() ? -1 : it->second;
+}
+
+int LiveSession::external_value(py::handle tensor, py::handle storage, std::uintptr_t cdata) {
+  const std::size_t nbytes = static_cast<std::size_t>(as_int(call_method(storage, names().nbytes)));
+  const int v = engine_->add_external(nbytes);
+  Slot& s = slot(v);
+  s.pin = PinReason::kExternal;
+  // Kept for as long as a recipe may read it; its version counter tells an
+  // in-place change made outside the session.
+  s.external = py::reinterpret_borrow<py::object>(tensor);
+  s.cdata = cdata;
+  by_storage_[cdata] = v;
+  return v;
+}
+
+void LiveSession::before_write(py::handle writes) {
+  flush_deaths();
+  std::vector<int> vs;
+  for_each_tensor(writes.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
+    py::object storage = call_method(t, names().untyped_storage);
+    const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+    if (v >= 0 && engine_->value(v).pinned) vs.push_back(v);
+  });
+  if (!vs.empty()) engine_->prepare_writes(vs);
+}
+
+void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,
+                         std::uint32_t flags, int pin, double cost, py::handle rng) {
+  flush_deaths();
+  ++stats_.ops;
+  engine_->tick();
+  PyObject* tensor_type = tensor_type_.ptr();
+  // 1. What the op read: each tensor argument's storage and value.
+  struct Seen {
+    PyObject* tensor;
+    int value;
+  };
+  std::vector<Seen> inputs;
+  auto see = [&](PyObject* t) {
+    py::object storage = call_method(t, names().untyped_storage);
+    const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+    int v = value_of(storage, cdata);
+    if (v < 0) v = external_value(t, storage, cdata);
+    inputs.push_back({t, v});
+  };
+  for_each_tensor(args.ptr(), tensor_type, see);
+  if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
+  std::vector<Seen> written;
+  for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
+    py::object storage = call_method(t, names().untyped_storage);
+    const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+    if (v >= 0 && std::none_of(written.begin(), written.end(), [&](const Seen& w) { return w.value == v; }))
+      written.push_back({t, v});
+  });
+  // 2. What it made: output tensors on storages the session has not seen.
+  struct Made {
+    py::object storage, tensor;
+    std::uintptr_t cdata;
+    std::size_t nbytes;
+    int out_index;
+  };
+  std::vector<Made> made;
+  int leaf = 0;
+  for_each_tensor(out.ptr(), tensor_type, [&](PyObject* t) {
+    const int index = leaf++;
+    py::object storage = call_method(t, names().untyped_storage);
+    const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+    if (by_storage_.count(cdata) ||
+        std::any_of(made.begin(), made.end(), [&](const Made& m) { return m.cdata == cdata; }))
+      return;  // a view of an input, the written tensor, or a second view of a new one
+    const auto nbytes = static_cast<std::size_t>(as_int(call_method(storage, names().nbytes)));
+    made.push_back({std::move(storage), py::reinterpret_borrow<py::object>(t), cdata, nbytes, index});
+  });
+  if (made.empty() && written.empty()) {
+    if (options_.chaos) evict_for_chaos();
+    return;  // views, detach, scalar reads: nothing for the engine
+  }
+  // 3. The engine's protocol, all at once: the op has already run.
+  OpCall call;
+  call.random = (flags & kRandom) != 0;
+  for (const Seen& s : inputs)
+    if (std::find(call.reads.begin(), call.reads.end(), s.value) == call.reads.end()) call.reads.push_back(s.value);
+  for (const Seen& w : written) call.writes.push_back(w.value);
+  const int op = engine_->begin_op(call);
+  const auto reason = static_cast<PinReason>(pin);
+  std::vector<int> recomputable;
+  try {
+    for (const Made& m : made) {
+      std::uintptr_t addr = 0;
+      bool foreign = false;
+      if (options_.cuda && m.nbytes) {
+        addr = static_cast<std::uintptr_t>(as_int(call_method(m.storage, names().data_ptr)));
+        foreign = !pool_->owns(reinterpret_cast<void*>(addr));
+      }
+      const int v = engine_->add_output(op, m.nbytes, addr, reason != PinReason::kNone, foreign);
+      Slot& s = slot(v);
+      s.pin = foreign ? PinReason::kForeign : reason;
+      s.out_index = m.out_index;
+      PyObject* fam = PyWeakref_NewRef(m.tensor.ptr(), nullptr);
+      if (!fam) throw py::error_already_set();
+      s.family = py::reinterpret_steal<py::object>(fam);
+      watch(v, m.storage, m.cdata);
+      if (!engine_->value(v).pinned) recomputable.push_back(v);
+    }
+    for (const Seen& w : written) {
+      const bool reads_old = !(flags & kOverwrites);
+      const int n = engine_->write(op, w.value, reads_old);
+      Slot& old = slot(w.value);
+      Slot& s = slot(n);
+      // The storage now holds the new version: its watch and family move
+      // over; the old version keeps its recipe (and a family reference, for
+      // the version its saved handles will see). The registry owned the
+      // storage for the old version's handles, not for the new version: the
+      // program holds it (it just wrote through it), and it dies when the
+      // program lets go.
+      py::object dropped = std::move(old.storage);
+      s.external = std::move(old.external);
+      s.family = old.family;
+      s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal : PinReason::kNone;
+      if (old.watch) {
+        watched_[old.watch.ptr()] = n;
+        s.watch = std::move(old.watch);
+      }
+      s.cdata = old.cdata;
+      old.cdata = 0;
+      by_storage_[s.cdata] = n;
+      old.overwritten = true;
+      s.version = as_int(get_attr(w.tensor, names().version));
+      for (std::size_t k = 0; k < inputs.size(); ++k)
+        if (inputs[k].value == w.value) {
+          s.write_ref = static_cast<int>(k);
+          break;
+        }
+      if (!engine_->value(n).pinned) recomputable.push_back(n);
+    }
+  } catch (const OutOfMemoryError& e) {
+    engine_->end_op(op, cost);
+    throw OutOfMemoryError(std::string(e.what()) + "\n" + oom_report(0));
+  }
+  engine_->end_op(op, cost);
+  // 4. The recipe, if anything it made can be recomputed.
+  if (!recomputable.empty()) {
+    for (int v : recomputable) slots_[v].counted = true;
+    auto rec = std::make_unique<LiveOp>();
+    rec->func = py::reinterpret_borrow<py::object>(func);
+    rec->flags = flags;
+    rec->rng = py::reinterpret_borrow<py::object>(rng);
+    rec->recipes = static_cast<int>(recomputable.size());
+    for (const Seen& s : inputs) {
+      ArgRef r;
+      r.value = s.value;
+      py::handle t(s.tensor);
+      r.dtype = get_attr(t, names().dtype);
+      r.size = call_method(t, names().size);
+      r.stride = call_method(t, names().stride);
+      r.offset = as_int(call_method(t, names().storage_offset));
+      if (slots_[s.value].pin == PinReason::kExternal) r.version = as_int(get_attr(t, names().version));
+      rec->refs.push_back(std::move(r));
+    }
+    for (const Seen& w : written)
+      for (std::size_t k = 0; k < inputs.size(); ++k)
+        if (inputs[k].tensor == w.tensor || inputs[k].value == w.value) rec->written.push_back(static_cast<int>(k));
+    int next = 0;
+    rec->args = template_of(args, &next);
+    rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs, &next) : py::object(py::dict());
+    if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);
+    ops_[op] = std::move(rec);
+  }
+  if (mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, mirror_->usage().reserved);
+  if (options_.chaos) evict_for_chaos();
+  if (options_.check_invariants) check_invariants();
+}
+
+// `x` with every tensor replaced by (marker, k), k counting tensors in the
+// order record() saw them; containers without tensors are kept as they are.
+py::object LiveSession::template_of(py::handle x, int* next_index) const {
+  PyObject* o = x.ptr();
+  if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type_.ptr())))
+    return py::make_tuple(marker(), (*next_index)++);
+  if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    py::list parts(n);
+    bool changed = false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      py::object part = template_of(items[i], next_index);
+      changed |= part.ptr() != items[i];
+      parts[i] = part;
+    }
+    if (!changed) return py::reinterpret_borrow<py::object>(o);
+    return PyTuple_CheckExact(o) ? py::object(py::tuple(parts)) : py::object(parts);
+  }
+  if (PyDict_CheckExact(o)) {
+    py::dict d;
+    bool changed = false;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) {
+      py::object part = template_of(value, next_index);
+      changed |= part.ptr() != value;
+      d[key] = part;
+    }
+    return changed ? py::object(d) : py::reinterpret_borrow<py::object>(o);
+  }
+  return py::reinterpret_borrow<py::object>(o);
+}
+
+py::object LiveSession::fill(py::handle x, const py::list& tensors) const {
+  PyObject* o = x.ptr();
+  const int k = placeholder_index(o);
+  if (k >= 0) return tensors[k];
+  if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    py::list parts(n);
+    for (Py_ssize_t i = 0; i < n; ++i) parts[i] = fill(items[i], tensors);
+    return PyTuple_CheckExact(o) ? py::object(py::tuple(parts)) : py::object(parts);
+  }
+  if (PyDict_CheckExact(o)) {
+    py::dict d;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) d[key] = fill(value, tensors);
+    return d;
+  }
+  return py::reinterpret_borrow<py::object>(o);
+}
+
+// ---- recompute -----------------------------------------------------------------
+
+std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  const Value& x = engine_->value(value);
+  const LiveOp* op = static_cast<std::size_t>(x.producer) < ops_.size() ? ops_[x.producer].get() : nullptr;
+  if (!op) throw std::logic_error("dtralloc live session: no recipe for value " + std::to_string(value));
+  const Slot& target = slots_[value];
+  auto in_recipe = [&](int v) { return std::find(x.recipe.begin(), x.recipe.end(), v) != x.recipe.end(); };
+  py::list tensors(op->refs.size());
+  py::object made_storage;  // the written storage a write-made value is recomputed into
+  for (std::size_t k = 0; k < op->refs.size(); ++k) {
+    const ArgRef& r = op->refs[k];
+    const bool is_written = std::find(op->written.begin(), op->written.end(), static_cast<int>(k)) != op->written.end();
+    py::object storage;
+    if (is_written) {
+      // Never the live storage: the op writes what it gets. The value being
+      // recomputed gets a copy of the old version (or fresh memory, if the op
+      // overwrites it whole); other written arguments get scratch copies.
+      const bool resident = engine_->value(r.value).state == ValueState::kResident;
+      const bool copy = resident && (static_cast<int>(k) != target.write_ref || in_recipe(r.value));
+      py::object like = resident ? storage_of(r.value) : py::object(py::none());
+      storage = new_storage_(engine_->value(r.value).nbytes, like, copy, device_);
+      if (static_cast<int>(k) == target.write_ref) made_storage = storage;
+    } else {
+      storage = storage_of(r.value);
+      const Slot& s = slots_[r.value];
+      if (s.external) {
+        const std::int64_t now = as_int(get_attr(s.external, names().version));
+        if (now != r.version)
+          version_error(py::str("an input of a recomputed op (" + std::string(py::str(op->func)) +
+                                ") was modified in place outside the dtr session"),
+                        now, r.version);
+      }
+    }
+    tensors[k] = view_(storage, r.dtype, r.size, r.stride, r.offset);
+  }
+  py::object out = run_(op->func, fill(op->args, tensors), fill(op->kwargs, tensors), op->rng);
+  if (target.out_index >= 0) {
+    int leaf = 0;
+    for_each_tensor(out.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
+      if (leaf++ == target.out_index) made_storage = call_method(t, names().untyped_storage);
+    });
+  }
+  if (!made_storage) throw std::logic_error("dtralloc live session: the recompute made no storage for value " +
+                                            std::to_string(value));
+  out = py::object();
+  const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(made_storage, names().cdata)));
+  std::uintptr_t addr = 0;
+  if (mirror_)
+    addr = bytes ? allocate_mirror(bytes, value) : 0;  // may evict others
+  else if (bytes)
+    addr = static_cast<std::uintptr_t>(as_int(call_method(made_storage, names().data_ptr)));
+  Slot& s = slot(value);
+  s.storage = made_storage;  // owned: nobody else has it
+  s.family = py::object();
+  watch(value, made_storage, cdata);
+  stats_.recompute_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return addr;
+}
+
+// ---- saved tensors ------------------------------------------------------------
+
+py::object LiveSession::pack(py::handle tensor) {
+  flush_deaths();
+  py::object storage = call_method(tensor, names().untyped_storage);
+  const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+  const int v = value_of(storage, cdata);
+  if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
+  Slot& s = slots_[v];
+  if (!s.storage) s.storage = storage;  // the registry owns it now
+  ++s.handles;
+  ++stats_.saved;
+  auto handle = std::make_unique<SavedValue>();
+  handle->session = shared_from_this();
+  handle->value = v;
+  handle->dtype = get_attr(tensor, names().dtype);
+  handle->size = call_method(tensor, names().size);
+  handle->stride = call_method(tensor, names().stride);
+  handle->offset = as_int(call_method(tensor, names().storage_offset));
+  handle->version = as_int(get_attr(tensor, names().version));
+  handle->what = what_of_(tensor);
+  return py::cast(std::move(handle));
+}
+
+void LiveSession::drop_handle(int value) {
+  Slot& s = slots_[value];
+  if (--s.handles > 0) return;
+  const Value& x = engine_->value(value);
+  if (x.state == ValueState::kEvicted) {
+    engine_->kill(value);  // nobody can read it any more
+  } else if (x.state == ValueState::kResident && x.alive && x.locks == 0) {
+    // The program may still hold it; if not, it dies now and its watch says so.
+    py::object storage = std::move(s.storage);
+  }
+}
+
+py::object LiveSession::unpack(const SavedValue& saved) {
+  flush_deaths();
+  ++stats_.unpacked;
+  const int value = saved.value;
+  auto check_version = [&](std::int64_t now) {
+    if (now != saved.version) version_error(saved.what, now, saved.version);
+  };
+  const Slot& s = slots_[value];
+  if (s.overwritten) {
+    // A recorded in-place op wrote the storage after autograd saved it.
+    PyObject* fam = s.family ? PyWeakref_GetObject(s.family.ptr()) : nullptr;
+    check_version(fam && fam != Py_None ? as_int(get_attr(fam, names().version)) : saved.version + 1);
+  }
+  engine_->acquire(value);
+  py::object tensor;
+  try {
+    const Slot& after = slots_[value];
+    if (after.family) {  // an untracked in-place write (outside the session) shows in the version
+      PyObject* fam = PyWeakref_GetObject(after.family.ptr());
+      if (fam && fam != Py_None) check_version(as_int(get_attr(fam, names().version)));
+    }
+    tensor = view_(storage_of(value), saved.dtype, saved.size, saved.stride, saved.offset);
+  } catch (...) {
+    engine_->unacquire(value);
+    throw;
+  }
+  engine_->unacquire(value);
+  if (options_.check_invariants) check_invariants();
+  return tensor;
+}
+
+void LiveSession::version_error(py::handle what, std::int64_t now, std::int64_t expected) {
+  version_error_(what, now, expected);
+  throw std::logic_error("dtralloc live session: version_error helper returned");
+}
+
+void LiveSession::exported(py::handle tensor) {
+  py::object storage = call_method(tensor, names().untyped_storage);
+  const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+  if (v < 0) return;
+  Slot& s = slots_[v];
+  if (engine_->value(v).pinned || engine_->value(v).state != ValueState::kResident) return;
+  engine_->pin(v);
+  s.pin = PinReason::kExported;
+}
+
+// ---- eviction and reports ---------------------------------------------------------
+
+void LiveSession::evict_for_chaos() {
+  const std::vector<int> resident = engine_->resident();
+  for (int v : resident)
+    if (engine_->evictable(v)) engine_->evict(v);
+}
+
+std::size_t LiveSession::evict_all() {
+  flush_deaths();
+  const std::size_t before = engine_->counters().evictions;
+  evict_for_chaos();
+  return engine_->counters().evictions - before;
+}
+
+std::string LiveSession::oom_report(std::size_t request_bytes) {
+  (void)request_bytes;
+  // Resident bytes nothing can evict now, by why.
+  std::size_t locked = 0, held = 0, dependents = 0;
+  std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kForeign) + 1, 0);
+  for (int v : engine_->resident()) {
+    const Value& x = engine_->value(v);
+    if (engine_->evictable(v)) continue;
+    const Slot& s = slots_[v];
+    if (x.pinned && s.pin != PinReason::kNone)
+      pinned[static_cast<std::size_t>(s.pin)] += x.nbytes;
+    else if (x.pinned)
+      dependents += x.nbytes;
+    else if (x.locks > 0)
+      locked += x.nbytes;
+    else
+      held += x.nbytes;
+  }
+  const StatsReport r = pool_->stats_report();
+  std::ostringstream m;
+  m << "Under the dtr budget of " << format_bytes(pool_->budget_bytes()) << " ("
+    << (options_.cuda ? "the pool's reserved bytes" : "a virtual pool mirroring the session's storages")
+    << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "
+    << format_bytes(static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].current)) << ", largest free block "
+    << format_bytes(r.largest_free_bytes) << " of " << format_bytes(r.free_cached_bytes) << " free. "
+    << "What no eviction can free now:";
+  auto line = [&](std::size_t bytes, const std::string& why) {
+    if (bytes) m << "\n  " << format_bytes(bytes) << ": " << why;
+  };
+  line(held, "held by the program (tensors your code, an optimizer or autograd still references)");
+  line(locked, "in use by the op in flight or a recompute");
+  for (std::size_t i = 1; i < pinned.size(); ++i)
+    if (!(static_cast<PinReason>(i) == PinReason::kExternal && mirror_))
+      line(pinned[i], std::string("not recomputable: ") + pin_doc(static_cast<PinReason>(i)));
+  line(dependents, "not recomputable: they depend on a value overwritten in place");
+  m << "\nTo fit: raise the budget (dtr(budget=...)), lower the batch size, drop references to "
+       "intermediate tensors you keep (lists of outputs, losses kept with their graph), or keep "
+       "parameters and optimizer state out of the budget.";
+  return m.str();
+}
+
+py::dict LiveSession::stats() {
+  flush_deaths();
+  const EngineCounters& c = engine_->counters();
+  const EvictorStats& e = evictor_->stats();
+  const StatsReport r = pool_->stats_report();
+  py::dict d;
+  d["evictions"] = c.evictions;
+  d["remats"] = c.remats;
+  d["rng_replays"] = c.random_replays;
+  d["fake_deletions"] = c.fake_deletions;
+  d["eviction_calls"] = e.calls;
+  d["no_plan"] = e.no_plan;
+  d["ops"] = stats_.ops;
+  d["saved"] = stats_.saved;
+  d["unpacked"] = stats_.unpacked;
+  d["recompute_seconds"] = stats_.recompute_seconds;
+  d["compute_overhead"] = c.base_cost > 0 ? c.remat_cost / c.base_cost : 0.0;
+  d["budget_bytes"] = pool_->budget_bytes();
+  d["reserved_bytes"] = r.stats.reserved_bytes[kStatAll].current;
+  d["allocated_bytes"] = r.stats.allocated_bytes[kStatAll].current;
+  d["peak_bytes"] = mirror_ ? static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].peak) : peak_reserved_bytes_;
+  d["peak_allocated_bytes"] = r.stats.allocated_bytes[kStatAll].peak;
+  d["policy"] = policy_name(options_.policy);
+  d["device"] = options_.cuda ? "cuda:" + std::to_string(options_.device) : std::string("cpu");
+  d["chaos"] = options_.chaos;
+  return d;
+}
+
+void LiveSession::check_invariants() {
+  engine_->check_invariants();
+  pool_->check_invariants();
+  for (int v : engine_->resident()) {
+    const Value& x = engine_->value(v);
+    const Slot& s = slots_[v];
+    if (x.external) continue;
+    if (!s.storage && !s.watch && x.nbytes)
+      throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) + " has no storage");
+    if (mirror_ && x.addr && !mirror_->owns(reinterpret_cast<void*>(x.addr)))
+      throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) +
+                             " has no block in the mirror pool (3.6)");
+  }
+}
+
+SavedValue::~SavedValue() {
+  if (session) session->drop_handle(value);
+}
+
+}  // namespace dtralloc::live

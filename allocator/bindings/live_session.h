@@ -1,0 +1,230 @@
+// LiveSession: the live driver's C++ half (dtralloc.dtr(); the Python half is
+// python/dtralloc/dtr/). It drives the same RematEngine and Evictor as the
+// replay, with real storages: one record() call per ATen op registers what the
+// op read, made and wrote; pack()/unpack() serve autograd's saved tensors;
+// recomputing a value reruns its op in Python; evicting one drops the
+// registry's last reference to its storage. docs/live.md has the design.
+//
+// Map of the structures
+// ---------------------
+//   slots_        per engine value: the real storage behind it (a strong
+//                 reference while the registry owns it: saved by autograd, or
+//                 brought back by a recompute), a weak reference that reports
+//                 its death, a weak reference to a tensor on it (version
+//                 checks), the saved handles that name it
+//   by_storage_   StorageImpl address (_cdata) -> its current value
+//   ops_          per engine op with recomputable outputs: the OpOverload and
+//                 its arguments with every tensor replaced by a placeholder,
+//                 how it saw each tensor (value, dtype, sizes, strides,
+//                 offset, version), its RNG state if it is random
+//   dead_         values whose storage died (weakref callbacks); applied to
+//                 the engine (kill) at the next entry point, never inside the
+//                 callback
+//
+// Ownership. The registry owns (holds the only strong reference the engine
+// relies on) a storage while a saved handle names its value, or after a
+// recompute brought it back. A value is evictable only while the registry
+// owns it and nobody else holds it: its StorageImpl's use count is 1 (the
+// preserved Python storage object) and that object's refcount is 1 (ours).
+// Evicting drops that reference: torch frees the storage (on CUDA through
+// dtralloc_free, re-entering the pool outside its lock).
+//
+// Threads. The GIL is the session's lock: every entry point runs with it
+// held, and the CUDA eviction hook takes it first (it is called from
+// whichever thread allocates, autograd's device threads included). The
+// engine is called out of (the runner, a decref) only at the points where
+// the replay driver's allocations may evict too, where its state is whole.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "allocator.h"
+#include "event_log.h"
+#include "evictor.h"
+#include "remat_engine.h"
+
+namespace dtralloc::live {
+
+namespace py = pybind11;
+
+// Why a value can never be recomputed (its slot's pin); the OOM message
+// reports pinned bytes by these.
+#define DTRALLOC_PIN_REASONS(X)                                                                    \
+  X(kNone, "")                                                                                     \
+  X(kExternal, "made outside the session (parameters, inputs, optimizer state)")                  \
+  X(kUnwritten, "empty*() outputs no recorded op has fully written yet")                          \
+  X(kExported, "data handed out of the dispatcher (data_ptr, numpy, dlpack)")                     \
+  X(kCollective, "outputs of collectives")                                                         \
+  X(kPythonData, "made from Python data (torch.tensor)")                                           \
+  X(kSideEffects, "outputs of ops that write state besides their outputs")                         \
+  X(kNondeterministic, "outputs of ops that are not bitwise deterministic on this device")         \
+  X(kForeign, "memory dtralloc's pool does not hold")
+
+enum class PinReason : std::uint8_t {
+#define DTRALLOC_PIN_ENUM(e, doc) e,
+  DTRALLOC_PIN_REASONS(DTRALLOC_PIN_ENUM)
+#undef DTRALLOC_PIN_ENUM
+};
+
+// Per-op flags from the Python classifier (dtr/ops.py; the same bits there).
+enum OpFlag : std::uint32_t {
+  kRandom = 1,          // nondeterministic_seeded: recomputed with the RNG state it first ran with
+  kOverwrites = 2,      // its writes replace the whole storage without reading it
+  kScratchWrites = 4,   // it writes arguments it does not read for its outputs (batch norm's
+                        // running statistics): recomputes pass scratch copies
+};
+
+struct ArgRef {                 // how an op saw one tensor argument
+  int value = -1;               // the storage's value then
+  py::object dtype, size, stride;
+  std::int64_t offset = 0;
+  std::int64_t version = 0;     // the tensor's _version (checked for external values)
+};
+
+struct LiveOp {                 // what recomputing an op's outputs needs
+  py::object func, args, kwargs;  // args/kwargs with placeholders for the tensors
+  std::vector<ArgRef> refs;
+  std::vector<int> written;       // ref indices the op writes in place
+  py::object rng;                 // (generator, state) or None
+  std::uint32_t flags = 0;
+  int recipes = 0;                // unreleased recomputable values it made
+};
+
+struct Slot {
+  py::object storage;           // strong: the registry owns the storage
+  py::object watch;             // weakref to the storage; its callback reports the death
+  py::object family;            // weakref to a tensor on the storage (its version counter)
+  py::object external;          // external values: the tensor itself (kept, for versions)
+  std::uintptr_t cdata = 0;     // StorageImpl address while the storage lives
+  std::int64_t version = 0;     // family's _version when this value became current
+  int handles = 0;              // saved handles naming it
+  int out_index = -1;           // which tensor output of its producer (-1: made by a write)
+  int write_ref = -1;           // made by a write: the producer's ref it wrote
+  PinReason pin = PinReason::kNone;
+  bool overwritten = false;     // a recorded in-place write made a newer version
+  bool counted = false;         // counted in its producer's LiveOp::recipes
+};
+
+struct LiveStats {
+  std::size_t ops = 0;              // ops recorded
+  std::size_t saved = 0;            // handles handed to autograd
+  std::size_t unpacked = 0;
+  double recompute_seconds = 0;     // wall time in the runner
+};
+
+class LiveSession : public std::enable_shared_from_this<LiveSession> {
+ public:
+  struct Options {
+    bool cuda = false;
+    int device = 0;
+    std::size_t budget_bytes = 0;   // 0: the pool's own (CUDA) / none (CPU)
+    std::string conf;               // DTRALLOC_CONF for the CPU mirror pool and the evictor
+    Policy policy = Policy::kDtralloc;
+    bool chaos = false;
+    bool check_invariants = false;
+  };
+  // `helpers`: the Python half's functions (dtr/runner.py): view(storage,
+  // dtype, size, stride, offset) -> tensor; run(func, args, kwargs, rng) ->
+  // out; new_storage(nbytes, like_storage_or_None, copy, device) -> storage;
+  // use_count(cdata) -> int; version_error(what, now, expected) raises;
+  // what_of(tensor) -> what a version error names (pack time);
+  // tensor_type (torch.Tensor); device (the session's device string).
+  LiveSession(const Options& options, py::dict helpers);
+  ~LiveSession();
+  LiveSession(const LiveSession&) = delete;
+  LiveSession& operator=(const LiveSession&) = delete;
+
+  // Installs the evictor as the pool's eviction hook (CUDA) and the budget.
+  void start();
+  // Restores the pool's hook and budget (CUDA); the session itself lives on
+  // while saved handles need it.
+  void stop();
+
+  // Before an op that writes `writes` (tensors) runs.
+  void before_write(py::handle writes);
+  // After an op ran: everything it read, made and wrote, in one call.
+  void record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,
+              std::uint32_t flags, int pin, double cost, py::handle rng);
+  // autograd's pack hook: a handle for `tensor`, or None if the session does
+  // not manage its storage (the caller then saves the tensor itself).
+  py::object pack(py::handle tensor);
+  // The saved tensor back (recomputing what is missing).
+  py::object unpack(const struct SavedValue& saved);
+  void drop_handle(int value);
+  // The data of `tensor` leave the dispatcher: its value is never recomputed.
+  void exported(py::handle tensor);
+  // Values whose storage died since the last entry point go to the engine.
+  void flush_deaths();
+
+  // Every evictable value evicted now (chaos mode, and tests).
+  std::size_t evict_all();
+  py::dict stats();
+  std::string oom_report(std::size_t request_bytes);
+  void check_invariants();
+  bool use_raw_refcount(bool on);
+  const Options& options() const { return options_; }
+
+  // The driver side (LiveDriver forwards here).
+  std::uintptr_t allocate_mirror(std::size_t bytes, int value);
+  void release(int value, std::uintptr_t addr);
+  std::uintptr_t recompute(int value, std::size_t bytes);
+  bool held_elsewhere(int value) const;
+  void forget(int value);
+  bool make_room(std::size_t bytes, Stream stream);
+
+ private:
+  class Driver;
+  class Hook;
+
+  int value_of(py::handle storage_cdata_owner, std::uintptr_t cdata) const;
+  int external_value(py::handle tensor, py::handle storage, std::uintptr_t cdata);
+  py::object template_of(py::handle x, int* next_index) const;
+  py::object fill(py::handle x, const py::list& tensors) const;
+  void watch(int value, py::handle storage, std::uintptr_t cdata);
+  void unwatch(int value);
+  Slot& slot(int value);
+  py::object storage_of(int value) const;
+  std::int64_t use_count(std::uintptr_t cdata) const;
+  [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
+  void evict_for_chaos();
+
+  Options options_;
+  py::object view_, run_, new_storage_, use_count_fn_, version_error_, what_of_, tensor_type_, device_,
+      watch_callback_;
+  std::unique_ptr<Allocator> mirror_;   // CPU: the virtual pool mirroring the session's storages
+  Allocator* pool_ = nullptr;           // the pool the evictor walks (the mirror, or the device's)
+  std::unique_ptr<Driver> driver_;
+  std::unique_ptr<RematEngine> engine_;
+  std::shared_ptr<Evictor> evictor_;
+  std::shared_ptr<Hook> hook_;
+  std::shared_ptr<EvictionHook> previous_hook_;
+  bool started_ = false;
+  bool raw_refcount_ = false;
+  std::vector<Slot> slots_;
+  std::vector<std::unique_ptr<LiveOp>> ops_;
+  std::unordered_map<std::uintptr_t, int> by_storage_;
+  std::unordered_map<PyObject*, int> watched_;
+  std::vector<int> dead_;
+  LiveStats stats_;
+  std::size_t peak_reserved_bytes_ = 0;
+};
+
+// A saved tensor as autograd holds it: the value and the view geometry.
+struct SavedValue {
+  std::shared_ptr<LiveSession> session;
+  int value;
+  py::object dtype, size, stride;
+  std::int64_t offset;
+  std::int64_t version;
+  py::object what;   // (dtype, size, output_nr, grad_fn name): torch's version error names them
+  ~SavedValue();
+};
+
+}  // namespace dtralloc::live

@@ -1,0 +1,112 @@
+// Eviction policies, declared once in DTRALLOC_POLICIES.
+//
+// The table is the single source of truth: the Policy enum, the names
+// DTRALLOC_CONF's `policy` key and replay(policy=...) accept, dtralloc.POLICIES,
+// the CLI help, the README's policy table and the bench's list are all
+// generated from it. Each row carries a small descriptor (PolicyTraits) of
+// how the policy chooses; the Evictor (evictor.h) reads the descriptor, not
+// the policy's name.
+//
+// Every score is "lower = evict first". For a single-tensor policy:
+//
+//   score(t) = cost(t) * penalty^recomputes(t) / (bytes(t) + free beside t) / staleness(t)
+//
+// where each factor is present only if the descriptor says so. A window
+// policy scores a run of address-adjacent blocks: the sum of cost(t) *
+// penalty^recomputes(t) over the run's tensors, per byte the run frees if
+// `per_byte` (free neighbours of the run counted when `free_neighbours`),
+// else the plain sum (Coop).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtralloc {
+
+// What a victim costs.
+enum class VictimCost : std::uint8_t {
+  kNone,         // no eviction
+  kLastAccess,   // the engine clock at its last use (LRU: oldest first)
+  kUnit,         // 1 for every tensor (so per byte: largest first)
+  kProducer,     // its producer op's cost
+  kChain,        // what recomputing it runs: producer + evicted ancestors (Capuchin's chain)
+  kEstarExact,   // DTR's e*: producer + its memoryless neighbourhood, walked exactly
+  kEstarEq,      // DTR's e* from union-find classes (h_DTR-eq)
+};
+
+// How a policy chooses.
+enum class VictimChoice : std::uint8_t {
+  kNone,     // never evicts: over the budget is an OOM
+  kSingle,   // one tensor per call; the Allocator calls again while room is missing
+  kWindow,   // one call makes all the room: a run of adjacent blocks, or whole segments released
+};
+
+struct PolicyTraits {
+  VictimChoice choice;
+  VictimCost cost;
+  bool per_byte;          // divided by the bytes the eviction frees
+  bool free_neighbours;   // free blocks beside the victim(s) count as freed
+  bool staleness;         // divided by the time since last use
+  bool penalty;           // times recompute_penalty^recomputes (the config's knob)
+  bool pruned;            // windows: starts below small_tensor_cutoff skipped and, past
+                          // eviction_sample_threshold, sampled
+};
+
+// X(enumerator, name, traits, doc). The doc is one line; it is what users read.
+#define DTRALLOC_POLICIES(X)                                                            \
+  X(kNone, none, (PolicyTraits{VictimChoice::kNone, VictimCost::kNone,                  \
+                               false, false, false, false, false}),                     \
+    "no eviction: a request over the budget is an out-of-memory error")                 \
+  X(kLru, lru, (PolicyTraits{VictimChoice::kSingle, VictimCost::kLastAccess,            \
+                             false, false, false, false, false}),                       \
+    "least recently used tensor first")                                                 \
+  X(kSize, size, (PolicyTraits{VictimChoice::kSingle, VictimCost::kUnit,                \
+                               true, false, false, false, false}),                      \
+    "largest tensor first")                                                             \
+  X(kMsps, msps, (PolicyTraits{VictimChoice::kSingle, VictimCost::kChain,               \
+                               true, false, false, false, false}),                      \
+    "Capuchin: recompute time of the tensor's chain per byte saved")                    \
+  X(kDtr, dtr, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarExact,            \
+                             true, false, true, false, false}),                         \
+    "DTR's h_DTR: e* / (size * staleness), e* walking the evicted neighbourhood")       \
+  X(kDtrEq, dtr_eq, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,          \
+                                  true, false, true, false, false}),                    \
+    "DTR's h_DTR-eq: e* from union-find classes / (size * staleness)")                  \
+  X(kDtrLocal, dtr_local, (PolicyTraits{VictimChoice::kSingle, VictimCost::kProducer,   \
+                                        true, false, true, false, false}),              \
+    "DTR's h_DTR-local: producer cost / (size * staleness), no neighbourhood")           \
+  X(kDte, dte, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,               \
+                             true, true, true, false, false}),                          \
+    "MegEngine's DTE: e* / ((size + free neighbours) * staleness)")                     \
+  X(kCoop, coop, (PolicyTraits{VictimChoice::kWindow, VictimCost::kProducer,            \
+                               false, false, false, false, false}),                     \
+    "Coop: the run of adjacent free + evictable blocks with the least total op cost")   \
+  X(kDtralloc, dtralloc, (PolicyTraits{VictimChoice::kWindow, VictimCost::kChain,       \
+                                       true, true, false, true, true}),                 \
+    "ours: the run of adjacent blocks (or whole segments) with the least recompute "    \
+    "chain cost per byte freed, free neighbours counted")
+
+enum class Policy : std::uint8_t {
+#define DTRALLOC_POLICY_ENUM(e, name, traits, doc) e,
+  DTRALLOC_POLICIES(DTRALLOC_POLICY_ENUM)
+#undef DTRALLOC_POLICY_ENUM
+};
+
+struct PolicyInfo {
+  Policy policy;
+  const char* name;
+  PolicyTraits traits;
+  const char* doc;
+};
+
+// Every policy, in table order.
+const std::vector<PolicyInfo>& policy_table();
+const PolicyTraits& policy_traits(Policy policy);
+const char* policy_name(Policy policy);
+// "none, lru, ..." in table order.
+const std::string& policy_names();
+// Throws ConfigError (config.h) for an unknown name, listing the known ones.
+Policy parse_policy(const std::string& name);
+
+}  // namespace dtralloc

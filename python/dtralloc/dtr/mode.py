@@ -1,0 +1,103 @@
+"""The dispatch mode and the saved-tensor hooks of a dtr() session.
+
+Per op the mode runs the op, times it, and makes one call into C++
+(LiveSession.record) that registers everything the op read, made and wrote.
+Random ops first save their generator's state; ops that write first let the
+session bring back what depends on an unrecomputable value about to be
+overwritten. Everything else lives in C++ (allocator/bindings/live_session.h).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _core
+from . import ops
+
+_ns = time.perf_counter_ns
+_INFO: dict = {}
+_OOM_MARKER = "dtralloc"
+
+
+class Mode(TorchDispatchMode):
+    def __init__(self, session):
+        super().__init__()
+        self._session = session
+        self._record = session._core.record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        info = _INFO.get(func)
+        if info is None:
+            info = _INFO[func] = ops.classify(func)
+        if info.fast:
+            start = _ns()
+            out = self._call(func, args, kwargs or {})
+            self._record(func, args, kwargs, out, (), info.flags, info.pin, _ns() - start, None)
+            return out
+        return self._dispatch(func, info, args, kwargs or {})
+
+    def _dispatch(self, func, info, args, kwargs):
+        core = self._session._core
+        flags, pin, rng = info.flags, info.pin, None
+        if info.dropout_pos is not None and not ops.argument(info.dropout_pos, "dropout_p", args, kwargs):
+            flags &= ~ops.RANDOM  # fused attention carries the tag even with its dropout off
+        if flags & ops.RANDOM:
+            generator = ops.generator_for(func, info, args, kwargs)
+            if generator is None:  # a device whose generator we cannot restore: never recompute
+                flags &= ~ops.RANDOM
+                pin = ops.PIN_NONDETERMINISTIC
+            else:
+                rng = (generator, generator.get_state())
+        if info.bitwise_nondeterministic and _on_cuda(args) and not torch.are_deterministic_algorithms_enabled():
+            pin = ops.PIN_NONDETERMINISTIC
+        writes = ops.written(func, info, args, kwargs)
+        if writes:
+            core.before_write(writes)
+            if info.overwrites and all(ops.covers_storage(t) for t in writes):
+                flags |= ops.OVERWRITES
+        start = _ns()
+        out = self._call(func, args, kwargs)
+        cost = _ns() - start
+        self._record(func, args, kwargs, out, writes, flags, pin, cost, rng)
+        if info.rebinds:
+            for t in writes:
+                core.exported(t)  # its memory may have moved: never recompute it
+        return out
+
+    def _call(self, func, args, kwargs):
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            # On CUDA the pool's OOM comes through torch: say what the budget holds.
+            if "out of memory" in str(e) and _OOM_MARKER in str(e) and self._session.device != "cpu":
+                raise _core.OutOfMemoryError(f"{e}\n{self._session._core.oom_report()}") from e
+            raise
+
+
+def _on_cuda(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+
+
+def pack(session):
+    core = session._core
+
+    def pack_hook(t):
+        handle = core.pack(t)
+        if handle is None:  # not the session's: made outside it; autograd keeps the tensor itself
+            return (t, t._version)
+        return handle
+
+    return pack_hook
+
+
+def unpack_hook(saved):
+    if type(saved) is tuple:
+        t, version = saved
+        if t._version != version:
+            from .runner import version_error, what_of
+
+            version_error(what_of(t), t._version, version)
+        return t
+    return saved.unpack()

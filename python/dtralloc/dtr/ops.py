@@ -1,0 +1,153 @@
+"""What the live driver must know about an ATen op, worked out once per overload.
+
+Which arguments it writes (its schema's ``(a!)``, plus the legacy batch norms'
+undeclared running statistics), whether it is random
+(``Tag.nondeterministic_seeded``), whether its writes replace the whole
+storage without reading it (``fill_``, ``copy_``, ``out=`` ...), and whether
+its outputs can be recomputed at all (``OpInfo.pin``). The numbers mirror
+``OpFlag`` and ``DTRALLOC_PIN_REASONS`` in allocator/bindings/live_session.h.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+# OpFlag (live_session.h)
+RANDOM = 1
+OVERWRITES = 2
+SCRATCH_WRITES = 4
+
+# PinReason (live_session.h), in order
+PIN_NONE, PIN_EXTERNAL, PIN_UNWRITTEN, PIN_EXPORTED, PIN_COLLECTIVE, PIN_PYTHON_DATA, PIN_SIDE_EFFECTS, \
+    PIN_NONDETERMINISTIC, PIN_FOREIGN = range(9)
+
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+_BITWISE = getattr(torch.Tag, "nondeterministic_bitwise", None)
+
+# torch.tensor / as_tensor / from_numpy: the data come from Python.
+_PYTHON_DATA = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
+# Uninitialized memory: recomputing it gives other garbage, so it is pinned
+# until an op writes all of it (then that op's output is recomputable).
+_UNWRITTEN = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+              "aten::new_empty_strided", "aten::empty_permuted"}
+# Ops whose writes do not read the old contents (when they cover the storage).
+_OVERWRITING = {"aten::fill_", "aten::zero_", "aten::copy_", "aten::normal_", "aten::uniform_",
+                "aten::bernoulli_", "aten::random_", "aten::exponential_", "aten::geometric_",
+                "aten::log_normal_", "aten::cauchy_"}
+# Ops that write arguments besides making outputs, whose outputs do not read
+# what they write: batch norm's running statistics. Their outputs are
+# recomputed with scratch copies of those arguments, so the real statistics
+# are updated once. Any other op that writes and makes outputs pins them.
+_SCRATCH = {"aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::cudnn_batch_norm",
+            "aten::miopen_batch_norm", "aten::_batch_norm_with_update"}
+# Legacy batch norms update running_mean / running_var (arguments 3 and 4)
+# when `training` (argument 5) is set, without an (a!) in their schemas.
+_UNDECLARED_RUNNING_STATS = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
+# Ops that rebind a tensor to other memory: its storage is pinned afterwards.
+_REBINDING = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::_resize_output_"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"}
+
+
+class OpInfo(NamedTuple):
+    fast: bool                    # nothing to decide per call: record(flags, pin) as they are
+    flags: int
+    pin: int
+    write_pos: tuple              # positional indices of written arguments
+    write_kw: tuple               # their names, for keyword passing
+    undeclared_stats: bool        # legacy batch norm: 3 and 4 written when argument 5 is true
+    dropout_pos: Optional[int]    # random only when this argument (dropout_p) is nonzero
+    generator_pos: Optional[int]  # the `generator` argument
+    overwrites: bool              # writes replace the storage without reading it, if they cover it
+    bitwise_nondeterministic: bool
+    rebinds: bool
+
+
+def _name(func) -> str:
+    return func._schema.name
+
+
+def classify(func) -> OpInfo:
+    schema = func._schema
+    name = schema.name
+    args = schema.arguments
+    write_pos = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+    write_kw = tuple(args[i].name for i in write_pos)
+    undeclared = name in _UNDECLARED_RUNNING_STATS
+    tags = func.tags
+    random = _SEEDED is not None and _SEEDED in tags
+    dropout_pos = next((i for i, a in enumerate(args) if a.name == "dropout_p"), None) if random else None
+    generator_pos = next((i for i, a in enumerate(args) if a.name == "generator"), None)
+    pin = PIN_NONE
+    flags = RANDOM if random else 0
+    namespace = name.split("::", 1)[0]
+    if name in _PYTHON_DATA:
+        pin = PIN_PYTHON_DATA
+    elif name in _UNWRITTEN:
+        pin = PIN_UNWRITTEN
+    elif namespace in _COLLECTIVE_NAMESPACES:
+        pin = PIN_COLLECTIVE
+    elif (write_pos or undeclared) and name in _SCRATCH:
+        flags |= SCRATCH_WRITES
+    elif write_pos:
+        pin = PIN_SIDE_EFFECTS  # applies only to outputs it makes besides what it writes
+    overwrites = bool(write_pos) and (name in _OVERWRITING or func._overloadname.startswith("out")
+                                      or all(args[i].name == "out" for i in write_pos))
+    bitwise = _BITWISE is not None and _BITWISE in tags
+    rebinds = name in _REBINDING
+    fast = not (write_pos or undeclared or random or bitwise or rebinds)
+    return OpInfo(fast, flags, pin, write_pos, write_kw, undeclared, dropout_pos, generator_pos, overwrites,
+                  bitwise, rebinds)
+
+
+def argument(info_pos: int, name: str, args, kwargs):
+    if info_pos < len(args):
+        return args[info_pos]
+    return kwargs.get(name)
+
+
+def written(func, info: OpInfo, args, kwargs) -> tuple:
+    """The tensors the op writes, for this call."""
+    out = []
+    arguments = func._schema.arguments
+    for i in info.write_pos:
+        value = args[i] if i < len(args) else kwargs.get(arguments[i].name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    if info.undeclared_stats and argument(5, "training", args, kwargs):
+        for i, n in ((3, "running_mean"), (4, "running_var")):
+            value = argument(i, n, args, kwargs)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return tuple(out)
+
+
+def covers_storage(t: torch.Tensor) -> bool:
+    """True when writing `t` writes every byte of its storage."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
+
+def generator_for(func, info: OpInfo, args, kwargs) -> Optional[torch.Generator]:
+    """The generator a random op draws from: its `generator` argument, else
+    the default generator of the device it runs on."""
+    if info.generator_pos is not None:
+        gen = argument(info.generator_pos, "generator", args, kwargs)
+        if gen is not None:
+            return gen
+    device = None
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            device = a.device
+            break
+    if device is None:
+        d = kwargs.get("device")
+        device = torch.device(d) if d is not None else torch.get_default_device()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    if device.type == "cpu":
+        return torch.default_generator
+    return None

@@ -1,0 +1,90 @@
+"""What the C++ live session asks Python to do: rebuild a tensor view on a
+storage, rerun an op for a recompute, make storages, raise torch's version
+error. Every function runs with Python dispatch off, so nothing it does is
+recorded as an op of the session (docs/live.md)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_no_dispatch = torch._C._DisableTorchDispatch
+
+
+def view(storage, dtype, size, stride, offset):
+    """A tensor on `storage` with the geometry autograd (or an op) saw."""
+    with _no_dispatch():
+        t = torch.empty((0,), dtype=dtype, device=storage.device)
+        return t.set_(storage, offset, size, stride)
+
+
+@contextlib.contextmanager
+def _autocast_off(devices):
+    with contextlib.ExitStack() as stack:
+        for device_type in devices:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def run(func, args, kwargs, rng):
+    """Rerun an op for a recompute: no autograd, no autocast (the recorded op
+    already carries the dtypes autocast chose), and a random op draws from its
+    generator's state at its first run; the generator is left as it was."""
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor) and a.device.type in ("cpu", "cuda")}
+    with _no_dispatch(), torch.no_grad(), _autocast_off(devices or {"cpu"}):
+        if rng is None:
+            return func(*args, **kwargs)
+        generator, state = rng
+        current = generator.get_state()
+        generator.set_state(state)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            generator.set_state(current)
+
+
+def new_storage(nbytes, like, copy, device):
+    """A copy of `like`, or fresh memory (zeroed when there is nothing to copy
+    from: a scratch argument the op writes but whose contents do not matter)."""
+    with _no_dispatch():
+        if copy:
+            return like.clone()
+        storage = torch.UntypedStorage(nbytes, device=like.device if like is not None else device)
+        if like is None:
+            storage.fill_(0)
+        return storage
+
+
+def use_count(cdata: int) -> int:
+    return torch._C._storage_Use_Count(cdata)
+
+
+def what_of(t: torch.Tensor):
+    """What torch's version error names about a saved tensor (pack time)."""
+    grad_fn = t.grad_fn
+    return (t.dtype, t.device, tuple(t.shape), t.output_nr, grad_fn.name() if grad_fn is not None else None)
+
+
+def version_error(what, now: int, expected: int):
+    """Raise torch's own "modified by an inplace operation" error: with
+    saved-tensor hooks installed torch no longer checks versions itself."""
+    if isinstance(what, str):
+        subject = what
+    else:
+        dtype, device, shape, output_nr, grad_fn = what
+        with _no_dispatch():
+            type_name = torch.empty((0,), dtype=dtype, device=device).type()
+        subject = f"[{type_name} {list(shape)}]"
+        if grad_fn is not None:
+            subject += f", which is output {output_nr} of {grad_fn},"
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: {subject} is at version {now}; expected version {expected} instead. Hint: enable "
+        "anomaly detection to find the operation that failed to compute its gradient, with "
+        "torch.autograd.set_detect_anomaly(True).")
+
+
+def helpers(device: str) -> dict:
+    return {"view": view, "run": run, "new_storage": new_storage, "use_count": use_count,
+            "version_error": version_error, "what_of": what_of, "tensor_type": torch.Tensor,
+            "device": device}

@@ -1,0 +1,213 @@
+"""dtralloc.dtr(): live DTR on eager PyTorch under a memory budget.
+
+A session records every op run inside its ``with`` block (a TorchDispatchMode),
+owns the tensors autograd saves (saved-tensor hooks hand autograd a handle, the
+registry in C++ holds the storage), and, when the pool cannot serve a request
+within the budget, evicts saved activations that can be recomputed, chosen by
+the same evictor and policy that replay measures. Autograd's unpack brings an
+evicted value back by rerunning the ops that made it, bit for bit.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional, Union
+
+import torch
+
+from .. import _core
+from .mode import Mode, pack, unpack_hook
+from .runner import helpers
+
+_active = threading.local()      # the session whose `with` block this thread is in
+_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()  # alive (their saved values may be unpacked)
+_raw_refcount: Optional[bool] = None
+
+
+def _check_raw_refcount() -> bool:
+    """Whether reading a StorageImpl's strong count straight from memory agrees
+    with torch._C._storage_Use_Count on this torch (then evictability checks
+    need no call into Python)."""
+    global _raw_refcount
+    if _raw_refcount is None:
+        t = torch.empty(4)
+        c = t.untyped_storage()._cdata
+        agree = _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
+        views = [t.view(2, 2), t[1:]]
+        agree = agree and _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
+        del views
+        agree = agree and _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
+        _raw_refcount = bool(agree)
+    return _raw_refcount
+
+
+def _budget_bytes(budget) -> int:
+    if budget is None:
+        return 0
+    if isinstance(budget, bool) or isinstance(budget, float):
+        raise TypeError(f"dtralloc.dtr: budget must be bytes (an int) or a size such as '512M' or '20G', "
+                        f"not {budget!r}")
+    if isinstance(budget, str):
+        return _core.parse_size(budget)
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"dtralloc.dtr: budget must be positive, got {budget}")
+        return budget
+    raise TypeError(f"dtralloc.dtr: budget must be an int or a size string, not {type(budget).__name__}")
+
+
+def _device(device) -> tuple[bool, int, str]:
+    """(cuda?, index, name) for dtr(device=...): None picks CUDA when dtralloc
+    is torch's allocator, else the CPU mirror."""
+    from ..torch_hooks import installed
+
+    if device is None:
+        device = "cuda" if installed() else "cpu"
+    d = torch.device(device)
+    if d.type == "cpu":
+        return False, 0, "cpu"
+    if d.type != "cuda":
+        raise ValueError(f"dtralloc.dtr: device must be 'cpu' or 'cuda[:N]', not {device!r}")
+    if not installed():
+        raise RuntimeError(
+            "dtralloc.dtr(device='cuda') needs dtralloc as torch's CUDA allocator: call dtralloc.install() "
+            "first thing in the program (before any CUDA tensor exists). For a budget over CPU tensors, "
+            "or without installing, use dtr(device='cpu').")
+    index = d.index if d.index is not None else torch.cuda.current_device()
+    return True, index, f"cuda:{index}"
+
+
+def _policy(policy: Optional[str]) -> str:
+    from ..replay import POLICIES
+
+    if policy is None:  # the pool's setting, else ours
+        configured = {o["name"]: o["value"] for o in _core.describe_config(_core.config_text())}["policy"]
+        policy = configured if configured != "none" else "dtralloc"
+    if policy not in POLICIES:
+        raise ValueError(f"dtralloc.dtr: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+    return policy
+
+
+class Session:
+    """A dtr() session; use it as a context manager. ``stats()`` works during
+    and after the block; backward may run after the block (the session lives
+    as long as a saved value needs it)."""
+
+    def __init__(self, budget=None, policy: Optional[str] = None, device=None, chaos: bool = False,
+                 check_invariants: bool = False):
+        cuda, index, name = _device(device)
+        self.device = name
+        self.budget_bytes = _budget_bytes(budget)
+        self.policy = _policy(policy)
+        self.chaos = chaos
+        self._core = _core.LiveSession(cuda, index, self.budget_bytes, _core.config_text(), self.policy, chaos,
+                                       check_invariants, helpers(name))
+        self._core.use_raw_refcount(_check_raw_refcount())
+        self._mode: Optional[Mode] = None
+        self._hooks = None
+        self._entered = False
+
+    def __enter__(self) -> "Session":
+        if self._entered:
+            raise RuntimeError("dtralloc.dtr: a session can be entered once; make a new one with dtralloc.dtr()")
+        if getattr(_active, "session", None) is not None:
+            raise RuntimeError("dtralloc.dtr: sessions do not nest; this thread is already inside one")
+        self._entered = True
+        self._core.start()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack(self), unpack_hook)
+        self._hooks.__enter__()
+        self._mode = Mode(self)
+        self._mode.__enter__()
+        _active.session = self
+        _sessions.add(self)
+        _exports.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.session = None
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._hooks.__exit__(*exc)
+            _exports.detach()
+        self._core.flush_deaths()
+
+    def stats(self) -> dict:
+        """evictions, remats, rng_replays, peak_bytes, budget_bytes, recompute_seconds, ..."""
+        return self._core.stats()
+
+    def evict_all(self) -> int:
+        """Evict every value that can be evicted now; returns how many."""
+        return self._core.evict_all()
+
+    def check_invariants(self) -> None:
+        """Raise if the engine, the pool or the registry disagree (DESIGN.md §3)."""
+        self._core.check_invariants()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"<dtralloc.dtr session device={self.device} policy={self.policy} "
+                f"budget={_core.format_bytes(s['budget_bytes'])} evictions={s['evictions']} remats={s['remats']}>")
+
+
+def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, device=None, chaos: bool = False,
+        check_invariants: bool = False) -> Session:
+    """Live DTR: what is made inside the block may be evicted and recomputed.
+
+    Args:
+        budget: bytes or a size such as "512M" / "20G". On CUDA it caps the
+            installed pool's reserved bytes for the session (default: the
+            pool's own budget). With device="cpu" it caps the bytes of every
+            storage the session allocates, placed in a virtual pool with the
+            pool's settings (None: no cap).
+        policy: eviction policy (default: DTRALLOC_CONF's, else "dtralloc").
+        device: "cpu" for the CPU mirror, "cuda" / "cuda:N" for the installed
+            pool; None: CUDA when dtralloc.install() ran, else CPU.
+        chaos: evict every evictable value at every op: run it once to check
+            that a model is safe to rematerialize (slow).
+        check_invariants: check the engine, pool and registry after every op.
+    """
+    return Session(budget, policy, device, chaos, check_invariants)
+
+
+class _Exports:
+    """While a session is active, a tensor whose data leave the dispatcher
+    (data_ptr, numpy, dlpack) is pinned: code outside torch's dispatch could
+    write it, and a recompute would not see that."""
+
+    _METHODS = ("data_ptr", "numpy", "__dlpack__")
+
+    def __init__(self):
+        self._depth = 0
+        self._originals = {}
+
+    def attach(self):
+        self._depth += 1
+        if self._depth > 1:
+            return
+        for name in self._METHODS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = original
+            setattr(torch.Tensor, name, self._wrap(original))
+
+    def detach(self):
+        self._depth -= 1
+        if self._depth:
+            return
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+        self._originals.clear()
+
+    @staticmethod
+    def _wrap(original):
+        def exported(self, *args, **kwargs):
+            for session in list(_sessions):
+                session._core.exported(self)
+            return original(self, *args, **kwargs)
+
+        exported.__name__ = original.__name__
+        exported.__doc__ = original.__doc__
+        return exported
+
+
+_exports = _Exports()

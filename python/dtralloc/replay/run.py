@@ -1,0 +1,185 @@
+"""Running replays: replay(), and the budget searches built on it
+(min_feasible_budget, resident_floor)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Union
+
+from .. import _core
+from ..config import ConfLike, conf_text
+from ..trace import Trace, load
+from .result import POLICIES, ReplayResult
+
+
+def replay(
+    trace: Union[Trace, str],
+    budget: Union[None, int, float, str] = None,
+    policy: str = "none",
+    conf: ConfLike = None,
+    check_invariants: bool = False,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> ReplayResult:
+    """Run `trace` through a fresh pool and measure it.
+
+    Args:
+        trace: a Trace, or a path to a saved one.
+        budget: None (no cap), bytes (int or "6G"), or a float in (0, 1]: that
+            fraction of the no-eviction peak reserved (measured by a first
+            replay without a budget).
+        policy: eviction policy; "none" replays allocations only.
+        conf: extra DTRALLOC_CONF settings for the pool (not `budget`).
+        check_invariants: verify the pool's invariants after every op (slow).
+        progress: called as progress(ops_done, ops_total) now and then.
+    """
+    if isinstance(trace, str):
+        trace = load(trace)
+    if policy not in POLICIES:
+        raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+    text = _pool_conf(conf)
+    if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
+        policy = _core.describe_config(text)[_POLICY_ROW]["value"]
+    columns = replay_columns(trace)
+    if budget is None and policy == "none":  # the replay is its own no-eviction reference
+        result = _run(columns, 0, "none", text, check_invariants, progress)
+        result.no_eviction_peak_reserved_bytes = result.peak_reserved_bytes
+    else:
+        reference = _run(columns, 0, "none", text, False, None).peak_reserved_bytes
+        budget_bytes = 0 if budget is None else _resolve_budget(budget, reference)
+        result = _run(columns, budget_bytes, policy, text, check_invariants, progress)
+        result.no_eviction_peak_reserved_bytes = reference
+    result.name = str(trace.meta.get("name", ""))
+    result.conf = text
+    return result
+
+
+_POLICY_ROW = [o["name"] for o in _core.describe_config("")].index("policy")
+
+
+def _pool_conf(conf: ConfLike) -> str:
+    """The DTRALLOC_CONF text for a replay's pool; the budget is replay()'s own argument."""
+    text = conf_text(conf if conf is not None else "")
+    settings = {o["name"]: o["value"] for o in _core.describe_config(text)}  # validates too
+    if settings["budget"] != "none":
+        raise ValueError("dtralloc.replay: pass the budget as replay(budget=...), not inside conf")
+    return text
+
+
+def _resolve_budget(budget, reference: int) -> int:
+    if isinstance(budget, bool):
+        raise TypeError("dtralloc.replay: budget must be None, bytes or a fraction, not a bool")
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0) or math.isnan(budget):
+            raise ValueError(
+                f"dtralloc.replay: a fractional budget must be in (0, 1] (a share of the "
+                f"no-eviction peak reserved); got {budget}. Pass an int for bytes."
+            )
+        return max(1, int(budget * reference))
+    if isinstance(budget, str):
+        return _core.parse_size(budget)
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"dtralloc.replay: budget must be positive, got {budget}")
+        return budget
+    raise TypeError(f"dtralloc.replay: budget must be None, int, float or str, not {type(budget).__name__}")
+
+
+def replay_columns(trace: Trace) -> _core.ReplayTrace:
+    """`trace` as the replay driver's columns (a bound struct, CSR lists)."""
+    def csr(lists):
+        offsets, values = [0], []
+        for item in lists:
+            values.extend(item)
+            offsets.append(len(values))
+        return offsets, values
+
+    ops = trace.ops
+    t = _core.ReplayTrace()
+    t.nbytes = [s.nbytes for s in trace.storages]
+    t.initial = [int(s.initial) for s in trace.storages]
+    t.frees_before = list(trace.frees_before)
+    t.inputs_offsets, t.inputs = csr([o.inputs for o in ops])
+    t.created_offsets, t.created = csr([o.created for o in ops])
+    t.mutated_offsets, t.mutated = csr([o.mutated for o in ops])
+    t.frees_offsets, t.frees = csr([o.frees for o in ops])
+    # Measured duration when the trace has one, else the FLOP estimate.
+    t.cost = [float(o.duration_ns if o.duration_ns > 0 else max(o.flops, 1)) for o in ops]
+    t.random = [int(o.random) for o in ops]
+    return t
+
+
+def _run(columns, budget_bytes: int, policy: str, conf: str, check: bool, progress,
+         measure_floor: bool = False) -> ReplayResult:
+    return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, progress)
+
+
+def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
+    """The budget fraction below which no eviction policy can run `trace`.
+
+    At every op some bytes cannot be evicted: initial storages (parameters,
+    optimizer state), values made unrecomputable by an in-place write to
+    them, and the op's own inputs and outputs. The largest such sum over the
+    step, as a fraction of the no-eviction peak reserved, bounds every
+    policy's ``min_feasible_budget`` from below (the pool's fragmentation
+    comes on top)."""
+    if isinstance(trace, str):
+        trace = load(trace)
+    r = _run(replay_columns(trace), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
+    return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
+
+
+def min_feasible_budget(
+    trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01,
+    method: str = "bisect", reference_bytes: Optional[int] = None,
+) -> Optional[float]:
+    """Smallest budget fraction (of the no-eviction peak reserved) at which
+    `policy` completes the trace; None if even 1.0 fails.
+
+    Feasibility is not quite monotone in the budget: where the pool puts
+    blocks changes with it, and a budget can fail where a smaller one fits.
+    ``method="bisect"`` (default) bisects to `tolerance` and reports a point
+    on the boundary it finds, in about log2(1/tolerance) replays.
+    ``method="scan"`` steps down from 1.0 by `tolerance` and returns the last
+    budget before the first failure: every budget on that grid from there up
+    is feasible (about (1 - result) / tolerance replays).
+
+    Fractions are of the no-eviction peak reserved under `conf`, or of
+    `reference_bytes` when given (to compare settings against one fixed
+    reference, such as the default pool's peak)."""
+    if isinstance(trace, str):
+        trace = load(trace)
+    if policy == "none":
+        raise ValueError("dtralloc.min_feasible_budget: needs an eviction policy, not 'none'")
+    if method not in ("bisect", "scan"):
+        raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"dtralloc.min_feasible_budget: tolerance must be in (0, 1), not {tolerance!r}")
+    text = _pool_conf(conf)
+    columns = replay_columns(trace)
+    if reference_bytes is not None and (isinstance(reference_bytes, bool) or not isinstance(reference_bytes, int)
+                                        or reference_bytes <= 0):
+        raise ValueError(f"dtralloc.min_feasible_budget: reference_bytes must be a positive int, "
+                         f"not {reference_bytes!r}")
+    reference = reference_bytes or _run(columns, 0, "none", text, False, None).peak_reserved_bytes
+
+    def feasible(fraction: float) -> bool:
+        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None).feasible
+
+    if not feasible(1.0):
+        return None
+    if method == "scan":
+        steps = round(1 / tolerance)
+        lowest = 1.0
+        for k in range(steps - 1, 0, -1):
+            fraction = k / steps
+            if not feasible(fraction):
+                break
+            lowest = fraction
+        return lowest
+    lo, hi = 0.0, 1.0
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,26 @@
+"""The model zoo: training steps of well-known models, for recording traces.
+
+    >>> from dtralloc import zoo
+    >>> trace = zoo.record_model("resnet50", small=True)   # warm-up step, then one recorded step
+    >>> workload = zoo.build("gpt2")                        # a Workload; workload.step() trains once
+
+GPT-2 (``gpt2``), BERT (``bert``), a Llama-style decoder (``llama``), ResNet-50
+(``resnet50``), a UNet (``unet``) and an MLP (``mlp``), with random weights (no
+download). The three transformers are built from ``transformers`` configs:
+``pip install "dtralloc[zoo]"``. The bundled traces (``dtralloc.traces``) are
+one step of each, recorded by ``bench/record_zoo.py``.
+
+The rooms: ``workload`` (Workload and the builders' helpers), one module per
+model, ``registry`` (MODELS, SMALL_SIZES, build, record_model).
+"""
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("dtralloc.zoo builds PyTorch models and needs torch: pip install torch") from e
+
+from .registry import MODELS, NEEDS_TRANSFORMERS, SMALL_SIZES, build, effective_sizes, record_model
+from .workload import Workload
+
+__all__ = ["MODELS", "NEEDS_TRANSFORMERS", "SMALL_SIZES", "Workload", "build", "effective_sizes", "record_model"]
