@@ -1,6 +1,8 @@
 // HistoryModel (history_model.h): events -> lifetimes and largest free block.
 #include "history_model.h"
 
+#include "allocator.h"
+
 #include <algorithm>
 #include <iterator>
 #include <map>
@@ -8,11 +10,21 @@
 
 namespace dtralloc {
 
+// The allocator's own actions keep their codes and names (allocator.h).
+static_assert(static_cast<int>(HistoryAction::kAlloc) == static_cast<int>(TraceAction::kAlloc) &&
+                  static_cast<int>(HistoryAction::kFreeRequested) == static_cast<int>(TraceAction::kFreeRequested) &&
+                  static_cast<int>(HistoryAction::kFreeCompleted) == static_cast<int>(TraceAction::kFreeCompleted) &&
+                  static_cast<int>(HistoryAction::kSegmentAlloc) == static_cast<int>(TraceAction::kSegmentAlloc) &&
+                  static_cast<int>(HistoryAction::kSegmentFree) == static_cast<int>(TraceAction::kSegmentFree) &&
+                  static_cast<int>(HistoryAction::kOom) == static_cast<int>(TraceAction::kOom),
+              "history_model.h's action codes 0-5 are TraceAction's");
+
 const char* history_action_name(int code) {
-  static const char* const names[kNumHistoryActions] = {
-      "alloc",       "free_requested", "free_completed", "segment_alloc", "segment_free", "oom",
-      "segment_map", "segment_unmap",  "free",           "snapshot",      "other"};
-  return code >= 0 && code < kNumHistoryActions ? names[code] : "other";
+  if (code >= 0 && code <= static_cast<int>(HistoryAction::kOom))
+    return trace_action_name(static_cast<TraceAction>(code));
+  static const char* const torch_only[] = {"segment_map", "segment_unmap", "free", "snapshot", "other"};
+  const int k = code - static_cast<int>(HistoryAction::kSegmentMap);
+  return k >= 0 && k < static_cast<int>(sizeof torch_only / sizeof *torch_only) ? torch_only[k] : "other";
 }
 
 namespace {

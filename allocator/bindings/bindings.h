@@ -30,6 +30,10 @@ void bind_dashboard(py::module_& m);
 // Reads the ring under the allocator's lock, with the segments of the same
 // moment going to `segments` (may be null).
 py::dict history_columns(Allocator& a, Snapshot* segments);
+// The same columns from entries already copied out (a replay keeps its
+// pool's history after the pool is gone): the ring's two runs, oldest first.
+py::dict history_columns(const TraceEntry* older, std::size_t older_count, const TraceEntry* newer,
+                         std::size_t newer_count);
 
 // A split limit as torch reports it: bytes, or -1 for none.
 inline std::int64_t split_size_for_python(std::size_t limit) {

@@ -122,48 +122,34 @@ py::dict layout_dict() {
 
 }  // namespace
 
-py::dict history_columns(Allocator& a, Snapshot* segments) {
-  py::array_t<std::uint8_t> action;
-  py::array_t<std::uint64_t> addr, stream;
-  py::array_t<std::int64_t> size, time_us, device_free, block_size;
-  py::array_t<std::int32_t> op;
-  auto copy = [&](const TraceEntry* older, std::size_t older_count, const TraceEntry* newer,
-                  std::size_t newer_count) {
-    // Under the allocator's lock, with the GIL held: numpy's buffers come
-    // from the C heap, never from this allocator.
-    const auto n = static_cast<py::ssize_t>(older_count + newer_count);
-    action = py::array_t<std::uint8_t>(n);
-    addr = py::array_t<std::uint64_t>(n);
-    stream = py::array_t<std::uint64_t>(n);
-    size = py::array_t<std::int64_t>(n);
-    time_us = py::array_t<std::int64_t>(n);
-    device_free = py::array_t<std::int64_t>(n);
-    block_size = py::array_t<std::int64_t>(n);
-    op = py::array_t<std::int32_t>(n);
-    auto* p_action = action.mutable_data();
-    auto* p_addr = addr.mutable_data();
-    auto* p_stream = stream.mutable_data();
-    auto* p_size = size.mutable_data();
-    auto* p_time = time_us.mutable_data();
-    auto* p_free = device_free.mutable_data();
-    auto* p_block = block_size.mutable_data();
-    auto* p_op = op.mutable_data();
-    std::size_t i = 0;
-    for (const auto& [run, count] : {std::pair{older, older_count}, std::pair{newer, newer_count}})
-      for (std::size_t k = 0; k < count; ++k, ++i) {
-        const TraceEntry& e = run[k];
-        p_action[i] = static_cast<std::uint8_t>(e.action);
-        p_addr[i] = e.addr;
-        p_stream[i] = e.stream;
-        p_size[i] = static_cast<std::int64_t>(e.size);
-        p_time[i] = e.time_us;
-        p_op[i] = e.op;
-        p_free[i] = e.action == TraceAction::kOom ? static_cast<std::int64_t>(e.detail) : 0;
-        p_block[i] = e.action == TraceAction::kAlloc ? static_cast<std::int64_t>(e.detail) : 0;
-      }
-  };
-  Snapshot snap = a.snapshot(copy);
-  if (segments) *segments = std::move(snap);
+py::dict history_columns(const TraceEntry* older, std::size_t older_count, const TraceEntry* newer,
+                         std::size_t newer_count) {
+  const auto n = static_cast<py::ssize_t>(older_count + newer_count);
+  py::array_t<std::uint8_t> action(n);
+  py::array_t<std::uint64_t> addr(n), stream(n);
+  py::array_t<std::int64_t> size(n), time_us(n), device_free(n), block_size(n);
+  py::array_t<std::int32_t> op(n);
+  auto* p_action = action.mutable_data();
+  auto* p_addr = addr.mutable_data();
+  auto* p_stream = stream.mutable_data();
+  auto* p_size = size.mutable_data();
+  auto* p_time = time_us.mutable_data();
+  auto* p_free = device_free.mutable_data();
+  auto* p_block = block_size.mutable_data();
+  auto* p_op = op.mutable_data();
+  std::size_t i = 0;
+  for (const auto& [run, count] : {std::pair{older, older_count}, std::pair{newer, newer_count}})
+    for (std::size_t k = 0; k < count; ++k, ++i) {
+      const TraceEntry& e = run[k];
+      p_action[i] = static_cast<std::uint8_t>(e.action);
+      p_addr[i] = e.addr;
+      p_stream[i] = e.stream;
+      p_size[i] = static_cast<std::int64_t>(e.size);
+      p_time[i] = e.time_us;
+      p_op[i] = e.op;
+      p_free[i] = e.action == TraceAction::kOom ? static_cast<std::int64_t>(e.detail) : 0;
+      p_block[i] = e.action == TraceAction::kAlloc ? static_cast<std::int64_t>(e.detail) : 0;
+    }
   py::dict d;
   d["action"] = action;
   d["addr"] = addr;
@@ -174,6 +160,18 @@ py::dict history_columns(Allocator& a, Snapshot* segments) {
   d["device_free"] = device_free;
   d["block_size"] = block_size;
   d["action_names"] = action_names();
+  return d;
+}
+
+py::dict history_columns(Allocator& a, Snapshot* segments) {
+  py::dict d;
+  // Under the allocator's lock, with the GIL held: numpy's buffers come from
+  // the C heap, never from this allocator.
+  Snapshot snap = a.snapshot([&](const TraceEntry* older, std::size_t older_count, const TraceEntry* newer,
+                                 std::size_t newer_count) {
+    d = history_columns(older, older_count, newer, newer_count);
+  });
+  if (segments) *segments = std::move(snap);
   return d;
 }
 

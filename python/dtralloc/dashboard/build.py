@@ -84,11 +84,16 @@ def _trace_runs(trace, budgets, policies, conf, min_budget: bool) -> list[Run]:
 def _sweep(trace, policies, budgets, conf, mins: dict) -> dict:
     from ..replay import replay
 
-    fractions = sorted({*SWEEP_FRACTIONS, *(b for b in budgets if isinstance(b, float))})
+    grid = sorted({*SWEEP_FRACTIONS, *(b for b in budgets if isinstance(b, float))})
     out = {"policies": {}, "min_feasible": {p: v for p, v in mins.items() if v is not None}}
     for policy in policies:
         if policy == "none":
             continue
+        # Below a known min feasible budget every replay fails, and a
+        # single-tensor policy thrashes for seconds before it does: one grid
+        # point under it shows the cliff.
+        low = mins.get(policy)
+        fractions = grid if low is None else [f for f in grid if f >= low - 0.1]
         points = []
         for f in fractions:
             r = replay(trace, budget=f, policy=policy, conf=conf)
