@@ -240,8 +240,14 @@ void LiveSession::flush_deaths() {
 
 std::uintptr_t LiveSession::allocate_mirror(std::size_t bytes, int value) {
   if (!mirror_) throw std::logic_error("dtralloc live session: on CUDA the pool allocates, not the driver");
-  const auto addr = reinterpret_cast<std::uintptr_t>(mirror_->malloc(bytes, 0, value));
-  return addr;
+  try {
+    return reinterpret_cast<std::uintptr_t>(mirror_->malloc(bytes, 0, value));
+  } catch (const OutOfMemoryError&) {
+    const bool recompute = static_cast<std::size_t>(value) < engine_->num_values();
+    throw OutOfMemoryError(std::string("dtralloc.dtr: out of memory (") +
+                           (recompute ? "bringing back an evicted value" : "an op's output") + "). " +
+                           oom_report(bytes));
+  }
 }
 
 void LiveSession::release(int value, std::uintptr_t addr) {
@@ -414,8 +420,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     for (const Seen& w : written) {
       const bool reads_old = !(flags & kOverwrites);
       const int n = engine_->write(op, w.value, reads_old);
-      Slot& old = slot(w.value);
-      Slot& s = slot(n);
+      Slot& s = slot(n);  // first: it may grow slots_
+      Slot& old = slots_[w.value];
       // The storage now holds the new version: its watch and family move
       // over; the old version keeps its recipe (and a family reference, for
       // the version its saved handles will see). The registry owned the
@@ -442,9 +448,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
         }
       if (!engine_->value(n).pinned) recomputable.push_back(n);
     }
-  } catch (const OutOfMemoryError& e) {
-    engine_->end_op(op, cost);
-    throw OutOfMemoryError(std::string(e.what()) + "\n" + oom_report(0));
+  } catch (const OutOfMemoryError&) {
+    engine_->end_op(op, cost);  // the op's values unlocked; its outputs die with the exception
+    throw;
   }
   engine_->end_op(op, cost);
   // 4. The recipe, if anything it made can be recomputed.
@@ -572,15 +578,18 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
     }
     tensors[k] = view_(storage, r.dtype, r.size, r.stride, r.offset);
   }
-  py::object out = run_(op->func, fill(op->args, tensors), fill(op->kwargs, tensors), op->rng);
+  py::object out = run_(op->func, fill(op->args, tensors), fill(op->kwargs, tensors), op->rng,
+                        (op->flags & kGradEnabled) != 0);
+  int leaves = 0;
   if (target.out_index >= 0) {
-    int leaf = 0;
     for_each_tensor(out.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
-      if (leaf++ == target.out_index) made_storage = call_method(t, names().untyped_storage);
+      if (leaves++ == target.out_index) made_storage = call_method(t, names().untyped_storage);
     });
   }
-  if (!made_storage) throw std::logic_error("dtralloc live session: the recompute made no storage for value " +
-                                            std::to_string(value));
+  if (!made_storage)
+    throw std::logic_error("dtralloc live session: recomputing value " + std::to_string(value) + " (output " +
+                           std::to_string(target.out_index) + " of " + std::string(py::str(op->func)) +
+                           ", which gave " + std::to_string(leaves) + " tensors) made no storage for it");
   out = py::object();
   const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(made_storage, names().cdata)));
   std::uintptr_t addr = 0;
@@ -695,7 +704,6 @@ std::size_t LiveSession::evict_all() {
 }
 
 std::string LiveSession::oom_report(std::size_t request_bytes) {
-  (void)request_bytes;
   // Resident bytes nothing can evict now, by why.
   std::size_t locked = 0, held = 0, dependents = 0;
   std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kForeign) + 1, 0);
@@ -714,6 +722,7 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
   }
   const StatsReport r = pool_->stats_report();
   std::ostringstream m;
+  if (request_bytes) m << "Tried to allocate " << format_bytes(request_bytes) << ". ";
   m << "Under the dtr budget of " << format_bytes(pool_->budget_bytes()) << " ("
     << (options_.cuda ? "the pool's reserved bytes" : "a virtual pool mirroring the session's storages")
     << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "

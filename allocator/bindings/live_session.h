@@ -79,6 +79,7 @@ enum OpFlag : std::uint32_t {
   kOverwrites = 2,      // its writes replace the whole storage without reading it
   kScratchWrites = 4,   // it writes arguments it does not read for its outputs (batch norm's
                         // running statistics): recomputes pass scratch copies
+  kGradEnabled = 8,     // grad mode was on when it ran (some kernels differ: RNN workspaces)
 };
 
 struct ArgRef {                 // how an op saw one tensor argument
@@ -131,7 +132,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     bool check_invariants = false;
   };
   // `helpers`: the Python half's functions (dtr/runner.py): view(storage,
-  // dtype, size, stride, offset) -> tensor; run(func, args, kwargs, rng) ->
+  // dtype, size, stride, offset) -> tensor; run(func, args, kwargs, rng, grad_enabled) ->
   // out; new_storage(nbytes, like_storage_or_None, copy, device) -> storage;
   // use_count(cdata) -> int; version_error(what, now, expected) raises;
   // what_of(tensor) -> what a version error names (pack time);

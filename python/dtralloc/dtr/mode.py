@@ -17,6 +17,7 @@ from .. import _core
 from . import ops
 
 _ns = time.perf_counter_ns
+_grad_enabled = torch.is_grad_enabled  # ops.GRAD_ENABLED == 1 << 3
 _INFO: dict = {}
 _OOM_MARKER = "dtralloc"
 
@@ -34,13 +35,14 @@ class Mode(TorchDispatchMode):
         if info.fast:
             start = _ns()
             out = self._call(func, args, kwargs or {})
-            self._record(func, args, kwargs, out, (), info.flags, info.pin, _ns() - start, None)
+            cost = _ns() - start
+            self._record(func, args, kwargs, out, (), info.flags | (_grad_enabled() << 3), info.pin, cost, None)
             return out
         return self._dispatch(func, info, args, kwargs or {})
 
     def _dispatch(self, func, info, args, kwargs):
         core = self._session._core
-        flags, pin, rng = info.flags, info.pin, None
+        flags, pin, rng = info.flags | (_grad_enabled() << 3), info.pin, None
         if info.dropout_pos is not None and not ops.argument(info.dropout_pos, "dropout_p", args, kwargs):
             flags &= ~ops.RANDOM  # fused attention carries the tag even with its dropout off
         if flags & ops.RANDOM:

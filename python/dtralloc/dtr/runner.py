@@ -5,6 +5,7 @@ recorded as an op of the session (docs/live.md)."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -26,12 +27,14 @@ def _autocast_off(devices):
         yield
 
 
-def run(func, args, kwargs, rng):
-    """Rerun an op for a recompute: no autograd, no autocast (the recorded op
-    already carries the dtypes autocast chose), and a random op draws from its
-    generator's state at its first run; the generator is left as it was."""
+def run(func, args, kwargs, rng, grad_enabled):
+    """Rerun an op for a recompute: grad mode as the op saw it (some kernels
+    differ with it; the rebuilt inputs never require grad, so no graph is
+    built), no autocast (the recorded op already carries the dtypes autocast
+    chose), and a random op draws from its generator's state at its first
+    run; the generator is left as it was."""
     devices = {a.device.type for a in args if isinstance(a, torch.Tensor) and a.device.type in ("cpu", "cuda")}
-    with _no_dispatch(), torch.no_grad(), _autocast_off(devices or {"cpu"}):
+    with _no_dispatch(), torch.set_grad_enabled(grad_enabled), _autocast_off(devices or {"cpu"}):
         if rng is None:
             return func(*args, **kwargs)
         generator, state = rng
@@ -65,6 +68,25 @@ def what_of(t: torch.Tensor):
     return (t.dtype, t.device, tuple(t.shape), t.output_nr, grad_fn.name() if grad_fn is not None else None)
 
 
+def _torch_hint() -> str:
+    """The hint torch's own version error ends with, in this torch's words."""
+    try:
+        with _no_dispatch():
+            a = torch.zeros(1, requires_grad=True)
+            y = a.exp()
+            y.add_(1)
+            y.sum().backward()
+    except RuntimeError as e:
+        message = str(e)
+        if " Hint: " in message:
+            return message[message.index(" Hint: ") + 1:]
+    return ("Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+            "with torch.autograd.set_detect_anomaly(True).")
+
+
+_HINT = _torch_hint()
+
+
 def version_error(what, now: int, expected: int):
     """Raise torch's own "modified by an inplace operation" error: with
     saved-tensor hooks installed torch no longer checks versions itself."""
@@ -75,13 +97,11 @@ def version_error(what, now: int, expected: int):
         with _no_dispatch():
             type_name = torch.empty((0,), dtype=dtype, device=device).type()
         subject = f"[{type_name} {list(shape)}]"
-        if grad_fn is not None:
-            subject += f", which is output {output_nr} of {grad_fn},"
+        if grad_fn is not None:  # torch names the op, not its backward node: "Exp", not "ExpBackward0"
+            subject += f", which is output {output_nr} of {re.sub(r'Backward[0-9]*$', '', grad_fn)},"
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: {subject} is at version {now}; expected version {expected} instead. Hint: enable "
-        "anomaly detection to find the operation that failed to compute its gradient, with "
-        "torch.autograd.set_detect_anomaly(True).")
+        f"operation: {subject} is at version {now}; expected version {expected} instead. {_HINT}")
 
 
 def helpers(device: str) -> dict:
