@@ -293,6 +293,7 @@ void LiveSession::forget(int value) {
 
 bool LiveSession::make_room(std::size_t bytes, Stream stream) {
   flush_deaths();
+  poll_owned();
   return evictor_->make_room(bytes, stream);
 }
 
@@ -304,8 +305,15 @@ py::object LiveSession::storage_of(int value) const {
     PyObject* o = PyWeakref_GetObject(s.watch.ptr());
     if (o && o != Py_None) return py::reinterpret_borrow<py::object>(o);
   }
-  throw std::logic_error("dtralloc live session: value " + std::to_string(value) +
-                         " is resident but its storage is gone");
+  const Value& x = engine_->value(value);
+  const int producer = x.producer;
+  std::string made_by = "an input";
+  if (producer >= 0 && static_cast<std::size_t>(producer) < ops_.size() && ops_[producer])
+    made_by = py::str(ops_[producer]->func);
+  throw std::logic_error("dtralloc live session: value " + std::to_string(value) + " (made by " + made_by +
+                         ", pin " + std::to_string(static_cast<int>(s.pin)) + ", alive " + std::to_string(x.alive) +
+                         ", state " + std::to_string(static_cast<int>(x.state)) +
+                         ") is resident but its storage is gone");
 }
 
 // ---- recording an op -----------------------------------------------------
@@ -325,7 +333,56 @@ int LiveSession::external_value(py::handle tensor, py::handle storage, std::uint
   s.external = py::reinterpret_borrow<py::object>(tensor);
   s.cdata = cdata;
   by_storage_[cdata] = v;
+  polled_.push_back(v);
   return v;
+}
+
+// A recipe now reads `value`, which cannot be recomputed: its data must
+// outlive the program's references to it.
+void LiveSession::own_for_recipes(int value) {
+  Slot& s = slots_[value];
+  const Value& x = engine_->value(value);
+  if (s.storage || s.external || !x.pinned || x.needed_by <= 0 || x.state != ValueState::kResident) return;
+  s.storage = storage_of(value);
+  if (s.handles == 0) polled_.push_back(value);
+}
+
+void LiveSession::poll_owned() {
+  ops_since_poll_ = 0;
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < polled_.size(); ++i) {
+    const int v = polled_[i];
+    Slot& s = slots_[v];
+    const Value& x = engine_->value(v);
+    if (x.state == ValueState::kReleased || !x.alive || s.handles > 0) continue;  // no longer ours to poll
+    if (x.locks > 0) {  // the op in flight (or a recompute) reads it now
+      polled_[kept++] = v;
+      continue;
+    }
+    if (s.external) {
+      if (x.needed_by > 0) {
+        polled_[kept++] = v;
+        continue;
+      }
+      // No recipe reads it: forget it (the next op that reads the tensor
+      // registers it again).
+      unwatch(v);
+      s.external = py::object();
+      engine_->kill(v);
+      continue;
+    }
+    if (!s.storage) continue;
+    if (x.needed_by <= 0) {
+      py::object dropped = std::move(s.storage);  // the program may hold it; it dies when it lets go
+      continue;
+    }
+    if (Py_REFCNT(s.storage.ptr()) == 1 && use_count(s.cdata) == 1) {
+      engine_->kill(v);  // dead to the program; pinned and needed, so the engine keeps its memory
+      continue;
+    }
+    polled_[kept++] = v;
+  }
+  polled_.resize(kept);
 }
 
 void LiveSession::before_write(py::handle writes) {
@@ -453,6 +510,12 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     throw;
   }
   engine_->end_op(op, cost);
+  for (int r : call.reads) own_for_recipes(r);
+  // How often owned values are polled: often enough that memory the program
+  // let go of is not held much longer than a few hundred ops, rarely enough
+  // to cost nothing per op.
+  constexpr std::size_t kPollEvery = 256;
+  if (++ops_since_poll_ >= kPollEvery) poll_owned();
   // 4. The recipe, if anything it made can be recomputed.
   if (!recomputable.empty()) {
     for (int v : recomputable) slots_[v].counted = true;
@@ -636,6 +699,8 @@ void LiveSession::drop_handle(int value) {
   const Value& x = engine_->value(value);
   if (x.state == ValueState::kEvicted) {
     engine_->kill(value);  // nobody can read it any more
+  } else if (x.state == ValueState::kResident && x.alive && x.pinned && x.needed_by > 0) {
+    polled_.push_back(value);  // a recipe still needs its data: keep it, and poll it
   } else if (x.state == ValueState::kResident && x.alive && x.locks == 0) {
     // The program may still hold it; if not, it dies now and its watch says so.
     py::object storage = std::move(s.storage);
@@ -686,6 +751,7 @@ void LiveSession::exported(py::handle tensor) {
   if (engine_->value(v).pinned || engine_->value(v).state != ValueState::kResident) return;
   engine_->pin(v);
   s.pin = PinReason::kExported;
+  own_for_recipes(v);
 }
 
 // ---- eviction and reports ---------------------------------------------------------
@@ -746,6 +812,7 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
 
 py::dict LiveSession::stats() {
   flush_deaths();
+  poll_owned();
   const EngineCounters& c = engine_->counters();
   const EvictorStats& e = evictor_->stats();
   const StatsReport r = pool_->stats_report();
@@ -773,6 +840,8 @@ py::dict LiveSession::stats() {
 }
 
 void LiveSession::check_invariants() {
+  flush_deaths();
+  poll_owned();
   engine_->check_invariants();
   pool_->check_invariants();
   for (int v : engine_->resident()) {
@@ -780,7 +849,10 @@ void LiveSession::check_invariants() {
     const Slot& s = slots_[v];
     if (x.external) continue;
     if (!s.storage && !s.watch && x.nbytes)
-      throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) + " has no storage");
+      throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) +
+                             " has no storage (pin " + std::to_string(static_cast<int>(s.pin)) + ", handles " +
+                             std::to_string(s.handles) + ", alive " + std::to_string(x.alive) + ", producer " +
+                             std::to_string(x.producer) + ")");
     if (mirror_ && x.addr && !mirror_->owns(reinterpret_cast<void*>(x.addr)))
       throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) +
                              " has no block in the mirror pool (3.6)");

@@ -22,8 +22,13 @@
 //                 callback
 //
 // Ownership. The registry owns (holds the only strong reference the engine
-// relies on) a storage while a saved handle names its value, or after a
-// recompute brought it back. A value is evictable only while the registry
+// relies on) a storage while a saved handle names its value, after a
+// recompute brought it back, and while a recipe reads a value that cannot be
+// recomputed (pinned: its data must outlive the program's references, or the
+// values made from it could never come back). Owned pinned values and
+// external tensors are polled (poll_owned): once only the registry holds
+// one, the engine hears that it died (and keeps its memory while a recipe
+// needs it); once no recipe needs it, the registry lets go. A value is evictable only while the registry
 // owns it and nobody else holds it: its StorageImpl's use count is 1 (the
 // preserved Python storage object) and that object's refcount is 1 (ours).
 // Evicting drops that reference: torch frees the storage (on CUDA through
@@ -163,6 +168,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void exported(py::handle tensor);
   // Values whose storage died since the last entry point go to the engine.
   void flush_deaths();
+  // Owned pinned values and external tensors nobody else holds any more are
+  // dead (or let go, when no recipe needs them). See Ownership above.
+  void poll_owned();
 
   // Every evictable value evicted now (chaos mode, and tests).
   std::size_t evict_all();
@@ -195,6 +203,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::int64_t use_count(std::uintptr_t cdata) const;
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
   void evict_for_chaos();
+  void own_for_recipes(int value);
 
   Options options_;
   py::object view_, run_, new_storage_, use_count_fn_, version_error_, what_of_, tensor_type_, device_,
@@ -213,6 +222,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unordered_map<std::uintptr_t, int> by_storage_;
   std::unordered_map<PyObject*, int> watched_;
   std::vector<int> dead_;
+  std::vector<int> polled_;             // owned pinned values and external values (poll_owned)
+  std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
   std::size_t peak_reserved_bytes_ = 0;
 };

@@ -1,0 +1,319 @@
+"""Live DTR on eager PyTorch (dtralloc.dtr), on CPU tensors with the virtual
+mirror pool: bit-exact training under chaos and under budgets, invariants after
+every op, OOM and recovery, backward after the block, a 1,000-layer chain,
+misuse errors as in plain eager, no leaks."""
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtralloc
+from dtralloc.dtr import dtr
+
+from _live_models import NAMES, build
+
+MiB = 1 << 20
+
+
+def train(model, loss_fn, steps, session=None, sessions=None):
+    """`steps` AdamW steps; each forward+backward inside a fresh `session()`
+    when given. Returns (losses, parameters, buffers)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if session is None:
+            loss = loss_fn(model)
+            loss.backward()
+        else:
+            with session() as s:
+                loss = loss_fn(model)
+                loss.backward()
+            if sessions is not None:
+                sessions.append(s)
+        losses.append(loss.detach())
+        opt.step()
+    return losses, [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
+
+
+def assert_identical(got, want):
+    for kind, a_list, b_list in zip(("loss", "parameter", "buffer"), got, want):
+        assert len(a_list) == len(b_list)
+        for i, (a, b) in enumerate(zip(a_list, b_list)):
+            assert torch.equal(a, b), f"{kind} {i} differs"
+
+
+# Batch scale for budget sweeps: activations of 1 MiB or more (large-pool
+# blocks, where eviction windows form) and peaks of 26-64 MiB, well above the
+# pool's 2 MiB granularity.
+SWEEP_BATCH = {"mlp_inplace_dropout": 32, "transformer_sdpa_dropout": 64, "convnet_batchnorm": 64, "lstm": 256}
+
+
+def run_plain_and_live(name, steps, batch=1, **session_kwargs):
+    model, loss_fn = build(name, batch)
+    init = copy.deepcopy(model.state_dict())
+    torch.manual_seed(7)
+    want = train(model, loss_fn, steps)
+    want_rng = torch.get_rng_state()
+    model.load_state_dict(init)
+    torch.manual_seed(7)
+    sessions = []
+    got = train(model, loss_fn, steps, lambda: dtr(device="cpu", **session_kwargs), sessions)
+    assert_identical(got, want)
+    assert torch.equal(torch.get_rng_state(), want_rng), "the global RNG state differs after the steps"
+    return sessions
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chaos_is_bit_exact(name):
+    sessions = run_plain_and_live(name, steps=2, chaos=True, check_invariants=True)
+    stats = sessions[-1].stats()
+    assert stats["evictions"] > 0 and stats["remats"] > 0
+    if name in ("mlp_inplace_dropout", "transformer_sdpa_dropout"):
+        assert stats["rng_replays"] > 0, "dropout was never recomputed"
+
+
+def no_eviction_peak(name, batch):
+    """The mirror pool's peak for one forward+backward with no budget, after a
+    first one (kernels allocate more on their first call)."""
+    model, loss_fn = build(name, batch)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with dtr(device="cpu") as s:
+            loss_fn(model).backward()
+    return s.stats()["peak_bytes"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_sweep_with_invariants_after_every_op(name):
+    peak = no_eviction_peak(name, SWEEP_BATCH[name])
+    feasible = []
+    for fraction in (0.75, 0.5, 0.35):
+        budget = int(peak * fraction)
+        try:
+            sessions = run_plain_and_live(name, 1, SWEEP_BATCH[name], budget=budget, check_invariants=True)
+        except dtralloc.OutOfMemoryError as e:
+            assert "budget of" in str(e) and "To fit" in str(e)
+            continue
+        stats = sessions[-1].stats()
+        assert stats["peak_bytes"] <= budget
+        feasible.append((fraction, stats["evictions"]))
+    assert feasible and feasible[0][0] == 0.75, f"{name}: 3/4 of its peak should fit"
+    assert any(evictions > 0 for _, evictions in feasible), f"{name}: no budget forced an eviction"
+
+
+def test_five_adamw_steps_under_a_budget_are_identical_to_plain():
+    name = "transformer_sdpa_dropout"
+    budget = no_eviction_peak(name, SWEEP_BATCH[name]) // 2
+    sessions = run_plain_and_live(name, 5, SWEEP_BATCH[name], budget=budget)
+    assert sum(x.stats()["evictions"] for x in sessions) > 0
+
+
+def test_explicit_generator_is_replayed():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def step():
+        noise = torch.randn(64, 64, generator=gen)
+        y = torch.nn.functional.dropout(x * noise, 0.5, generator=None) if False else x * noise
+        mask = torch.rand(64, 64, generator=gen) > 0.5
+        return (y * mask).tanh().sum()
+
+    gen.manual_seed(3)
+    x.grad = None
+    step().backward()
+    want, want_state = x.grad.clone(), gen.get_state()
+    gen.manual_seed(3)
+    x.grad = None
+    with dtr(device="cpu", chaos=True) as s:
+        step().backward()
+    assert torch.equal(x.grad, want)
+    assert torch.equal(gen.get_state(), want_state)
+    assert s.stats()["rng_replays"] > 0
+
+
+def test_backward_after_the_block():
+    model, loss_fn = build("mlp_inplace_dropout")
+    torch.manual_seed(1)
+    loss_fn(model).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with dtr(device="cpu", chaos=True) as s:
+        loss = loss_fn(model)
+    s.evict_all()
+    loss.backward()
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+    assert s.stats()["remats"] > 0
+
+
+def test_a_thousand_layer_chain_recomputes_without_recursion():
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(1000)])
+    x = torch.randn(4, 16)
+    params = list(chain.parameters())[:2]
+    want = torch.autograd.grad(chain(x).sum(), params)
+    with dtr(device="cpu"):
+        chain(x)  # first-call setup happens at the normal recursion limit
+    limit = sys.getrecursionlimit()
+    with dtr(device="cpu") as s:
+        loss = chain(x).sum()
+        s.evict_all()  # the first unpack must bring back all 2,000 values, end to end
+        sys.setrecursionlimit(250)
+        try:
+            got = torch.autograd.grad(loss, params)
+        finally:
+            sys.setrecursionlimit(limit)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert s.stats()["remats"] >= 1999
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return type(e), str(e)
+    return None
+
+
+def _modify_saved_output():
+    a = torch.randn(4, requires_grad=True)
+    y = a.exp()
+    y.add_(1)
+    y.sum().backward()
+
+
+def _modify_parameter_outside():
+    w = torch.randn(4, requires_grad=True)
+    y = w.sin().sum()  # saves w, a leaf made outside the session
+    with torch.no_grad():
+        w.add_(1)
+    y.backward()
+
+
+def _backward_twice():
+    a = torch.randn(4, requires_grad=True)
+    y = (a * a).sum()
+    y.backward()
+    y.backward()
+
+
+def _shape_error():
+    torch.randn(3, 4, requires_grad=True) @ torch.randn(5, 6)
+
+
+@pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_parameter_outside, _backward_twice, _shape_error])
+def test_misuse_gives_the_same_error_as_plain_eager(misuse):
+    plain = _error_of(misuse)
+    assert plain is not None
+    with dtr(device="cpu"):
+        live = _error_of(misuse)
+    assert live == plain
+
+
+def test_an_unmeetable_budget_raises_and_everything_stays_usable():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(512, 256)
+    kept = []
+    with pytest.raises(dtralloc.OutOfMemoryError) as info:
+        with dtr(budget="2M", device="cpu") as s:
+            for i in range(6):
+                kept.append(model[: i + 1](x))  # every output held: nothing can be evicted
+    message = str(info.value)
+    assert "budget of 2 MiB" in message and "held by the program" in message and "To fit" in message
+    assert "largest free block" in message
+    s.check_invariants()
+    del kept
+    # The model, the optimizer and a new session all work, and exactly as plain.
+    init = copy.deepcopy(model.state_dict())
+    loss_fn = lambda m: m(x).square().mean()  # noqa: E731
+    want = train(model, loss_fn, 2)
+    model.load_state_dict(init)
+    opt.state.clear()
+    got = train(model, loss_fn, 2, lambda: dtr(budget="4M", device="cpu"))
+    assert_identical(got, want)
+
+
+def test_no_leak_after_the_graph_is_dropped():
+    model, loss_fn = build("transformer_sdpa_dropout")
+    with dtr(budget="2M", device="cpu", chaos=False) as s:
+        out = model[0](torch.randn(2, 32, 64))
+        loss = out.square().mean()
+        watched = weakref.ref(out.untyped_storage())
+    loss.backward()
+    assert s.stats()["allocated_bytes"] > 0  # out and loss are still held
+    del out, loss
+    gc.collect()
+    s._core.flush_deaths()
+    assert watched() is None
+    # Gradients live in the parameters (made inside the session, still held).
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    assert s.stats()["allocated_bytes"] <= grads + 4096
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    s._core.flush_deaths()
+    assert s.stats()["allocated_bytes"] == 0
+    session = weakref.ref(s)
+    del s
+    gc.collect()
+    assert session() is None, "the session outlived every value it managed"
+
+
+def test_data_leaving_the_dispatcher_is_pinned():
+    # Code outside torch's dispatch (numpy here) writes y's memory: a recompute
+    # of y would not see that, so y must never be evicted; the gradient then
+    # matches plain eager, which used the modified values too.
+    def step():
+        x = torch.linspace(-1, 1, 64 * 64).reshape(64, 64).requires_grad_()
+        y = x.exp()
+        y.detach().numpy()[:] += 1.0
+        loss = (y.tanh() * y).sum()
+        loss.backward()
+        return x.grad
+
+    want = step()
+    with dtr(device="cpu", chaos=True) as s:
+        got = step()
+    assert torch.equal(got, want)
+    assert s.stats()["evictions"] > 0  # chaos evicted what it could, but not y
+    s.check_invariants()
+
+
+def test_stats_and_arguments():
+    with dtr(budget="64M", device="cpu", policy="dtr") as s:
+        a = torch.randn(32, 32, requires_grad=True)
+        a.exp().sum().backward()
+    stats = s.stats()
+    for key in ("evictions", "remats", "rng_replays", "peak_bytes", "budget_bytes", "recompute_seconds",
+                "ops", "compute_overhead", "policy", "device"):
+        assert key in stats
+    assert stats["budget_bytes"] == 64 * MiB and stats["policy"] == "dtr" and stats["device"] == "cpu"
+    assert stats["ops"] > 0
+    with pytest.raises(TypeError, match="512M"):
+        dtr(budget=0.5, device="cpu")
+    with pytest.raises(ValueError, match="positive"):
+        dtr(budget=-1, device="cpu")
+    with pytest.raises(ValueError, match="belady"):
+        dtr(policy="belady", device="cpu")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda"):
+        dtr(device="meta")
+    with pytest.raises(RuntimeError, match="dtralloc.install"):
+        dtr(device="cuda")
+    with dtr(device="cpu"):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with dtr(device="cpu"):
+                pass
+    s = dtr(device="cpu")
+    with s:
+        pass
+    with pytest.raises(RuntimeError, match="entered once"):
+        with s:
+            pass
