@@ -1,6 +1,8 @@
 // Allocator: the fallback ladder, events and observability (allocator.h).
 #include "allocator.h"
 
+#include "publisher.h"
+
 #include <algorithm>
 #include <ctime>
 #include <cstdio>
@@ -51,6 +53,7 @@ Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int
 }
 
 Allocator::~Allocator() {
+  publish(0, "");  // first: the publisher's thread reads this allocator
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     synchronize_and_free_events();
@@ -81,7 +84,7 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
       stamp();
       if (Block* b = try_allocate(rounded, size, stream)) {
         b->owner = owner;
-        record(TraceAction::kAlloc, b->addr, size, stream);
+        record(TraceAction::kAlloc, b->addr, size, stream, b->size);
         return reinterpret_cast<void*>(b->addr);
       }
       if (round < kMaxEvictionRounds) hook = hook_;
@@ -352,6 +355,23 @@ std::size_t Allocator::history_entries() {
   return history_.size();
 }
 
+std::string Allocator::publish(std::int64_t period_us, const std::string& label) {
+  std::lock_guard<std::mutex> lock(publisher_mutex_);
+  publisher_.reset();  // its file goes before a new one takes the name
+  if (period_us > 0) publisher_ = std::make_unique<Publisher>(*this, period_us, label);
+  return publisher_ ? publisher_->path() : std::string();
+}
+
+std::string Allocator::published_path() {
+  std::lock_guard<std::mutex> lock(publisher_mutex_);
+  return publisher_ ? publisher_->path() : std::string();
+}
+
+void Allocator::add_published_counts(std::int64_t evictions, std::int64_t remats) {
+  std::lock_guard<std::mutex> lock(publisher_mutex_);
+  if (publisher_) publisher_->add_counts(evictions, remats);
+}
+
 std::size_t Allocator::reserved_bytes() const {
   return static_cast<std::size_t>(pool_.stats().reserved_bytes[kStatAll].current);
 }
@@ -407,6 +427,20 @@ void Allocator::check_invariants() {
 
 Snapshot Allocator::snapshot() {
   std::lock_guard<std::mutex> lock(mutex_);
+  return snapshot_locked(nullptr);
+}
+
+Snapshot Allocator::snapshot(const HistoryChunk& history) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return snapshot_locked(&history);
+}
+
+std::size_t Allocator::history_size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return history_wrapped_ ? history_.size() : history_next_;
+}
+
+Snapshot Allocator::snapshot_locked(const HistoryChunk* history) {
   Snapshot snap;
   for (const auto& [addr, seg] : pool_.segments()) {
     SegmentInfo info{seg->addr, seg->size, 0, 0, 0, seg->stream, seg->pool == kSmallPool, {}};
@@ -423,10 +457,16 @@ Snapshot Allocator::snapshot() {
     }
     snap.segments.push_back(std::move(info));
   }
-  const std::size_t n = history_wrapped_ ? history_.size() : history_next_;
-  const std::size_t start = history_wrapped_ ? history_next_ : 0;
-  snap.trace.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) snap.trace.push_back(history_[(start + i) % history_.size()]);
+  // The ring holds [history_next_, end) then [0, history_next_) once wrapped.
+  const TraceEntry* ring = history_.data();
+  const std::size_t older = history_wrapped_ ? history_.size() - history_next_ : 0;
+  if (history) {
+    (*history)(ring + history_next_, older, ring, history_next_);
+    return snap;
+  }
+  snap.trace.reserve(older + history_next_);
+  snap.trace.insert(snap.trace.end(), ring + history_next_, ring + history_next_ + older);
+  snap.trace.insert(snap.trace.end(), ring, ring + history_next_);
   return snap;
 }
 
@@ -435,9 +475,10 @@ void Allocator::stamp() {
 }
 
 void Allocator::record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,
-                       std::size_t device_free) {
+                       std::size_t detail) {
   if (history_.empty()) return;
-  history_[history_next_] = {action, addr, size, stream, op_time_us_, device_free};
+  history_[history_next_] = {action, op_stamp_.load(std::memory_order_relaxed), addr, size, stream,
+                             op_time_us_, detail};
   if (++history_next_ == history_.size()) {
     history_next_ = 0;
     history_wrapped_ = true;

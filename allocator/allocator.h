@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -37,6 +38,8 @@
 #include "stats.h"
 
 namespace dtralloc {
+
+class Publisher;
 
 // Thrown when a request cannot be served after every fallback.
 class OutOfMemoryError : public std::runtime_error {
@@ -71,13 +74,19 @@ enum class TraceAction : std::uint8_t {
 };
 const char* trace_action_name(TraceAction action);
 
+// One event of the history ring. 48 bytes: `op` sits in the padding after
+// `action`, so the stamp costs no memory.
 struct TraceEntry {
   TraceAction action;
+  std::int32_t op;          // the driver's op stamp when it happened (set_op_stamp); -1 = none
   std::uintptr_t addr;
-  std::size_t size;
+  std::size_t size;         // requested bytes (alloc, free_*), segment bytes, or the failed request (oom)
   Stream stream;
   std::int64_t time_us;
-  std::size_t device_free;  // only for kOom: bytes the budget still allowed
+  // kOom: bytes the budget still allowed (torch's device_free); kAlloc: the
+  // block's size as placed (rounded, maybe with an unsplit tail), so that
+  // detail - size is the rounding waste; else 0.
+  std::size_t detail;
 };
 
 struct BlockInfo {
@@ -150,6 +159,18 @@ class Allocator {
   // torch.cuda.memory._record_memory_history(max_entries=...).
   void set_history_entries(std::size_t entries);
   std::size_t history_entries();
+  // The op the driver is running (a replay's op index, a live session's op
+  // counter); every history entry recorded from now on carries it. -1 = none.
+  // A relaxed atomic store: drivers call it once per op, from any thread,
+  // without the pool lock.
+  void set_op_stamp(std::int32_t op) { op_stamp_.store(op, std::memory_order_relaxed); }
+  std::int32_t op_stamp() const { return op_stamp_.load(std::memory_order_relaxed); }
+  // The history, oldest first, as the ring's two contiguous runs (`older`
+  // then `newer`), handed over under the lock: exporters copy columns
+  // straight out of the ring instead of building an entry list. It must not
+  // call back into this allocator.
+  using HistoryChunk = std::function<void(const TraceEntry* older, std::size_t older_count,
+                                          const TraceEntry* newer, std::size_t newer_count)>;
   // Read-only look at the blocks under the lock (the Evictor walks address
   // neighbours). `fn` must not call back into this allocator.
   template <typename Fn>
@@ -158,6 +179,17 @@ class Allocator {
     fn(static_cast<const BlockPool&>(pool_));
   }
 
+  // `dtralloc top`: a Publisher (publisher.h) writes this allocator's counters
+  // to a shared-memory file every `period_us`, from a thread of its own (the
+  // hot path has no publisher code). Returns the file's path; a running
+  // publisher is replaced. period_us <= 0 stops publishing. Throws
+  // std::runtime_error when the file cannot be created.
+  std::string publish(std::int64_t period_us, const std::string& label);
+  std::string published_path();
+  // A live DTR session's evictions and remats, for the published frames
+  // (dropped while nothing publishes).
+  void add_published_counts(std::int64_t evictions, std::int64_t remats);
+
   StatsReport stats_report();
   // Reserved and allocated bytes now, without building a report.
   struct Usage {
@@ -165,6 +197,10 @@ class Allocator {
   };
   Usage usage();
   Snapshot snapshot();
+  // Segments only; the history (same moment, same lock) goes to `history`
+  // instead of Snapshot::trace.
+  Snapshot snapshot(const HistoryChunk& history);
+  std::size_t history_size();
   void reset_peak_stats();
   void reset_accumulated_stats();
   // Throws std::logic_error on any broken invariant (block_pool.h I1..I5,
@@ -194,7 +230,8 @@ class Allocator {
   // Reads the clock once per public operation; record() stamps entries with it.
   void stamp();
   void record(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream,
-              std::size_t device_free = 0);
+              std::size_t detail = 0);
+  Snapshot snapshot_locked(const HistoryChunk* history);
   std::size_t reserved_bytes() const;
 
   std::mutex mutex_;
@@ -220,6 +257,12 @@ class Allocator {
   std::size_t history_next_ = 0;
   bool history_wrapped_ = false;
   std::int64_t op_time_us_ = 0;       // clock at the start of the current op
+  std::atomic<std::int32_t> op_stamp_{-1};  // set_op_stamp; read by record()
+
+  // Its thread takes mutex_ to sample, so publisher_mutex_ is never taken
+  // with mutex_ held (stopping joins the thread).
+  std::mutex publisher_mutex_;
+  std::unique_ptr<Publisher> publisher_;
 };
 
 }  // namespace dtralloc

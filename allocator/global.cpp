@@ -3,12 +3,14 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 
 #include "backend.h"
+#include "publisher.h"
 
 namespace dtralloc::global {
 namespace {
@@ -79,6 +81,13 @@ Allocator& allocator(int device) {
   if (!s.allocators[device]) {
     ensure_configured(s);
     s.allocators[device] = std::make_unique<Allocator>(make_cuda_backend(device), s.config, device);
+    // `dtralloc top PID` reads what the publisher writes (publisher.h). A
+    // process that cannot publish still allocates: say so once and go on.
+    try {
+      s.allocators[device]->publish(kDefaultPublishPeriodUs, "cuda");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dtralloc: dtralloc top will not see device %d: %s\n", device, e.what());
+    }
     s.published[device].store(s.allocators[device].get(), std::memory_order_release);
   }
   return *s.allocators[device];

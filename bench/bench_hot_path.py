@@ -72,18 +72,72 @@ def gpu_section(quick: bool) -> str:
     )
 
 
+def publisher_section(quick: bool) -> str:
+    """The hot path with and without the publisher behind `dtralloc top`
+    (allocator/publisher.h), side by side: the same loops on two pools, one
+    publishing every 5 ms (the default) and one every 0.5 ms (10x more
+    often), measured in alternation so that drift hits all of them alike."""
+    import statistics
+
+    import dtralloc
+    from dtralloc import _core
+    from dtralloc.microbench import TRAINING_STEP_SIZES, random_sizes
+
+    pairs, rounds = (50_000, 5) if quick else (100_000, 31)
+    rows = [f"{'pattern':<8}{'size mix':<19}{'threads':>8}{'off':>8}{'5 ms':>8}{'0.5 ms':>8}"
+            f"{'5 ms/off':>10}{'0.5 ms/off':>12}   (min: off, 5 ms, 0.5 ms, ratios)"]
+    for pattern in ("steady", "pair"):
+        for label, sizes in (("training-step mix", TRAINING_STEP_SIZES), ("random mix", random_sizes())):
+            for threads in (1, 2):
+                pools = {}
+                for name, period_ms in (("off", 0), ("5 ms", 5.0), ("0.5 ms", 0.5)):
+                    pools[name] = dtralloc.Pool(backend="virtual", capacity=1 << 40)
+                    if period_ms:
+                        pools[name].publish(period_ms, "bench")
+                samples = {name: [] for name in pools}
+                for _ in range(rounds):
+                    for name, pool in pools.items():
+                        if pattern == "pair":
+                            ns = _core.bench_pool_pairs(pool, sizes, pairs, threads, 1, True)
+                        else:
+                            ns = _core.bench_pool_churn(pool, sizes, 4, pairs, threads, 1, True)
+                        samples[name].append(ns)
+                med = {name: statistics.median(v) for name, v in samples.items()}
+                low = {name: min(v) for name, v in samples.items()}
+                rows.append(f"{pattern:<8}{label:<19}{threads:>8}{med['off']:>8.1f}{med['5 ms']:>8.1f}"
+                            f"{med['0.5 ms']:>8.1f}{med['5 ms'] / med['off']:>10.3f}{med['0.5 ms'] / med['off']:>12.3f}"
+                            f"   ({low['off']:.1f}, {low['5 ms']:.1f}, {low['0.5 ms']:.1f}: "
+                            f"{low['5 ms'] / low['off']:.3f}, {low['0.5 ms'] / low['off']:.3f})")
+                for pool in pools.values():
+                    pool.publish(0)
+    rows.append(f"ns per malloc+free pair: median (and min) of {rounds} alternating runs x {pairs} pairs per "
+                "thread; off = no publisher; 5 ms = the default period of dtralloc top's publisher; 0.5 ms = "
+                "ten times as often. The hot path has no publisher code: its thread takes the pool lock once "
+                "per period.")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
+    parser.add_argument("--publisher", action="store_true",
+                        help="only the publisher comparison (dtralloc top's publisher off and on)")
     args = parser.parse_args()
 
     from dtralloc.microbench import run_hot_path_bench
 
     from _report import emit, header
 
-    command = "python bench/bench_hot_path.py" + (" --quick" if args.quick else "")
-    body = run_hot_path_bench(quick=args.quick) + "\n\n" + gpu_section(args.quick)
+    command = "python bench/bench_hot_path.py" + (" --quick" if args.quick else "") + \
+        (" --publisher" if args.publisher else "")
+    if args.publisher:
+        body = "publisher (dtralloc top) off and on:\n" + publisher_section(args.quick)
+        emit(header("dtralloc hot path with and without the publisher", command) + "\n```\n" + body + "\n```\n",
+             args.out)
+        return 0
+    body = (run_hot_path_bench(quick=args.quick) + "\n\n" + "publisher (dtralloc top) off and on:\n" +
+            publisher_section(args.quick) + "\n\n" + gpu_section(args.quick))
     emit(header("dtralloc hot-path benchmark", command) + "\n```\n" + body + "\n```\n", args.out)
     return 0
 

@@ -40,4 +40,5 @@ PYBIND11_MODULE(_core, m) {
   bindings::bind_pool(m);
   bindings::bind_replay(m);
   bindings::bind_live(m);
+  bindings::bind_dashboard(m);
 }

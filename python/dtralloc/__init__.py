@@ -23,6 +23,7 @@ from ._native import ConfigError, InvalidPointerError, OutOfMemoryError, library
 from ._version import __version__
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
+from .dashboard import dashboard
 from .dtr import dtr
 from .pool import Pool
 from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
@@ -59,6 +60,7 @@ __all__ = [
     "ReplayResult",
     "Session",
     "cupy_allocator",
+    "dashboard",
     "describe_config",
     "dtr",
     "effective_config",

@@ -153,6 +153,30 @@ def _user_step(target: str):
     return step, func_name
 
 
+def _cmd_dashboard(args) -> int:
+    from .dashboard import dashboard
+
+    if not args.inputs:
+        raise SystemExit("error: give at least one input: a .dtrace file or bundled trace name, or a "
+                         "memory snapshot pickle (torch.cuda.memory._dump_snapshot or dtralloc.snapshot())")
+    budgets = None
+    if args.budget:  # "0.5,6G" and repeated flags; "none" is a run without a budget
+        budgets = [None if t.strip().lower() == "none" else _parse_budget(t.strip())
+                   for text in args.budget for t in text.split(",") if t.strip()]
+    d = dashboard(*args.inputs, budgets=budgets, policies=args.policy, conf=args.conf,
+                  sweep=not args.no_sweep, min_budget=not args.no_min_budget, title=args.title)
+    d.save(args.output)
+    print(f"wrote {args.output} ({len(d.html.encode()) / 2**20:.2f} MiB, {len(d.runs)} runs)")
+    return 0
+
+
+def _cmd_top(args) -> int:
+    from .top import run_top
+
+    return run_top(args.pid, once=args.once or args.json, as_json=args.json, interval=args.interval,
+                   device=args.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtralloc",
@@ -192,6 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "`dtralloc config --policies` says how each chooses); repeatable; default none")
     p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the pool")
     p.set_defaults(func=_cmd_replay)
+    p = sub.add_parser("dashboard", help="one self-contained HTML page for traces and memory snapshots")
+    p.add_argument("inputs", nargs="*", help=".dtrace files, bundled trace names, or memory snapshot pickles "
+                   "(torch.cuda.memory._dump_snapshot, dtralloc.snapshot())")
+    p.add_argument("-o", "--output", default="report.html", help="the page to write (default report.html)")
+    p.add_argument("--budget", action="append",
+                   help="budgets for traces: fractions of the no-eviction peak (0.5), sizes (6G) or none; "
+                        "comma-separated or repeated (default 0.5; a run without a budget is always added)")
+    p.add_argument("--policy", action="append",
+                   help="eviction policies for traces, comma-separated or repeated (default dtralloc)")
+    p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the replays")
+    p.add_argument("--no-sweep", action="store_true", help="skip the budget sweep behind the overhead curves")
+    p.add_argument("--no-min-budget", action="store_true", help="skip the min feasible budget search")
+    p.add_argument("--title", default=None, help="page title")
+    p.set_defaults(func=_cmd_dashboard)
+    p = sub.add_parser("top", help="live terminal view of processes using dtralloc")
+    p.add_argument("pid", nargs="?", type=int, help="a process id (default: every process that publishes)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
+    p.add_argument("--device", type=int, default=None, help="only this device")
+    p.set_defaults(func=_cmd_top)
     p = sub.add_parser("bench", help="hot-path malloc+free microbenchmark (ns per pair)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.set_defaults(func=_cmd_bench)

@@ -206,7 +206,7 @@ void test_budget_and_oom_message() {
   CHECK_EQ(oom.action, TraceAction::kOom);
   CHECK_EQ(oom.size, 30 * kMiB);
   CHECK_EQ(oom.stream, Stream{3});
-  CHECK_EQ(oom.device_free, 4 * kMiB);  // what the budget still allowed
+  CHECK_EQ(oom.detail, 4 * kMiB);  // what the budget still allowed
   a->check_invariants();
   // The pool still serves what fits.
   void* small = a->malloc(512);
@@ -794,7 +794,7 @@ std::vector<TraceEntry> run_history_script(const std::string& conf, std::string*
   *expected = e.str();
   Snapshot snap = a->snapshot();
   for (std::size_t i = 1; i < snap.trace.size(); ++i) CHECK(snap.trace[i - 1].time_us <= snap.trace[i].time_us);
-  if (!snap.trace.empty()) CHECK_EQ(snap.trace.back().device_free, 64 * kMiB);
+  if (!snap.trace.empty()) CHECK_EQ(snap.trace.back().detail, 64 * kMiB);
   return snap.trace;
 }
 

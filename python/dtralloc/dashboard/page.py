@@ -1,0 +1,232 @@
+"""The page: runs -> one self-contained HTML file.
+
+Small things (labels, figures, phases) travel as JSON. Columns travel as
+binary blobs: narrowed to the smallest integer type that holds them (sizes
+and addresses in 512-byte units where everything is a multiple of 512),
+delta-coded where they ascend, byte-shuffled (all first bytes, then all
+second bytes: a column of small numbers becomes long runs of zeros), gzipped
+and base64'd inside <script type="application/octet-stream"> elements. The
+page decodes them with the browser's own DecompressionStream. The drawing is
+hand-written canvas code in assets/dashboard.js; nothing is fetched.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import gzip
+import html
+import json
+import re
+from importlib import resources
+from typing import Optional
+
+import numpy as np
+
+from .history import ACTION, History
+from .runs import EVLOG, SERIES, Run
+
+# Blocks, segments and addresses of every allocator here are multiples of
+# 512 bytes (kMinBlockSize); in those units a uint32 spans 2 TiB.
+UNIT = 512
+# zlib level 6: within a few % of level 9 on these columns at a third of the time.
+_GZIP_LEVEL = 6
+_INT_TYPES = (("u8", np.uint8), ("i8", np.int8), ("u16", np.uint16), ("i16", np.int16),
+              ("u32", np.uint32), ("i32", np.int32))
+
+
+class Blobs:
+    """The binary columns of one page."""
+
+    def __init__(self):
+        self.items: list[str] = []
+        self.raw_bytes = 0
+
+    def add(self, values, delta: bool = False, kind: Optional[str] = None) -> dict:
+        """Store an integer (or float) column; returns its reference for the
+        JSON: {"b": blob, "t": type, "n": length, "d": delta-coded}."""
+        a = np.asarray(values)
+        if kind is None:
+            kind, a = _narrow(a, delta)
+        else:
+            a = a.astype(dict(_INT_TYPES + (("f64", np.float64),))[kind])
+        if delta and a.size:
+            a = np.diff(a, prepend=a.dtype.type(0)) if kind == "f64" else \
+                np.diff(a.astype(np.int64), prepend=0).astype(a.dtype)
+        raw = np.ascontiguousarray(a)
+        self.raw_bytes += raw.nbytes
+        if raw.itemsize > 1:  # the byte shuffle
+            raw = raw.view(np.uint8).reshape(-1, raw.itemsize).T
+        data = gzip.compress(np.ascontiguousarray(raw).tobytes(), compresslevel=_GZIP_LEVEL, mtime=0)
+        self.items.append(base64.b64encode(data).decode("ascii"))
+        return {"b": len(self.items) - 1, "t": kind, "n": int(a.size), "d": int(delta)}
+
+
+def _narrow(a: np.ndarray, delta: bool) -> tuple[str, np.ndarray]:
+    """The smallest type that holds `a` (and, when delta-coded, its steps);
+    f64 when none does (exact up to 2**53)."""
+    if a.dtype.kind == "f":
+        return "f64", a.astype(np.float64)
+    if a.dtype.kind == "b":
+        a = a.astype(np.uint8)
+    if a.size == 0:
+        return "u8", a.astype(np.uint8)
+    lo, hi = int(a.min()), int(a.max())
+    if delta:
+        steps = np.diff(a.astype(np.int64))
+        if steps.size:
+            lo, hi = min(lo, int(steps.min())), max(hi, int(steps.max()))
+    for name, t in _INT_TYPES:
+        info = np.iinfo(t)
+        if info.min <= lo and hi <= info.max:
+            return name, a.astype(t)
+    return "f64", a.astype(np.float64)
+
+
+def _factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values, index of each value into them); one value (one
+    stream, the common case) without a sort."""
+    if values.size == 0 or np.all(values == values[0]):
+        return values[:1].copy(), np.zeros(values.size, np.int64)
+    return np.unique(values, return_inverse=True)
+
+
+def _units(values: np.ndarray) -> tuple[np.ndarray, int]:
+    """`values` in 512-byte units when all are multiples of 512, else bytes."""
+    v = np.asarray(values).astype(np.int64)
+    if v.size == 0 or not np.any(v % UNIT):
+        return v // UNIT, UNIT
+    return v, 1
+
+
+def _history_payload(h: History, blobs: Blobs, event_x: Optional[np.ndarray]) -> dict:
+    m = h.model
+    n = h.n
+    start, req, done = m["block_start"], m["block_free_requested"], m["block_free_completed"]
+    y = h.block_y.astype(np.int64)
+    size = m["block_size"]
+    unit = UNIT if not (np.any(y % UNIT) or np.any(size % UNIT) or np.any(h.segment_y.astype(np.int64) % UNIT)
+                        or np.any(m["segment_size"] % UNIT)) else 1
+    streams, stream_idx = _factorize(np.concatenate([m["block_stream"], m["segment_stream"]]))
+    nb = start.size
+    # (block size, requested size) pairs repeat (a training step asks for the
+    # same sizes again and again): a table of the distinct pairs and an index.
+    waste = size - m["block_requested"]
+    if size.size and (int(waste.min()) < 0 or int(waste.max()) >= 1 << 32 or int(size.max() // unit) >= 1 << 31):
+        raise ValueError("dtralloc.dashboard: a block larger than 1 TiB or smaller than its request")
+    keys, kind_idx = _factorize((size // unit) << 32 | waste)
+    kinds = np.stack([keys >> 32, keys & 0xFFFFFFFF], axis=1)
+    blocks = {
+        "start": blobs.add(start, delta=True),
+        "req": blobs.add(req - start),
+        "done": blobs.add(done - req),
+        "y": blobs.add(y // unit),
+        "kind": blobs.add(kind_idx.reshape(-1)),
+        "kind_size": blobs.add(kinds[:, 0] if len(kinds) else kinds.reshape(-1)),
+        "kind_waste": blobs.add(kinds[:, 1] if len(kinds) else kinds.reshape(-1)),
+        "stream": blobs.add(stream_idx[:nb]),
+    }
+    if h.block_label is not None and len(h.labels) > 1:
+        blocks["label"] = blobs.add(h.block_label)
+    segments = {
+        "start": blobs.add(m["segment_start"]),
+        "end": blobs.add(m["segment_end"]),
+        "y": blobs.add(h.segment_y.astype(np.int64) // unit),
+        "size": blobs.add(m["segment_size"] // unit),
+        "stream": blobs.add(stream_idx[nb:]),
+    }
+    largest, lunit = _units(m["largest_free"])
+    out = {
+        "n": n, "unit": unit, "blocks": blocks, "segments": segments,
+        "largest": blobs.add(largest, delta=True), "largest_unit": lunit,
+        "initial_largest": int(m["initial_largest_free"]),
+        "ranges": [[hex(int(lo)), hex(int(hi)), int(off) // unit] for lo, hi, off in h.ranges.tolist()],
+        "compact": h.compact_bytes // unit,
+        "streams": [hex(int(s)) for s in streams.tolist()],
+        "labels": h.labels if h.block_label is not None else [],
+        "oom": [[int(e), int(h.cols["size"][e]), int(h.cols["device_free"][e])] for e in h.oom_events()[:10000]],
+        "anomalies": int(m["anomalies"]),
+    }
+    if n and np.any(h.cols["time_us"]):
+        t = h.cols["time_us"].astype(np.int64)
+        out["t0"] = int(t[0])
+        out["time"] = blobs.add(t - t[0], delta=True)
+    if n and np.any(h.cols["op"] >= 0):
+        out["op"] = blobs.add(h.cols["op"], delta=True)
+    if event_x is not None:
+        out["x_event"] = blobs.add(event_x, delta=True)
+    return out
+
+
+def _run_payload(run: Run, blobs: Blobs) -> dict:
+    out = {
+        "label": run.label, "kind": run.kind, "x_kind": run.x_kind, "n_x": run.n_x, "domain": run.domain,
+        "figures": run.figures, "phases": [list(p) for p in run.phases], "notes": run.notes,
+    }
+    if run.series:
+        out["series"] = {k: blobs.add(run.series[k]) for k in SERIES}
+    if run.op_names is not None:
+        table, idx = np.unique(np.array(run.op_names, dtype=object).astype(str), return_inverse=True)
+        out["op_names"] = {"table": table.tolist(), "idx": blobs.add(idx)}
+    if run.evlog is not None and len(run.evlog["op"]):
+        ev = run.evlog
+        out["evlog"] = {k: blobs.add(np.asarray(ev[k], np.float64) if k == "score" else
+                                     np.asarray(ev[k]).astype(np.int64), delta=(k == "op"))
+                        for k in EVLOG}
+    if run.history is not None:
+        out["history"] = _history_payload(run.history, blobs, run.x_event)
+    return out
+
+
+def _asset(name: str) -> str:
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def build_page(runs: list[Run], title: str, sweep: Optional[dict] = None, source: str = "") -> tuple[str, dict]:
+    """The HTML of the page and a few facts about it (raw and page bytes)."""
+    from .._version import __version__
+
+    blobs = Blobs()
+    meta = {
+        "title": title, "source": source, "version": __version__,
+        "generated": datetime.datetime.now().isoformat(timespec="seconds"),
+        "runs": [_run_payload(r, blobs) for r in runs],
+        "sweep": sweep or {},
+        "actions": list(ACTION),
+    }
+    meta_json = json.dumps(meta, separators=(",", ":")).replace("</", "<\\/")
+    parts = [f'<script type="application/octet-stream" id="dtralloc-blob-{i}">{b}</script>'
+             for i, b in enumerate(blobs.items)]
+    fill = {"TITLE": html.escape(title), "CSS": _asset("dashboard.css"), "RUNS_TABLE": _runs_table(runs),
+            "META": meta_json, "BLOBS": "\n".join(parts), "JS": _asset("dashboard.js")}
+    # One pass, so that nothing inserted (a label, the script) is read as a placeholder.
+    page = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: fill[m.group(1)], _asset("page.html"))
+    return page, {"raw_bytes": blobs.raw_bytes, "blobs": len(blobs.items)}
+
+
+def _attr(v) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return html.escape(str(v), quote=True)
+
+
+# The machine-readable figures: one element per run, attributes named as in
+# dtralloc.replay's result ("none" where the result holds None).
+DATA_ATTRIBUTES = (("data-policy", "policy"), ("data-budget-bytes", "budget_bytes"),
+                   ("data-peak-reserved-bytes", "peak_reserved_bytes"),
+                   ("data-peak-allocated-bytes", "peak_allocated_bytes"),
+                   ("data-evictions", "evictions"), ("data-remats", "remats"),
+                   ("data-compute-overhead", "compute_overhead"), ("data-feasible", "feasible"),
+                   ("data-ooms", "ooms"))
+
+
+def _runs_table(runs: list[Run]) -> str:
+    """Rows written by Python (not by the script): scripts and tests read the
+    figures even without running the page's code."""
+    rows = []
+    for i, r in enumerate(runs):
+        attrs = " ".join(f'{name}="{_attr(r.figures.get(key))}"' for name, key in DATA_ATTRIBUTES)
+        rows.append(f'<tr class="run-row" data-run="{i}" data-kind="{r.kind}" {attrs}>'
+                    f'<td class="run-label">{html.escape(r.label)}</td></tr>')
+    return "\n".join(rows)

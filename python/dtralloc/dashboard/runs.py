@@ -1,0 +1,159 @@
+"""Runs: what one dashboard page compares.
+
+A run is one allocator timeline: a replay of a trace under one policy and
+budget (x axis: the trace's ops), or one device of a memory snapshot (x axis:
+its events). Every run carries its headline figures; replays also carry the
+per-op series and the eviction log the replay driver records, snapshots their
+event history (history.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .history import ACTION, History, build_history, event_columns
+
+# The per-op series a replay records (dtralloc.replay(..., history=True).series).
+SERIES = ("reserved", "allocated", "evictable", "largest_free", "free")
+# The eviction log's columns (ReplayResult.events).
+EVLOG = ("op", "kind", "value", "bytes", "addr", "plan", "score", "window_addr", "window_bytes")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class Run:
+    label: str
+    kind: str                          # "replay" | "snapshot"
+    x_kind: str                        # "op" | "event"
+    n_x: int
+    domain: str                        # runs of one domain share the cursor's x
+    figures: dict = field(default_factory=dict)
+    series: dict = field(default_factory=dict)     # per x (replays): SERIES, numpy int64
+    phases: list = field(default_factory=list)     # (first x, end x, phase name)
+    op_names: Optional[list] = None                # per op (replays)
+    history: Optional[History] = None
+    x_event: Optional[np.ndarray] = None           # per x: events done at its sample point
+    evlog: Optional[dict] = None
+    notes: list = field(default_factory=list)
+
+
+def trace_phases(trace) -> list:
+    """Forward / backward / optimizer bands of a trace's ops: backward is what
+    the recorder marked so, forward what precedes the first backward op, the
+    optimizer what follows the last one."""
+    flags = [bool(getattr(op, "backward", False)) for op in trace.ops]
+    n = len(flags)
+    if not any(flags):
+        return [(0, n, "forward")] if n else []
+    first = flags.index(True)
+    last = n - 1 - flags[::-1].index(True)
+    bands = [(0, first, "forward"), (first, last + 1, "backward"), (last + 1, n, "optimizer")]
+    return [b for b in bands if b[1] > b[0]]
+
+
+def sample_events(op_column: np.ndarray, action: np.ndarray, n_ops: int) -> np.ndarray:
+    """For each op, how many history events precede the moment the replay
+    sampled its series: after the op's last allocation, before its frees (an
+    op that allocates nothing is sampled before its first event)."""
+    op = op_column.astype(np.int64)
+    allocs = np.flatnonzero(action == ACTION["alloc"])
+    out = np.searchsorted(op, np.arange(n_ops), side="left")  # first event of each op (op stamps ascend)
+    if allocs.size:
+        last_alloc = np.full(n_ops, -1, np.int64)
+        stamped = op[allocs]
+        ok = (stamped >= 0) & (stamped < n_ops)
+        np.maximum.at(last_alloc, stamped[ok], allocs[ok])
+        out = np.where(last_alloc >= 0, last_alloc + 1, out)
+    return out.astype(np.int64)
+
+
+def replay_run(trace, result, label: str, min_budget: Optional[float] = None) -> Run:
+    """A run from dtralloc.replay(trace, ..., history=True)."""
+    series = {k: np.asarray(result.series[k], np.int64) for k in SERIES}
+    # The x axis is the trace's ops, shared with the other runs of the trace;
+    # a replay that ran out of memory has no samples after its OOM op.
+    n = len(trace.ops)
+    name = str(trace.meta.get("name", "trace"))
+    figures = replay_figures(result)
+    figures["min_feasible_budget"] = min_budget
+    run = Run(label, "replay", "op", n, f"trace:{name}:{len(trace.ops)}", figures, series,
+              trace_phases(trace), [op.name for op in trace.ops])
+    run.evlog = {k: np.asarray(result.events[k]) for k in EVLOG}
+    hist = getattr(result, "history", None)
+    if hist is not None:
+        run.history = build_history(hist)
+        run.x_event = sample_events(run.history.cols["op"], run.history.cols["action"], n)
+    else:
+        run.notes.append("This replay carries no allocator history (dtralloc.replay(..., history=True) is "
+                         "not in this build), so the address map, the address x time map and the tensor "
+                         "list are empty; the timeline, fragmentation and eviction markers come from the "
+                         "per-op series and the eviction log.")
+    if not result.feasible:
+        run.notes.append(f"OOM at op {result.oom_op}: {result.oom_message}")
+    return run
+
+
+def replay_figures(result) -> dict:
+    """The figures of a replay, exactly as dtralloc.replay returns them."""
+    return {
+        "policy": result.policy,
+        "budget_bytes": result.budget_bytes,
+        "peak_reserved_bytes": int(result.peak_reserved_bytes),
+        "peak_allocated_bytes": int(result.peak_allocated_bytes),
+        "evictions": int(result.evictions),
+        "remats": int(result.remats),
+        "compute_overhead": float(result.compute_overhead),
+        "feasible": bool(result.feasible),
+        "oom_op": result.oom_op,
+        "ooms": 0 if result.feasible else 1,
+        "no_eviction_peak_reserved_bytes": int(result.no_eviction_peak_reserved_bytes),
+    }
+
+
+def snapshot_runs(snapshot: dict, name: str) -> list[Run]:
+    """One run per device of a torch (or dtralloc) memory snapshot that has
+    segments or history."""
+    if not isinstance(snapshot, dict) or "segments" not in snapshot:
+        raise ValueError("dtralloc.dashboard: not a memory snapshot: expected a dict with 'segments' and "
+                         "'device_traces' (torch.cuda.memory._snapshot(), _dump_snapshot's pickle, or "
+                         "dtralloc.snapshot())")
+    traces = snapshot.get("device_traces") or []
+    segments = snapshot.get("segments") or []
+    devices = sorted({int(s.get("device", 0)) for s in segments} |
+                     {i for i, t in enumerate(traces) if len(t)})
+    runs = []
+    for d in devices:
+        events = traces[d] if d < len(traces) else []
+        final = [s for s in segments if int(s.get("device", 0)) == d]
+        if isinstance(events, dict):  # dtralloc's columns (snapshot(columns=True))
+            history = build_history(events, final)
+        else:
+            cols, labels, made_by = event_columns(events)
+            history = build_history(cols, final, labels, made_by)
+        runs.append(snapshot_run(history, f"{name} · cuda:{d}"))
+    if not runs:
+        raise ValueError("dtralloc.dashboard: the snapshot has no segments and no history on any device")
+    return runs
+
+
+def snapshot_run(history: History, label: str) -> Run:
+    m = history.model
+    oom = history.oom_events()
+    figures = {
+        "policy": None, "budget_bytes": None,
+        "peak_reserved_bytes": int(m["peak_reserved"]),
+        "peak_allocated_bytes": int(m["peak_allocated"]),
+        "evictions": 0, "remats": 0, "compute_overhead": 0.0, "feasible": oom.size == 0,
+        "oom_op": None, "ooms": int(oom.size), "events": history.n,
+        "anomalies": int(m["anomalies"]),
+    }
+    run = Run(label, "snapshot", "event", max(history.n, 1), f"events:{label}", figures, history=history)
+    if history.n == 0:
+        run.notes.append("No event history: only the segments at the moment of the snapshot. Record with "
+                         "torch.cuda.memory._record_memory_history() or dtralloc.record_memory_history().")
+    if m["anomalies"]:
+        run.notes.append(f"{m['anomalies']} events do not add up (a free of an unknown block, an allocation "
+                         "outside every known segment); the maps show them as well as they allow.")
+    return run
