@@ -177,8 +177,14 @@ class Allocator {
   void garbage_collect(std::size_t incoming_bytes);
   bool release_oversize_segments(std::size_t rounded, Stream stream);
   void release_cached_segments();
+  struct PendingEvent {
+    EventHandle event;
+    Block* block;
+  };
+  std::vector<EventHandle> record_stream_events(Block* block);
   void process_events();
   void synchronize_and_free_events();
+  void retire_event(const PendingEvent& p);
   void finish_free(Block* block);
   std::string oom_message(std::size_t size, std::size_t rounded, Stream stream);
   [[noreturn]] void throw_oom(std::size_t size, std::size_t rounded, Stream stream);
@@ -201,10 +207,6 @@ class Allocator {
   std::shared_ptr<EvictionHook> hook_;
   std::uint64_t tick_ = 0;            // advances on every free; GC age
 
-  struct PendingEvent {
-    EventHandle event;
-    Block* block;
-  };
   std::vector<PendingEvent> pending_events_;
 
   std::vector<TraceEntry> history_;   // ring buffer of history_entries
