@@ -26,11 +26,11 @@ dtralloc::Stream to_stream(void* stream) { return reinterpret_cast<dtralloc::Str
 
 // The one allocation path of both malloc entry points: reports a failure
 // (stderr, dtralloc_last_error) and rethrows it for the caller to translate.
-void* allocate_or_report(ssize_t size, int device, void* stream, const char* where) {
-  if (size <= 0) return nullptr;
+void* allocate_or_report(std::size_t size, int device, void* stream, const char* where) {
+  if (size == 0) return nullptr;
   last_error.clear();
   try {
-    return dtralloc::global::allocator(device).malloc(static_cast<std::size_t>(size), to_stream(stream));
+    return dtralloc::global::allocator(device).malloc(size, to_stream(stream));
   } catch (const std::exception& e) {
     report(where, e);
     throw;
@@ -41,7 +41,7 @@ void* allocate_or_report(ssize_t size, int device, void* stream, const char* whe
 
 extern "C" {
 
-void* dtralloc_malloc(ssize_t size, int device, void* stream) {
+void* dtralloc_malloc(size_t size, int device, void* stream) {
   try {
     return allocate_or_report(size, device, stream, "dtralloc_malloc");
   } catch (const std::exception&) {
@@ -49,7 +49,7 @@ void* dtralloc_malloc(ssize_t size, int device, void* stream) {
   }
 }
 
-void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream) {
+void* dtralloc_malloc_or_throw(size_t size, int device, void* stream) {
   try {
     return allocate_or_report(size, device, stream, "dtralloc_malloc_or_throw");
   } catch (const std::exception& e) {
@@ -59,7 +59,7 @@ void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream) {
   }
 }
 
-void dtralloc_free(void* ptr, ssize_t /*size*/, int device, void* /*stream*/) {
+void dtralloc_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
   if (!ptr) return;
   try {
     dtralloc::Allocator* a = dtralloc::global::existing(device);

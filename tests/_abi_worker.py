@@ -280,10 +280,10 @@ def _expect_oom(abi: TorchView, size: int, device: int = 0, stream=None) -> str:
     with captured_stderr() as err:
         ptr = abi.malloc(size, device, stream)
     eq(ptr, None, f"malloc({size}) under the budget")
-    check("out of memory on device" in err.text, f"no OOM message on stderr: {err.text!r}")
+    check("CUDA out of memory." in err.text, f"no OOM message on stderr: {err.text!r}")
     check("(in dtralloc_malloc)" in err.text, f"stderr does not name the entry point: {err.text!r}")
     last = abi.last_error()
-    check(last.startswith("dtralloc: out of memory"), f"last_error: {last!r}")
+    check(last.startswith("dtralloc: CUDA out of memory."), f"last_error: {last!r}")
     check(last in err.text, "last_error is the message printed on stderr")
     return last
 

@@ -9,26 +9,28 @@
 #define DTRALLOC_H_
 
 #include <stddef.h>
-#include <sys/types.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* Returns NULL for size 0 and when the request cannot be served (the reason is
+/* The sizes are size_t, as in torch's prototypes (CUDAPluggableAllocator.h:
+ * void*(size_t, int, cudaStream_t) and void(void*, size_t, int, cudaStream_t)).
+ *
+ * Returns NULL for size 0 and when the request cannot be served (the reason is
  * printed on stderr and kept for dtralloc_last_error). */
-void* dtralloc_malloc(ssize_t size, int device, void* stream);
+void* dtralloc_malloc(size_t size, int device, void* stream);
 #ifdef __cplusplus
 /* The entry point dtralloc.install() hands torch. Same as dtralloc_malloc, but
  * a request that cannot be served throws std::runtime_error (carrying the OOM
  * message) instead of returning NULL: torch's pluggable-allocator wrapper does
  * not check for NULL, and turns a C++ exception into a Python RuntimeError.
  * C callers (ctypes) must use dtralloc_malloc. */
-void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream);
+void* dtralloc_malloc_or_throw(size_t size, int device, void* stream);
 #endif
 /* A double free or unknown pointer is reported on stderr, counted in
  * num_invalid_frees and otherwise ignored. */
-void dtralloc_free(void* ptr, ssize_t size, int device, void* stream);
+void dtralloc_free(void* ptr, size_t size, int device, void* stream);
 
 /* Optional torch hooks (CUDAPluggableAllocator._set_*_fn). */
 void dtralloc_init(int device_count);                        /* init */
