@@ -168,7 +168,7 @@ def _resolve_budget(budget, baseline_peak: int) -> int:
 def _run(trace: Trace, budget_bytes, conf: str, check: bool, progress) -> ReplayResult:
     parts = [conf] if conf else []
     if budget_bytes is not None:
-        parts.append(f"budget:{budget_bytes}")
+        parts.append(f"budget:{budget_bytes}B")
     pool = Pool(backend="virtual", capacity=_VIRTUAL_CAPACITY, conf=",".join(parts))
     storages = trace.storages
     address: dict[int, int] = {}
