@@ -159,6 +159,23 @@ void resolve_all(void* handle, const std::string& library,
   resolve(handle, "cudaRuntimeGetVersion", library, api.RuntimeGetVersion);
 }
 
+// The driver's cuDevicePrimaryCtxGetState: from the runtime library itself
+// when it exports it (the fake does; a real libcudart does not), else from
+// libcuda.so.1, which a working runtime has already loaded. Optional: without
+// it DeviceGuard restores the caller's device unconditionally.
+void resolve_driver(void* runtime_handle, CudaRuntimeApi& api) {
+  using Fn = decltype(api.DevicePrimaryCtxGetState);
+  const char* symbol = "cuDevicePrimaryCtxGetState";
+  void* address = dlsym(runtime_handle, symbol);
+  if (address == nullptr) {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (driver == nullptr) driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver != nullptr) address = dlsym(driver, symbol);  // kept open for good
+  }
+  dlerror();  // a miss above is an answer, not an error
+  api.DevicePrimaryCtxGetState = reinterpret_cast<Fn>(address);
+}
+
 const LoadedRuntime& load_runtime() {
   if (const LoadedRuntime* loaded = g_runtime.load(std::memory_order_acquire)) {
     return *loaded;
@@ -173,6 +190,7 @@ const LoadedRuntime& load_runtime() {
   runtime->path = loaded_path(handle, requested);
   try {
     resolve_all(handle, runtime->path, runtime->api);
+    resolve_driver(handle, runtime->api);
   } catch (...) {
     dlclose(handle);
     throw;
@@ -197,9 +215,18 @@ std::string describe(const CudaRuntimeApi& api, cudaError_t err) {
                            " failed: " + describe(api, err));
 }
 
-// Makes `device` current for one scope and restores the caller's device, so
-// that dtralloc never changes the device the user's thread works on. Skips
-// both runtime calls when the device is already current (the common case).
+// Makes `device` current for one scope and then gives the caller's thread
+// its device back, so that dtralloc never changes the device the user's
+// thread works on. Skips both runtime calls when the device is already
+// current (the common case).
+//
+// The restore happens only where the previous device already has a primary
+// context, as torch's c10::cuda::MaybeSetDevice does. A thread that never
+// chose a device reports device 0 from cudaGetDevice; restoring that with
+// cudaSetDevice(0) would create a context on GPU 0 (CUDA 12 initializes it in
+// cudaSetDevice), hundreds of MiB per process under torchrun, where each rank
+// works on its own GPU. Such a thread keeps the backend's device current
+// instead, exactly what torch leaves behind in the same case.
 class DeviceGuard {
  public:
   DeviceGuard(const CudaRuntimeApi& api, int device) : api_(api) {
@@ -211,16 +238,24 @@ class DeviceGuard {
     switched_ = true;
   }
   ~DeviceGuard() {
+    if (!switched_ || !has_context(previous_)) return;
     // A destructor cannot throw; a failed restore at least leaves no error
     // behind for the caller's next check.
-    if (switched_ && api_.SetDevice(previous_) != cudaSuccess) {
-      api_.GetLastError();
-    }
+    if (api_.SetDevice(previous_) != cudaSuccess) api_.GetLastError();
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  // Unknown (no driver function, or it failed) counts as yes: restoring the
+  // caller's device matters more than the memory of a stray context.
+  bool has_context(int device) const {
+    if (api_.DevicePrimaryCtxGetState == nullptr) return true;
+    unsigned int flags = 0;
+    int active = 0;
+    return api_.DevicePrimaryCtxGetState(device, &flags, &active) != 0 || active != 0;
+  }
+
   const CudaRuntimeApi& api_;
   int previous_ = 0;
   bool switched_ = false;

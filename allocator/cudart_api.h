@@ -67,6 +67,13 @@ struct CudaRuntimeApi {
   Err (*GetLastError)();
   const char* (*GetErrorString)(Err error);
   Err (*RuntimeGetVersion)(int* runtime_version);
+
+  // From the driver API (cuda.h), optional: CUresult
+  // cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active).
+  // CUdevice is the device ordinal and CUresult an int (0 = CUDA_SUCCESS).
+  // Found in the runtime library if it has it (the fake does), else in
+  // libcuda.so.1; nullptr when neither does.
+  int (*DevicePrimaryCtxGetState)(int device, unsigned int* flags, int* active);
 };
 
 // Loads the CUDA runtime on first use and returns its function table. Throws

@@ -1,11 +1,14 @@
 // A fake CUDA runtime (libdtralloc_fakecudart.so) for machines without a GPU.
 //
-// It exports the 17 runtime functions dtralloc calls, under their real names
-// and with their real C signatures, so DTRALLOC_CUDART can point the cuda
-// backend (and anything else that dlopens a libcudart) at it. Device memory is
-// host memory, so tests can write into it. The fakecuda_* functions steer it
-// (device count, capacity, injected failures) and report what it saw (call
-// counts, live allocations, used bytes).
+// It exports the runtime functions dtralloc calls, under their real names and
+// with their real C signatures, so DTRALLOC_CUDART can point the cuda backend
+// (and anything else that dlopens a libcudart) at it. It also exports the one
+// driver function dtralloc uses, cuDevicePrimaryCtxGetState, which a real
+// installation has in libcuda.so.1 (backend_cuda.cpp looks in the runtime
+// first, then there). Device memory is host memory, so tests can write into
+// it. The fakecuda_* functions steer it (device count, capacity, injected
+// failures) and report what it saw (call counts, live allocations, used
+// bytes, which devices have a context).
 //
 // Behaviour that tests rely on:
 //   * Devices: 1 by default, each with the same capacity (1 GiB by default).
@@ -22,6 +25,13 @@
 //     Recording on stream 0 from another device than the event's fails, as it
 //     does on a GPU, which catches a missing cudaSetDevice.
 //   * cudaFree does not complete events (the real one synchronizes).
+//   * Primary contexts, as CUDA 12 and later create them: cudaSetDevice(d)
+//     creates device d's context at once, and a call that works on the current
+//     device (cudaMalloc, cudaFree, cudaMemGetInfo, cudaEventCreateWithFlags,
+//     cudaEventRecord, cudaDeviceSynchronize) creates that device's context
+//     if none exists. cudaGetDevice, cudaGetDeviceCount and the error and
+//     version queries create none. A context costs hundreds of MiB on a real
+//     GPU, so a test can check that no stray one was made.
 //
 // No std containers, std::mutex or std::atomic here, on purpose: at -O0 their
 // inline members are emitted as weak symbols with default visibility and would
@@ -54,6 +64,7 @@ enum Function {
   kDeviceSynchronize, kStreamSynchronize, kStreamWaitEvent,
   kEventCreateWithFlags, kEventRecord, kEventQuery, kEventSynchronize,
   kEventDestroy, kGetLastError, kGetErrorString, kRuntimeGetVersion,
+  kDevicePrimaryCtxGetState,
   kFunctionCount
 };
 
@@ -63,7 +74,7 @@ constexpr const char* kFunctionNames[kFunctionCount] = {
     "cudaStreamSynchronize", "cudaStreamWaitEvent", "cudaEventCreateWithFlags",
     "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
     "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString",
-    "cudaRuntimeGetVersion"};
+    "cudaRuntimeGetVersion", "cuDevicePrimaryCtxGetState"};
 
 // Open-addressing hash map from pointer to a trivially copyable value, with
 // linear probing. Deleting re-places the rest of the probe run, which keeps
@@ -167,6 +178,7 @@ struct State {
   int device_count = 1;
   std::size_t capacity = kDefaultCapacity;
   std::size_t used[kMaxDevices] = {};
+  bool context[kMaxDevices] = {};  // the device's primary context exists
   int failing_mallocs = 0;
   std::uintptr_t events_created = 0;
   PointerMap<Allocation> allocations;
@@ -201,6 +213,14 @@ cudaError_t fail(cudaError_t err) {
 cudaError_t current_device_error() {
   if (g_state.device_count == 0) return cudaErrorNoDevice;
   if (t_device >= g_state.device_count) return cudaErrorInvalidDevice;
+  return cudaSuccess;
+}
+
+// A call that works on the current device: like the real runtime, it
+// initializes that device's primary context first (caller holds the lock).
+cudaError_t use_current_device() {
+  if (cudaError_t err = current_device_error()) return err;
+  g_state.context[t_device] = true;
   return cudaSuccess;
 }
 
@@ -248,7 +268,7 @@ FAKECUDA_EXPORT cudaError_t cudaMalloc(void** dev_ptr, std::size_t size) {
   if (dev_ptr == nullptr) return fail(cudaErrorInvalidValue);
   *dev_ptr = nullptr;
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
   if (g_state.failing_mallocs > 0) {
     --g_state.failing_mallocs;
     return fail(cudaErrorMemoryAllocation);
@@ -273,6 +293,7 @@ FAKECUDA_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   count_call(kFree);
   if (dev_ptr == nullptr) return cudaSuccess;
   Lock lock;
+  if (cudaError_t err = use_current_device()) return fail(err);
   const Allocation* allocation = g_state.allocations.find(dev_ptr);
   if (allocation == nullptr) return fail(cudaErrorInvalidValue);
   g_state.used[allocation->device] -= allocation->bytes;
@@ -286,7 +307,7 @@ FAKECUDA_EXPORT cudaError_t cudaMemGetInfo(std::size_t* free,
   count_call(kMemGetInfo);
   if (free == nullptr || total == nullptr) return fail(cudaErrorInvalidValue);
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
   std::size_t used = g_state.used[t_device];
   *total = g_state.capacity;
   *free = used < g_state.capacity ? g_state.capacity - used : 0;
@@ -308,6 +329,7 @@ FAKECUDA_EXPORT cudaError_t cudaSetDevice(int device) {
     return fail(cudaErrorInvalidDevice);
   }
   t_device = device;
+  g_state.context[device] = true;  // CUDA 12: cudaSetDevice initializes it
   return cudaSuccess;
 }
 
@@ -322,7 +344,7 @@ FAKECUDA_EXPORT cudaError_t cudaGetDeviceCount(int* count) {
 FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
   count_call(kDeviceSynchronize);
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
   const int device = t_device;
   complete_events_where(
       [device](const EventState& event) { return event.device == device; });
@@ -357,7 +379,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event,
   count_call(kEventCreateWithFlags);
   if (event == nullptr) return fail(cudaErrorInvalidValue);
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
   cudaEvent_t handle = new_event_handle();
   if (!g_state.events.insert(handle, EventState{t_device, nullptr, false})) {
     return fail(cudaErrorMemoryAllocation);
@@ -376,6 +398,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
   if (stream == nullptr && state->device != t_device) {
     return fail(cudaErrorInvalidResourceHandle);
   }
+  g_state.context[state->device] = true;
   state->stream = stream;
   state->pending = true;
   return cudaSuccess;
@@ -427,6 +450,23 @@ FAKECUDA_EXPORT cudaError_t cudaRuntimeGetVersion(int* runtime_version) {
   return cudaSuccess;
 }
 
+// ---- The driver API function dtralloc uses ---------------------------------
+
+// CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags,
+// int* active) (cuda.h). CUdevice is the device ordinal; CUresult codes:
+// CUDA_SUCCESS 0, CUDA_ERROR_INVALID_VALUE 1, CUDA_ERROR_INVALID_DEVICE 101.
+// It creates no context, as on a real driver.
+FAKECUDA_EXPORT int cuDevicePrimaryCtxGetState(int dev, unsigned int* flags,
+                                               int* active) {
+  count_call(kDevicePrimaryCtxGetState);
+  if (flags == nullptr || active == nullptr) return 1;
+  Lock lock;
+  if (dev < 0 || dev >= g_state.device_count) return 101;
+  *flags = 0;
+  *active = g_state.context[dev] ? 1 : 0;
+  return 0;
+}
+
 // ---- Controls for tests --------------------------------------------------
 
 // Clamped to 0..16. Devices keep their used bytes across changes.
@@ -467,13 +507,15 @@ FAKECUDA_EXPORT void fakecuda_complete_events() {
 
 // Back to the defaults, except that live allocations and events stay valid:
 // they belong to the code under test (fakecuda_live_allocations shows them).
-// Current device and last error are reset for the calling thread only.
+// No device has a context afterwards. Current device and last error are reset
+// for the calling thread only.
 FAKECUDA_EXPORT void fakecuda_reset() {
   for (long& calls : g_calls) __atomic_store_n(&calls, 0, __ATOMIC_RELAXED);
   Lock lock;
   g_state.device_count = 1;
   g_state.capacity = kDefaultCapacity;
   g_state.failing_mallocs = 0;
+  for (bool& context : g_state.context) context = false;
   complete_events_where([](const EventState&) { return true; });
   t_device = 0;
   t_last_error = cudaSuccess;

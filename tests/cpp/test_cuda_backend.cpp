@@ -47,6 +47,15 @@ struct FakeControls {
   int (*live_allocations)();
   int (*live_events)();
   std::size_t (*used_bytes)(int);
+  // The driver API's query (cuda.h), which the fake exports too.
+  int (*primary_ctx_get_state)(int device, unsigned int* flags, int* active);
+
+  bool has_context(int device) const {
+    unsigned int flags = 0;
+    int active = -1;
+    CHECK_EQ(primary_ctx_get_state(device, &flags, &active), 0);
+    return active == 1;
+  }
 };
 
 template <typename Fn>
@@ -72,6 +81,7 @@ FakeControls load_controls(const std::string& fake_path) {
   resolve(library, "fakecuda_live_allocations", fake.live_allocations);
   resolve(library, "fakecuda_live_events", fake.live_events);
   resolve(library, "fakecuda_used_bytes", fake.used_bytes);
+  resolve(library, "cuDevicePrimaryCtxGetState", fake.primary_ctx_get_state);
   return fake;
 }
 
@@ -262,6 +272,7 @@ void test_device_guard(const FakeControls& fake) {
   CHECK(cuda_device_count() == 2);
   auto on0 = make_cuda_backend(0);
   auto on1 = make_cuda_backend(1);
+  CHECK(api.SetDevice(0) == cudaSuccess);  // the caller works on device 0
   long sets = fake.call_count("cudaSetDevice");
   void* ptr = on1->allocate(8192);
   CHECK(fake.used_bytes(1) == 8192);
@@ -286,6 +297,43 @@ void test_device_guard(const FakeControls& fake) {
   on0->release(on_device0, 4096);
   on1->release(ptr, 8192);
   CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
+}
+
+// A thread that never chose a device (torchrun's helper threads, a thread
+// that frees a tensor of device 1) must not come out of dtralloc with a new
+// context on device 0: on a GPU that is hundreds of MiB on GPU 0 per rank. The
+// guard switches to the backend's device and restores the previous one only
+// where that device already had a context (torch's c10::cuda::MaybeSetDevice).
+void test_device_guard_makes_no_stray_context(const FakeControls& fake) {
+  fake.reset();
+  fake.set_device_count(2);
+  CHECK(!fake.has_context(0) && !fake.has_context(1));
+  std::thread fresh([&] {
+    auto on1 = make_cuda_backend(1);
+    void* ptr = on1->allocate(4096);
+    EventHandle event = on1->create_event();
+    on1->record_event(event, 0);
+    on1->synchronize_event(event);
+    on1->destroy_event(event);
+    on1->synchronize_device();
+    CHECK(on1->total_bytes() == 1024 * kMiB);
+    on1->release(ptr, 4096);
+  });
+  fresh.join();
+  CHECK(fake.has_context(1));
+  CHECK(!fake.has_context(0));  // no stray context on device 0
+  // Where device 0 has a context, the caller's device is restored as before.
+  const CudaRuntimeApi& api = cuda_runtime();
+  std::thread chose0([&] {
+    CHECK(api.SetDevice(0) == cudaSuccess);
+    auto on1 = make_cuda_backend(1);
+    void* ptr = on1->allocate(4096);
+    on1->release(ptr, 4096);
+    int current = -1;
+    CHECK(api.GetDevice(&current) == cudaSuccess && current == 0);
+  });
+  chose0.join();
+  fake.reset();
 }
 
 void test_bad_devices(const FakeControls& fake) {
@@ -415,6 +463,7 @@ int main(int argc, char** argv) {
   test_injected_failures(fake);
   test_events(fake);
   test_device_guard(fake);
+  test_device_guard_makes_no_stray_context(fake);
   test_bad_devices(fake);
   test_runtime_errors_throw(fake);
   test_call_counters(fake);
