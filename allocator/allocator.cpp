@@ -106,11 +106,20 @@ void Allocator::throw_oom(std::size_t size, std::size_t rounded, Stream stream) 
 }
 
 Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream) {
-  if (!pending_events_.empty()) process_events();
+  // Events are polled unless the stream captures (a query would invalidate
+  // the capture); their blocks then wait until after it, as in torch.
+  int capturing = -1;  // unknown: asked of the backend at most once
+  auto is_capturing = [&] {
+    if (capturing < 0) capturing = backend_->stream_capturing(stream) ? 1 : 0;
+    return capturing == 1;
+  };
+  if (!pending_events_.empty() && !is_capturing()) process_events();
   PoolKind pool = BlockPool::pool_for(rounded);
   // 1. cached block
   if (Block* b = pool_.find_free(pool, stream, rounded))
     return pool_.allocate_from(b, rounded, requested);
+  // Every step below may call cudaMalloc, cudaFree or wait on events.
+  if (is_capturing()) refuse_capture(requested, stream);
   // 2. new segment (after GC, if configured)
   if (config_.garbage_collection_threshold > 0) garbage_collect(pool_.segment_size(rounded));
   if (Block* b = allocate_segment(rounded, requested, stream)) return b;
@@ -127,6 +136,24 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
   return nullptr;
+}
+
+std::string graph_capture_refusal(const std::string& what) {
+  return "dtralloc: " + what +
+         ", but dtralloc does not support CUDA graph capture (torch.cuda.graph, "
+         "torch.cuda.make_graphed_callables, torch.compile(mode=\"reduce-overhead\"), "
+         "torch.cuda.MemPool): it keeps no private memory pool per graph, so blocks freed "
+         "during capture would be handed out again while replays still write to them, and a "
+         "cache miss would need cudaMalloc, which capture forbids. Capture without dtralloc: "
+         "run this program (or the part that captures) in a process that does not call "
+         "dtralloc.install(), or use torch.compile without mode=\"reduce-overhead\".";
+}
+
+void Allocator::refuse_capture(std::size_t size, Stream stream) {
+  throw GraphCaptureError(graph_capture_refusal(
+      "stream " + hex(stream) + " on device " + std::to_string(device_) +
+      " is capturing a CUDA graph and asked for " + format_bytes(size) +
+      " that the cache cannot serve"));
 }
 
 Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {

@@ -56,6 +56,12 @@ class Backend {
   virtual void synchronize_device() = 0;
   // Deferred backends: mark every recorded event complete. No-op for cuda.
   virtual void complete_events() {}
+
+  // True while `stream` is capturing a CUDA graph (or, for the legacy default
+  // stream 0, while a blocking stream of the device is): then the pool must
+  // not call cudaMalloc, cudaFree or query events (Allocator::malloc). The
+  // simulated backends never capture.
+  virtual bool stream_capturing(Stream /*stream*/) { return false; }
 };
 
 // `capacity_bytes` is the simulated device size for host/virtual backends.

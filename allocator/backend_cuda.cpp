@@ -148,6 +148,7 @@ void resolve_all(void* handle, const std::string& library,
   resolve(handle, "cudaDeviceSynchronize", library, api.DeviceSynchronize);
   resolve(handle, "cudaStreamSynchronize", library, api.StreamSynchronize);
   resolve(handle, "cudaStreamWaitEvent", library, api.StreamWaitEvent);
+  resolve(handle, "cudaStreamIsCapturing", library, api.StreamIsCapturing);
   resolve(handle, "cudaEventCreateWithFlags", library,
           api.EventCreateWithFlags);
   resolve(handle, "cudaEventRecord", library, api.EventRecord);
@@ -335,6 +336,23 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(api_, device_);
     cudaError_t err = api_.DeviceSynchronize();
     if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize");
+  }
+
+  bool stream_capturing(Stream stream) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaError_t err;
+    if (stream == 0) {
+      DeviceGuard guard(api_, device_);  // 0 is the current device's stream
+      err = api_.StreamIsCapturing(nullptr, &status);
+    } else {
+      err = api_.StreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status);
+    }
+    if (err == cudaErrorStreamCaptureImplicit) {
+      api_.GetLastError();  // an answer: a blocking stream of the device captures
+      return true;
+    }
+    if (err != cudaSuccess) fail(err, "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
   }
 
  private:

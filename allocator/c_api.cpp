@@ -1,7 +1,8 @@
 // The extern "C" entry points of libdtralloc.so (include/dtralloc.h): a thin
-// shell over global::allocator(). Nothing may throw across this boundary:
-// every error is printed, counted where a counter exists, and kept for
-// dtralloc_last_error().
+// shell over global::allocator(). Nothing may throw across this boundary but
+// the two entry points torch expects to throw (dtralloc_malloc_or_throw and
+// dtralloc_begin_allocate_to_pool): every other error is printed, counted
+// where a counter exists, and kept for dtralloc_last_error().
 #include "include/dtralloc.h"
 
 #include <atomic>
@@ -124,6 +125,16 @@ void dtralloc_record_stream(void* ptr, void* stream) {
   ++invalid_frees;
   last_error = "dtralloc: record_stream on a pointer no dtralloc allocator holds";
   std::fprintf(stderr, "%s\n", last_error.c_str());
+}
+
+void dtralloc_begin_allocate_to_pool(int device,
+                                     std::pair<unsigned long long, unsigned long long> mempool_id,
+                                     std::function<bool(CUstream_st*)> /*filter*/) {
+  last_error = dtralloc::graph_capture_refusal(
+      "torch began a CUDA graph capture (or a torch.cuda.MemPool) on device " +
+      std::to_string(device) + " into private pool (" + std::to_string(mempool_id.first) +
+      ", " + std::to_string(mempool_id.second) + ")");
+  throw std::runtime_error(last_error);
 }
 
 const char* dtralloc_last_error(void) { return last_error.c_str(); }

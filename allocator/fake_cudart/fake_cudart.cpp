@@ -25,6 +25,15 @@
 //     Recording on stream 0 from another device than the event's fails, as it
 //     does on a GPU, which catches a missing cudaSetDevice.
 //   * cudaFree does not complete events (the real one synchronizes).
+//   * Stream capture (CUDA graphs), as in cudaStreamCaptureModeGlobal:
+//     fakecuda_set_stream_capture(stream, status) marks a stream of the
+//     current device as capturing; cudaStreamIsCapturing reports it, and on
+//     the legacy default stream (0) answers cudaErrorStreamCaptureImplicit
+//     while any stream of its device captures. While any capture is active,
+//     cudaMalloc, cudaFree, cudaEventQuery, cudaEventSynchronize,
+//     cudaStreamSynchronize and cudaDeviceSynchronize fail with
+//     cudaErrorStreamCaptureUnsupported and invalidate every active capture,
+//     which is what a real GPU does to a capture they interrupt.
 //   * Primary contexts, as CUDA 12 and later create them: cudaSetDevice(d)
 //     creates device d's context at once, and a call that works on the current
 //     device (cudaMalloc, cudaFree, cudaMemGetInfo, cudaEventCreateWithFlags,
@@ -52,6 +61,7 @@ using namespace dtralloc::cudart;
 namespace {
 
 constexpr int kMaxDevices = 16;
+constexpr int kMaxCaptures = 16;  // streams capturing at once
 constexpr std::size_t kDefaultCapacity = std::size_t(1) << 30;
 constexpr std::size_t kAlignment = 512;
 constexpr int kRuntimeVersion = 13000;
@@ -64,7 +74,7 @@ enum Function {
   kDeviceSynchronize, kStreamSynchronize, kStreamWaitEvent,
   kEventCreateWithFlags, kEventRecord, kEventQuery, kEventSynchronize,
   kEventDestroy, kGetLastError, kGetErrorString, kRuntimeGetVersion,
-  kDevicePrimaryCtxGetState,
+  kStreamIsCapturing, kDevicePrimaryCtxGetState,
   kFunctionCount
 };
 
@@ -74,7 +84,8 @@ constexpr const char* kFunctionNames[kFunctionCount] = {
     "cudaStreamSynchronize", "cudaStreamWaitEvent", "cudaEventCreateWithFlags",
     "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
     "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString",
-    "cudaRuntimeGetVersion", "cuDevicePrimaryCtxGetState"};
+    "cudaRuntimeGetVersion", "cudaStreamIsCapturing",
+    "cuDevicePrimaryCtxGetState"};
 
 // Open-addressing hash map from pointer to a trivially copyable value, with
 // linear probing. Deleting re-places the rest of the probe run, which keeps
@@ -171,6 +182,12 @@ struct EventState {
   bool pending;
 };
 
+struct Capture {
+  int device;
+  cudaStream_t stream;  // nullptr: a free slot
+  cudaStreamCaptureStatus status;
+};
+
 // Constant-initialized and never destroyed: other threads (or atexit
 // handlers of the program under test) may still call in during exit.
 struct State {
@@ -179,6 +196,7 @@ struct State {
   std::size_t capacity = kDefaultCapacity;
   std::size_t used[kMaxDevices] = {};
   bool context[kMaxDevices] = {};  // the device's primary context exists
+  Capture captures[kMaxCaptures] = {};
   int failing_mallocs = 0;
   std::uintptr_t events_created = 0;
   PointerMap<Allocation> allocations;
@@ -214,6 +232,26 @@ cudaError_t current_device_error() {
   if (g_state.device_count == 0) return cudaErrorNoDevice;
   if (t_device >= g_state.device_count) return cudaErrorInvalidDevice;
   return cudaSuccess;
+}
+
+// A call not permitted during a global-mode capture: fails and invalidates
+// every active capture (caller holds the lock).
+cudaError_t capture_forbids() {
+  bool active = false;
+  for (Capture& c : g_state.captures) {
+    if (c.stream != nullptr && c.status == cudaStreamCaptureStatusActive) {
+      c.status = cudaStreamCaptureStatusInvalidated;
+      active = true;
+    }
+  }
+  return active ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
+
+Capture* find_capture(int device, cudaStream_t stream) {
+  for (Capture& c : g_state.captures) {
+    if (c.stream == stream && c.device == device) return &c;
+  }
+  return nullptr;
 }
 
 // A call that works on the current device: like the real runtime, it
@@ -255,6 +293,15 @@ const char* error_string(cudaError_t err) {
       return "cudaErrorInvalidResourceHandle: invalid resource handle";
     case cudaErrorNotReady:
       return "cudaErrorNotReady: device not ready";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported: operation not permitted when "
+             "stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated: operation failed due to a "
+             "previous error during capture";
+    case cudaErrorStreamCaptureImplicit:
+      return "cudaErrorStreamCaptureImplicit: operation would make the legacy "
+             "stream depend on a capturing blocking stream";
     default: return "unrecognized error code";
   }
 }
@@ -269,6 +316,7 @@ FAKECUDA_EXPORT cudaError_t cudaMalloc(void** dev_ptr, std::size_t size) {
   *dev_ptr = nullptr;
   Lock lock;
   if (cudaError_t err = use_current_device()) return fail(err);
+  if (cudaError_t err = capture_forbids()) return fail(err);
   if (g_state.failing_mallocs > 0) {
     --g_state.failing_mallocs;
     return fail(cudaErrorMemoryAllocation);
@@ -294,6 +342,7 @@ FAKECUDA_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   if (dev_ptr == nullptr) return cudaSuccess;
   Lock lock;
   if (cudaError_t err = use_current_device()) return fail(err);
+  if (cudaError_t err = capture_forbids()) return fail(err);
   const Allocation* allocation = g_state.allocations.find(dev_ptr);
   if (allocation == nullptr) return fail(cudaErrorInvalidValue);
   g_state.used[allocation->device] -= allocation->bytes;
@@ -345,6 +394,7 @@ FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
   count_call(kDeviceSynchronize);
   Lock lock;
   if (cudaError_t err = use_current_device()) return fail(err);
+  if (cudaError_t err = capture_forbids()) return fail(err);
   const int device = t_device;
   complete_events_where(
       [device](const EventState& event) { return event.device == device; });
@@ -354,6 +404,7 @@ FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
 FAKECUDA_EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   count_call(kStreamSynchronize);
   Lock lock;
+  if (cudaError_t err = capture_forbids()) return fail(err);
   // Stream 0 is each device's own default stream.
   const int device = t_device;
   complete_events_where([stream, device](const EventState& event) {
@@ -371,6 +422,26 @@ FAKECUDA_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t /*stream*/,
   if (g_state.events.find(event) == nullptr) {
     return fail(cudaErrorInvalidResourceHandle);
   }
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaStreamIsCapturing(
+    cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  count_call(kStreamIsCapturing);
+  if (status == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  if (cudaError_t err = current_device_error()) return fail(err);
+  if (stream == nullptr) {  // the legacy stream depends on every blocking one
+    for (const Capture& c : g_state.captures) {
+      if (c.stream != nullptr && c.device == t_device) {
+        return fail(cudaErrorStreamCaptureImplicit);
+      }
+    }
+    *status = cudaStreamCaptureStatusNone;
+    return cudaSuccess;
+  }
+  const Capture* capture = find_capture(t_device, stream);
+  *status = capture ? capture->status : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 
@@ -407,6 +478,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
 FAKECUDA_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
   count_call(kEventQuery);
   Lock lock;
+  if (cudaError_t err = capture_forbids()) return fail(err);
   const EventState* state = g_state.events.find(event);
   if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
   return state->pending ? fail(cudaErrorNotReady) : cudaSuccess;
@@ -415,6 +487,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
 FAKECUDA_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   count_call(kEventSynchronize);
   Lock lock;
+  if (cudaError_t err = capture_forbids()) return fail(err);
   EventState* state = g_state.events.find(event);
   if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
   state->pending = false;
@@ -500,6 +573,27 @@ FAKECUDA_EXPORT long fakecuda_call_count(const char* function_name) {
   return -1;
 }
 
+// Marks `stream` (not 0) of the calling thread's current device as capturing
+// (status 1), invalidated (2) or not capturing (0), as cudaStreamBeginCapture,
+// an illegal call and cudaStreamEndCapture would. Returns 0, or -1 when the
+// stream is 0 or more than 16 streams would capture at once.
+FAKECUDA_EXPORT int fakecuda_set_stream_capture(void* stream, int status) {
+  if (stream == nullptr) return -1;
+  Lock lock;
+  auto* handle = static_cast<cudaStream_t>(stream);
+  Capture* capture = find_capture(t_device, handle);
+  if (status == cudaStreamCaptureStatusNone) {
+    if (capture != nullptr) capture->stream = nullptr;
+    return 0;
+  }
+  for (Capture& c : g_state.captures) {
+    if (capture == nullptr && c.stream == nullptr) capture = &c;
+  }
+  if (capture == nullptr) return -1;
+  *capture = Capture{t_device, handle, status};
+  return 0;
+}
+
 FAKECUDA_EXPORT void fakecuda_complete_events() {
   Lock lock;
   complete_events_where([](const EventState&) { return true; });
@@ -516,6 +610,7 @@ FAKECUDA_EXPORT void fakecuda_reset() {
   g_state.capacity = kDefaultCapacity;
   g_state.failing_mallocs = 0;
   for (bool& context : g_state.context) context = false;
+  for (Capture& capture : g_state.captures) capture.stream = nullptr;
   complete_events_where([](const EventState&) { return true; });
   t_device = 0;
   t_last_error = cudaSuccess;

@@ -25,8 +25,10 @@
 #include <thread>
 #include <vector>
 
+#include "allocator.h"
 #include "backend.h"
 #include "check.h"
+#include "config.h"
 #include "cudart_api.h"
 
 namespace {
@@ -47,6 +49,7 @@ struct FakeControls {
   int (*live_allocations)();
   int (*live_events)();
   std::size_t (*used_bytes)(int);
+  int (*set_stream_capture)(void* stream, int status);
   // The driver API's query (cuda.h), which the fake exports too.
   int (*primary_ctx_get_state)(int device, unsigned int* flags, int* active);
 
@@ -81,6 +84,7 @@ FakeControls load_controls(const std::string& fake_path) {
   resolve(library, "fakecuda_live_allocations", fake.live_allocations);
   resolve(library, "fakecuda_live_events", fake.live_events);
   resolve(library, "fakecuda_used_bytes", fake.used_bytes);
+  resolve(library, "fakecuda_set_stream_capture", fake.set_stream_capture);
   resolve(library, "cuDevicePrimaryCtxGetState", fake.primary_ctx_get_state);
   return fake;
 }
@@ -336,6 +340,65 @@ void test_device_guard_makes_no_stray_context(const FakeControls& fake) {
   fake.reset();
 }
 
+// CUDA graph capture: dtralloc keeps no private pool per graph, so it refuses
+// a capture, and must do so before it makes a call the capture forbids
+// (cudaMalloc, cudaEventQuery, ...), which would invalidate the user's
+// capture and surface as an obscure CUDA error instead.
+void test_capture_is_refused_before_any_illegal_call(const FakeControls& fake) {
+  fake.reset();
+  const CudaRuntimeApi& api = cuda_runtime();
+  Allocator a(make_cuda_backend(0), parse_config(""));
+  const Stream side = 0x5000, other = 0x6000;
+  void* warm = a.malloc(kMiB, side);  // a cached small segment on `side`
+  a.free(warm);
+  void* pending = a.malloc(512, side);
+  a.record_stream(pending, other);
+  a.free(pending);  // an event on `other` now holds it
+
+  CHECK_EQ(fake.set_stream_capture(reinterpret_cast<void*>(side), cudaStreamCaptureStatusActive), 0);
+  auto status_of = [&](Stream s) {
+    cudaStreamCaptureStatus status = -1;
+    CHECK_EQ(api.StreamIsCapturing(reinterpret_cast<cudaStream_t>(s), &status), cudaSuccess);
+    return status;
+  };
+  const long mallocs = fake.call_count("cudaMalloc");
+  const long queries = fake.call_count("cudaEventQuery");
+  // A cache hit needs no CUDA call; the pending event is not polled.
+  void* hit = a.malloc(kMiB, side);
+  CHECK(hit != nullptr);
+  CHECK_EQ(fake.call_count("cudaMalloc"), mallocs);
+  CHECK_EQ(fake.call_count("cudaEventQuery"), queries);
+  // A miss would need cudaMalloc: refused, naming the cause and the way out.
+  std::string message = thrown_message<std::runtime_error>([&] { a.malloc(4 * kMiB, side); });
+  CHECK_CONTAINS(message, "CUDA graph");
+  CHECK_CONTAINS(message, "capturing");
+  CHECK_CONTAINS(message, "dtralloc.install()");
+  CHECK_EQ(fake.call_count("cudaMalloc"), mallocs);
+  CHECK_EQ(fake.call_count("cudaEventQuery"), queries);
+  CHECK_EQ(status_of(side), cudaStreamCaptureStatusActive);  // the capture survives
+  CHECK(api.GetLastError() == cudaSuccess);
+  // The legacy default stream of a device with a capture under way is refused
+  // too (the runtime answers cudaErrorStreamCaptureImplicit for it).
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { a.malloc(4 * kMiB, 0); }), "CUDA graph");
+  CHECK(api.GetLastError() == cudaSuccess);
+  CHECK_EQ(fake.call_count("cudaMalloc"), mallocs);
+  a.free(hit);
+  a.check_invariants();
+
+  // Once the capture ends, everything works again.
+  CHECK_EQ(fake.set_stream_capture(reinterpret_cast<void*>(side), cudaStreamCaptureStatusNone), 0);
+  void* big = a.malloc(4 * kMiB, side);
+  fake.complete_events();
+  void* again = a.malloc(512, side);
+  CHECK(again == pending);  // the event was polled and the block came back
+  a.free(big);
+  a.free(again);
+  a.empty_cache();
+  a.check_invariants();
+  CHECK_EQ(fake.live_allocations(), 0);
+  CHECK_EQ(fake.live_events(), 0);
+}
+
 void test_bad_devices(const FakeControls& fake) {
   fake.reset();
   CHECK_CONTAINS(thrown_message<std::runtime_error>([] { make_cuda_backend(1); }),
@@ -464,6 +527,7 @@ int main(int argc, char** argv) {
   test_events(fake);
   test_device_guard(fake);
   test_device_guard_makes_no_stray_context(fake);
+  test_capture_is_refused_before_any_illegal_call(fake);
   test_bad_devices(fake);
   test_runtime_errors_throw(fake);
   test_call_counters(fake);
