@@ -873,76 +873,57 @@ def scenario_cupy():  # DTRALLOC_CONF=budget:64M
     fake_counts_match(fake, devices=(0, 1))
 
 
-# ---- install() against a scripted torch -------------------------------------
+# ---- install() against torch with stood-in CUDA bindings ---------------------
 
 
-def scripted_torch() -> dict:
-    """A stand-in torch (CUDA build, nothing initialized) that records what
-    install() hands to CUDAPluggableAllocator and its _set_*_fn hooks."""
-    given: dict[str, object] = {}
+def cuda_torch():
+    """The real (CPU-only) torch with the CUDA bindings of tests/_torch_standin.py."""
+    import torch
+    from _torch_standin import StandIn
 
-    class Hooks:
-        def __getattr__(self, name):
-            if not name.startswith("_set_"):
-                raise AttributeError(name)
-            return lambda address: given.__setitem__(name, address)
-
-    class CUDAPluggableAllocator:
-        def __init__(self, path, alloc_fn_name, free_fn_name):
-            lib = ctypes.CDLL(path)
-            given["alloc"] = symbol_address(lib, alloc_fn_name)
-            given["free"] = symbol_address(lib, free_fn_name)
-            self._allocator = Hooks()
-
-    torch = types.ModuleType("torch")
-    torch.__version__ = "0.0+scripted"
-    torch._C = types.SimpleNamespace(_cuda_customAllocator=object())
-    torch.cuda = types.SimpleNamespace(
-        is_initialized=lambda: False,
-        memory=types.SimpleNamespace(
-            CUDAPluggableAllocator=CUDAPluggableAllocator,
-            change_current_allocator=lambda a: given.__setitem__("swapped", a),
-        ),
-    )
-    sys.modules["torch"] = torch
-    return given
+    return torch, StandIn(torch).apply(setattr)
 
 
 def scenario_install_wiring():  # DTRALLOC_CONF is unset; install() gets budget:64M
-    """dtralloc.install() with a stand-in torch that then calls what it was given."""
+    """dtralloc.install() under torch's own Python code; then torch's C++ side
+    (as _torch_standin.TorchCudaSide restates it) calls what it was given."""
+    from _torch_standin import TorchCudaSide
+
     fake = FakeCudaRuntime()
-    given = scripted_torch()
+    torch, standin = cuda_torch()
     dtralloc.install("budget:64M")
     check(dtralloc.installed(), "installed()")
     eq(_core.config_text(), "budget:64M", "configuration in force")
     dtralloc.install("budget:64M")  # same conf: a no-op
 
     lib = ctypes.CDLL(dtralloc.library_path())
-    # torch gets the throwing entry point (a C++ exception becomes a Python
-    # RuntimeError in torch); ctypes cannot catch C++ exceptions, so the rest
-    # of this scenario allocates through its NULL-returning twin instead.
-    eq(given["alloc"], symbol_address(lib, "dtralloc_malloc_or_throw"), "install() hands torch the throwing malloc")
-    abi = TorchView(
-        {
-            "dtralloc_free": given["free"],
-            "dtralloc_init": given["_set_init_fn"],
-            "dtralloc_empty_cache": given["_set_reset_fn"],
-            "dtralloc_set_memory_fraction": given["_set_memory_fraction_fn"],
-            "dtralloc_base_alloc": given["_set_base_alloc_fn"],
-            "dtralloc_record_stream": given["_set_record_stream_fn"],
-        }
-    )
-    abi.init(1)
-    p = abi.malloc(60 * MiB, 0, None)
-    check(p is not None, "malloc through the installed function")
+    side = TorchCudaSide(standin)
+    # torch gets the throwing entry point (torch turns the C++ exception into
+    # a Python RuntimeError); ctypes cannot catch one, so the requests below
+    # that must fail go through its NULL-returning twin (TorchView).
+    eq(side.allocator.alloc_fn, symbol_address(lib, "dtralloc_malloc_or_throw"), "the malloc torch got")
+    eq(side.allocator.free_fn, symbol_address(lib, "dtralloc_free"), "the free torch got")
+    abi = TorchView()
+    side.lazy_init()  # torch's first CUDA use calls the init hook
+    check(torch.cuda.is_initialized(), "CUDA initialized")
+    p = side.malloc(60 * MiB)
+    check(p is not None, "malloc through the function torch was given")
     _expect_oom(abi, 8 * MiB)  # the conf given to install() is in force
-    abi.set_memory_fraction(0.03125, 0)  # 32 MiB of the fake's 1 GiB
+    side.set_memory_fraction(0.03125, 0)  # 32 MiB of the fake's 1 GiB
     eq(stats()["budget_bytes"], 32 * MiB, "budget via the installed fraction hook")
-    abi.record_stream(p, OTHER_STREAM)
-    abi.free(p, 60 * MiB, 0, None)
+    side.record_stream(p, OTHER_STREAM)
+    side.raw_delete(p)
+    eq(block_state(p), "active_pending_free", "a block recorded on another stream waits for it")
     fake.complete_events()
-    eq(abi.base_alloc(0x10), (0x10, 0), "installed base_alloc hook")
-    drain(abi, fake)
+    eq(side.base_allocation(0x10), (0x10, 0), "installed base_alloc hook")
+    q = side.malloc(1000)
+    eq(side.base_allocation(q), (segment_of(q)["address"], SMALL_SEGMENT), "base_alloc of a block")
+    side.raw_delete(q)
+    check(side.hook("set_reset_fn") is not None, "reset hook")
+    side.empty_cache()
+    eq(fake.live_allocations(), 0, "empty_cache through the installed reset hook")
+    eq(fake.live_events(), 0, "events after empty_cache")
+    eq(stats()["reserved_bytes.all.current"], 0, "reserved after empty_cache")
     try:
         dtralloc.install("budget:32M")
     except dtralloc.torch_hooks.InstallError as e:
@@ -955,7 +936,7 @@ def scenario_install_after_dtralloc_use():
     """The allocator already exists (memory_stats created it): install() must
     keep its configuration or say why it cannot, as an InstallError."""
     FakeCudaRuntime()
-    given = scripted_torch()
+    torch, standin = cuda_torch()
     eq(stats()["budget_bytes"], GiB, "budget before install")
     try:
         dtralloc.install("budget:64M")
@@ -964,9 +945,9 @@ def scenario_install_after_dtralloc_use():
         check("call dtralloc.install() before them" in str(e), str(e))
     else:
         raise AssertionError("install() with another conf after the allocator exists did not raise")
-    check(not dtralloc.installed() and "swapped" not in given, "torch untouched after the refusal")
+    check(not dtralloc.installed() and standin.state.current is None, "torch untouched after the refusal")
     dtralloc.install("")  # the configuration in force: fine
-    check(dtralloc.installed() and "swapped" in given, "installed with the conf in force")
+    check(dtralloc.installed() and standin.state.current is not None, "installed with the conf in force")
 
 
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
