@@ -932,6 +932,77 @@ def scenario_install_wiring():  # DTRALLOC_CONF is unset; install() gets budget:
         raise AssertionError("reinstalling with another conf did not raise")
 
 
+def scenario_torch_memory_functions():
+    """After install(), torch's own memory functions (torch/cuda/memory.py,
+    torch/accelerator/memory.py, unchanged) answer with dtralloc's figures,
+    keyed as torch keys them, and only while dtralloc is torch's allocator."""
+    from _torch_standin import TorchCudaSide
+
+    fake = FakeCudaRuntime()
+    fake.set_device_count(2)
+    torch, standin = cuda_torch()
+    standin.state.device_count = 2
+    dtralloc.install("")
+    side = TorchCudaSide(standin)
+    side.lazy_init()
+    big = side.malloc(3 * MiB)
+    small = side.malloc(1000)
+    ours = dtralloc.memory_stats(0)
+    for device in (None, 0, "cuda", "cuda:0", torch.device("cuda", 0)):
+        eq(torch.cuda.memory_allocated(device), ours["allocated_bytes.all.current"], f"memory_allocated({device!r})")
+    eq(torch.cuda.memory_allocated(), 3 * MiB + 1024, "memory_allocated")
+    eq(torch.cuda.max_memory_allocated(), ours["allocated_bytes.all.peak"], "max_memory_allocated")
+    eq(torch.cuda.memory_reserved(), ours["reserved_bytes.all.current"], "memory_reserved")
+    eq(torch.cuda.max_memory_reserved(), ours["reserved_bytes.all.peak"], "max_memory_reserved")
+    eq(dict(torch.cuda.memory_stats()), dict(ours), "torch.cuda.memory_stats() keys and values")
+    eq(torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"], 3 * MiB + 1024, "nested")
+    summary = torch.cuda.memory_summary()  # torch's own table, from dtralloc's stats
+    check("PyTorch CUDA memory summary, device ID 0" in summary, summary)
+    check("Allocated memory" in summary and "GPU reserved memory" in summary, summary)
+    eq(torch.accelerator.memory_allocated(0), ours["allocated_bytes.all.current"], "torch.accelerator")
+    eq(torch.accelerator.max_memory_reserved(), ours["reserved_bytes.all.peak"], "torch.accelerator peak")
+
+    side.raw_delete(big)
+    eq(torch.cuda.max_memory_allocated(), 3 * MiB + 1024, "the peak outlives the free")
+    torch.cuda.reset_peak_memory_stats()
+    eq(torch.cuda.max_memory_allocated(), 1024, "peak after reset_peak_memory_stats")
+    eq(dtralloc.memory_stats(0)["allocated_bytes.all.peak"], 1024, "dtralloc's own peak was reset")
+    torch.cuda.reset_accumulated_memory_stats(0)
+    eq(torch.cuda.memory_stats()["allocation.all.allocated"], 0, "after reset_accumulated_memory_stats")
+    torch.accelerator.reset_peak_memory_stats(0)
+
+    eq(torch.cuda.memory_snapshot(), dtralloc.snapshot()["segments"], "memory_snapshot")
+    snap = torch.cuda.memory._snapshot()
+    eq(snap["segments"], dtralloc.snapshot()["segments"], "torch.cuda.memory._snapshot segments")
+    check("device_traces" in snap, "device_traces")
+    eq(torch._C._cuda_memorySnapshot((7, 0))["segments"], [], "a private pool: dtralloc has none")
+
+    # A device dtralloc never allocated on: zeros, and no allocator (nor
+    # context) made for the question.
+    eq(torch.cuda.memory_allocated(1), 0, "memory_allocated(1)")
+    eq(torch.cuda.memory_stats(1)["num_device_alloc"], 0, "memory_stats(1)")
+    check(_core.existing_global_pool(1) is None, "no allocator was created on device 1")
+    unsigned, active = ctypes.c_uint(0), ctypes.c_int(-1)
+    eq(fake.lib.cuDevicePrimaryCtxGetState(1, ctypes.byref(unsigned), ctypes.byref(active)), 0, "ctx query")
+    eq(active.value, 0, "no context on device 1")
+
+    # Not dtralloc's turn: torch's own binding answers (here, another pluggable
+    # allocator's 'does not yet support').
+    other = torch._C._cuda_customAllocator(1, 2)
+    mine, standin.state.current = standin.state.current, other
+    try:
+        torch.cuda.memory_allocated()
+    except RuntimeError as e:
+        check("does not yet support getDeviceStats" in str(e), str(e))
+    else:
+        raise AssertionError("the memory functions answered for another allocator")
+    standin.state.current = mine
+    eq(torch.cuda.memory_allocated(), 1024, "dtralloc's again")
+    side.raw_delete(small)
+    side.empty_cache()
+    eq(fake.live_allocations(), 0, "everything given back")
+
+
 def scenario_install_after_dtralloc_use():
     """The allocator already exists (memory_stats created it): install() must
     keep its configuration or say why it cannot, as an InstallError."""

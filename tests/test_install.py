@@ -223,6 +223,25 @@ def test_install_then_call_what_torch_was_given():
     assert "Budget 64 MiB" in proc.stderr  # the conf passed to install() is in force
 
 
+def test_torch_memory_functions_answer_with_dtrallocs_figures():
+    run_worker("torch_memory_functions")
+
+
+def test_install_replaces_exactly_the_memory_bindings(cuda_torch, events):
+    before = dict(vars(torch._C))
+    dtralloc.install("")
+    changed = {name for name, value in vars(torch._C).items() if before.get(name) is not value}
+    assert changed == {
+        "_cuda_memoryStats",
+        "_cuda_resetPeakMemoryStats",
+        "_cuda_resetAccumulatedMemoryStats",
+        "_cuda_memorySnapshot",
+        "_accelerator_getDeviceStats",
+        "_accelerator_resetPeakStats",
+        "_accelerator_resetAccumulatedStats",
+    }
+
+
 def test_install_after_dtralloc_already_allocated_is_an_install_error():
     run_worker("install_after_dtralloc_use")
 

@@ -5,7 +5,7 @@ import ctypes
 import warnings
 from typing import Optional
 
-from . import _core
+from . import _core, torch_memory
 from ._native import library_path
 from .config import ConfLike, conf_text
 
@@ -48,6 +48,11 @@ def install(conf: ConfLike = None) -> None:
     allocator that has already served memory. ``conf`` is DTRALLOC_CONF text
     or a dict and defaults to the environment variable. A bad setting raises
     ConfigError naming the key. Calling it again with the same conf is a no-op.
+
+    Afterwards torch's memory functions (torch.cuda.memory_allocated(),
+    memory_stats(), memory_summary(), reset_peak_memory_stats(),
+    memory_snapshot(), ...) answer with dtralloc's figures: see
+    dtralloc.torch_memory for exactly what is replaced.
     """
     global _installed_conf
     text = conf_text(conf)
@@ -94,6 +99,7 @@ def install(conf: ConfLike = None) -> None:
             "torch refused to swap its allocator (it was already initialized). Call "
             f"dtralloc.install() before the first CUDA allocation. torch said: {e}"
         ) from e
+    torch_memory.patch(torch, allocator.allocator())
     _installed_conf = text
 
 
