@@ -76,5 +76,9 @@ std::unique_ptr<Backend> make_cuda_backend(int device);
 int cuda_device_count();
 // Path of the CUDA runtime library that was loaded, "" when none yet.
 std::string cuda_runtime_path();
+// Search libcudart.so.<major> first (backend_cuda.cpp): the CUDA major
+// version the torch in the process was built against. 0 = no preference.
+// Takes effect only for a search that has not succeeded yet.
+void prefer_cuda_runtime_major(int major);
 
 }  // namespace dtralloc

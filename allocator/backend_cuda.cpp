@@ -12,18 +12,25 @@
 //       "last error" in the process.
 //   (c) the loader's usual search: dlopen of libcudart.so.13, then
 //       libcudart.so.12, then libcudart.so.
+// In (b) and (c) the major version set by prefer_cuda_runtime_major (the one
+// the torch in the process was built against; dtralloc.install() sets it)
+// goes first: a CUDA 12 torch whose runtime is not loaded yet must not get a
+// libcudart.so.13 that happens to be on the search path.
 // A successful load is kept for the life of the process (never dlclosed). A
 // failed one is not remembered, so a later call, say after `import torch`,
 // searches again.
 #include <dlfcn.h>
 #include <link.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "backend.h"
 #include "cudart_api.h"
@@ -35,8 +42,28 @@ using namespace cudart;
 
 constexpr const char* kSonames[] = {"libcudart.so.13", "libcudart.so.12",
                                     "libcudart.so"};
-constexpr const char* kTriedList =
-    "libcudart.so.13, libcudart.so.12, libcudart.so";
+
+// 0 for none; read when the search runs.
+std::atomic<int> g_preferred_major{0};
+
+// kSonames with the preferred major's soname moved to the front.
+std::vector<std::string> search_order() {
+  std::vector<std::string> order(std::begin(kSonames), std::end(kSonames));
+  const int major = g_preferred_major.load();
+  if (major > 0) {
+    const std::string preferred = "libcudart.so." + std::to_string(major);
+    auto it = std::find(order.begin(), order.end(), preferred);
+    if (it != order.end()) order.erase(it);
+    order.insert(order.begin(), preferred);
+  }
+  return order;
+}
+
+std::string tried_list() {
+  std::string out;
+  for (const std::string& soname : search_order()) out += (out.empty() ? "" : ", ") + soname;
+  return out;
+}
 
 struct LoadedRuntime {
   std::string path;
@@ -74,8 +101,8 @@ void* open_from_env(std::string& name) {
 
 // (b) A runtime someone else already loaded; RTLD_NOLOAD never loads a file.
 void* open_already_loaded(std::string& name) {
-  for (const char* soname : kSonames) {
-    if (void* handle = dlopen(soname, RTLD_NOW | RTLD_NOLOAD)) {
+  for (const std::string& soname : search_order()) {
+    if (void* handle = dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD)) {
       name = soname;
       return handle;
     }
@@ -89,8 +116,8 @@ void* open_already_loaded(std::string& name) {
 // (wrong architecture, missing dependency).
 void* open_by_soname(std::string& name) {
   std::string broken;
-  for (const char* soname : kSonames) {
-    if (void* handle = dlopen(soname, RTLD_NOW | RTLD_LOCAL)) {
+  for (const std::string& soname : search_order()) {
+    if (void* handle = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL)) {
       name = soname;
       return handle;
     }
@@ -100,7 +127,7 @@ void* open_by_soname(std::string& name) {
     }
   }
   throw std::runtime_error(
-      std::string("dtralloc: no CUDA runtime found (tried ") + kTriedList +
+      std::string("dtralloc: no CUDA runtime found (tried ") + tried_list() +
       broken +
       "). Install the CUDA runtime, import torch/cupy first, or set "
       "DTRALLOC_CUDART=/path/to/libcudart.so");
@@ -407,6 +434,8 @@ int cuda_runtime_version() {
   }
   return version;
 }
+
+void prefer_cuda_runtime_major(int major) { g_preferred_major.store(major > 0 ? major : 0); }
 
 std::string cuda_runtime_path() {
   const LoadedRuntime* loaded = g_runtime.load(std::memory_order_acquire);

@@ -62,6 +62,8 @@ void* dtralloc_malloc_or_throw(size_t size, int device, void* stream) {
 
 void dtralloc_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
   if (!ptr) return;
+  // A forked child drops the parent's blocks: their memory is not its own.
+  if (dtralloc::global::forked_child()) return;
   try {
     dtralloc::Allocator* a = dtralloc::global::existing(device);
     if (!a) throw dtralloc::InvalidPointerError("dtralloc: free on device " + std::to_string(device) +
@@ -112,7 +114,7 @@ void* dtralloc_base_alloc(void* ptr, size_t* size) {
 }
 
 void dtralloc_record_stream(void* ptr, void* stream) {
-  if (!ptr) return;
+  if (!ptr || dtralloc::global::forked_child()) return;
   for (dtralloc::Allocator* a : dtralloc::global::all_existing()) {
     if (!a->owns(ptr)) continue;
     try {

@@ -752,6 +752,77 @@ def scenario_threads():
     fake_counts_match(fake)
 
 
+def _in_child(fn) -> int:
+    """Runs fn in a forked child; its exit status (0 when fn returned)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        except BaseException:  # reported by the parent through the status
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def scenario_fork():
+    """fork() after dtralloc served CUDA memory: the child inherits a copy of
+    the pool, but not the device memory or CUDA context behind it. It must not
+    hand out the parent's blocks; it says why and what to do instead."""
+    fake = FakeCudaRuntime()
+    abi = TorchView()
+
+    def fresh_child():  # forked before any allocator existed: dtralloc works
+        p = abi.malloc(1000, 0, None)
+        check(p is not None, f"malloc in a child forked before any CUDA use: {abi.last_error()}")
+        abi.free(p, 1000, 0, None)
+
+    eq(_in_child(fresh_child), 0, "child forked before any allocation")
+
+    p = abi.malloc(1000, 0, None)
+    q = abi.malloc(5 * MiB, 0, None)
+    abi.free(q, 5 * MiB, 0, None)  # cached in the parent's pool
+
+    def inherited_child():
+        with captured_stderr() as err:
+            eq(abi.malloc(5 * MiB, 0, None), None, "malloc in the forked child")
+        for text in ("fork", "spawn"):
+            check(text in abi.last_error(), abi.last_error())
+        check("fork" in err.text, err.text)
+        invalid = abi.invalid_frees()
+        with captured_stderr() as err:
+            abi.free(p, 1000, 0, None)  # a tensor the child inherited dies
+            abi.record_stream(p, OTHER_STREAM)
+            abi.reset()  # torch.cuda.empty_cache()
+        eq(err.text, "", "frees of inherited memory are dropped quietly")
+        eq(abi.invalid_frees(), invalid, "not counted as invalid frees")
+        try:
+            dtralloc.memory_stats(0)
+        except RuntimeError as e:
+            check("fork" in str(e), str(e))
+        else:
+            raise AssertionError("memory_stats in the forked child did not raise")
+        check(_core.existing_global_pool(0) is None, "the inherited allocator is gone")
+        eq(dtralloc.snapshot()["segments"], [], "nothing of the parent's pool in the child's snapshot")
+
+    eq(_in_child(inherited_child), 0, "child forked after allocations")
+    # The parent is untouched.
+    eq(block_state(p), "active_allocated", "the parent's block")
+    eq(abi.malloc(5 * MiB, 0, None), q, "the parent's cache")
+    abi.free(q, 5 * MiB, 0, None)
+    abi.free(p, 1000, 0, None)
+    drain(abi, fake)
+
+
 # ---- CuPy ------------------------------------------------------------------
 
 

@@ -40,6 +40,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("format_bytes", &format_bytes);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_path", &cuda_runtime_path);
+  m.def("prefer_cuda_runtime_major", &prefer_cuda_runtime_major, py::arg("major"),
+        "Search libcudart.so.<major> first when dtralloc loads a CUDA runtime.");
 
   bindings::bind_pool(m);
   bindings::bind_replay(m);

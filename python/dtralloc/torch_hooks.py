@@ -6,7 +6,7 @@ import warnings
 from typing import Optional
 
 from . import _core, torch_memory
-from ._native import library_path
+from ._native import library_path, prefer_torch_cuda_runtime
 from .config import ConfLike, conf_text
 
 _installed_conf: Optional[str] = None
@@ -79,6 +79,7 @@ def install(conf: ConfLike = None) -> None:
             "an allocator that already served memory. Call dtralloc.install() at the top of "
             "your program, before any tensor is created on or moved to the GPU."
         )
+    prefer_torch_cuda_runtime()
     try:
         _core.configure(text)
     except RuntimeError as e:
