@@ -197,8 +197,10 @@ void Allocator::garbage_collect(std::size_t incoming_bytes) {
                                               static_cast<double>(budget_bytes_));
   if (reserved_bytes() + incoming_bytes <= limit) return;
   auto candidates = pool_.whole_free_segments();
+  // Address breaks ties: the same calls release the same segments, always.
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
-    return a->last_free_tick < b->last_free_tick;
+    return a->last_free_tick != b->last_free_tick ? a->last_free_tick < b->last_free_tick
+                                                  : a->addr < b->addr;
   });
   for (Segment* seg : candidates) {
     if (reserved_bytes() + incoming_bytes <= limit) break;
@@ -215,8 +217,10 @@ bool Allocator::release_oversize_segments(std::size_t rounded, Stream stream) {
   for (Segment* seg : pool_.whole_free_segments())
     if (seg->stream == stream && seg->size >= config_.max_split_size_mb) oversize.push_back(seg);
   if (oversize.empty()) return false;
-  std::sort(oversize.begin(), oversize.end(),
-            [](const Segment* a, const Segment* b) { return a->size < b->size; });
+  // Address breaks ties between equal sizes: which one goes is determined.
+  std::sort(oversize.begin(), oversize.end(), [](const Segment* a, const Segment* b) {
+    return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+  });
   auto fit = std::find_if(oversize.begin(), oversize.end(),
                           [&](const Segment* s) { return s->size >= rounded; });
   if (fit != oversize.end()) {
