@@ -130,6 +130,17 @@ def eq(actual, expected, what: str) -> None:
     check(actual == expected, f"{what}: expected {expected!r}, got {actual!r}")
 
 
+def expect_error(fn, error_type, *texts: str) -> str:
+    """fn() raises error_type whose message holds every text; returns it."""
+    try:
+        fn()
+    except error_type as e:
+        for text in texts:
+            check(text in str(e), f"{text!r} not in {e}")
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {error_type.__name__}")
+
+
 def fill(addr: int, size: int, byte: int) -> None:
     ctypes.memset(addr, byte, size)
 
@@ -625,12 +636,7 @@ def scenario_bad_conf():  # DTRALLOC_CONF is invalid; `import dtralloc` above al
     abi.reset()  # no allocator: nothing to do
     abi.free(None, 0, 0, None)
     eq(fake.calls("cudaMalloc"), 0, "no device memory was touched")
-    try:
-        dtralloc.memory_stats(0)
-    except dtralloc.ConfigError as e:
-        check("DTRALLOC_CONF" in str(e), str(e))
-    else:
-        raise AssertionError(f"memory_stats with DTRALLOC_CONF={conf!r} did not raise ConfigError")
+    expect_error(lambda: dtralloc.memory_stats(0), dtralloc.ConfigError, "DTRALLOC_CONF")
     # Fixing the variable in the process fixes the allocator (nothing was cached).
     os.environ["DTRALLOC_CONF"] = "budget:64M"
     p = abi.malloc(1000, 0, None)
@@ -648,12 +654,7 @@ def scenario_missing_runtime():  # DTRALLOC_CUDART points at nothing
             eq(abi.malloc(1000, 0, None), None, "malloc without a runtime")
         check(f"DTRALLOC_CUDART={path} could not be loaded" in err.text, err.text)
         check("DTRALLOC_CUDART" in abi.last_error(), abi.last_error())
-    try:
-        dtralloc.memory_stats(0)
-    except RuntimeError as e:
-        check("DTRALLOC_CUDART" in str(e), str(e))
-    else:
-        raise AssertionError("memory_stats without a runtime did not raise")
+    expect_error(lambda: dtralloc.memory_stats(0), RuntimeError, "DTRALLOC_CUDART")
     eq(_core.cuda_device_count(), 0, "cuda_device_count without a runtime")
     dtralloc.empty_cache()  # nothing exists; must not raise
     abi.reset()
@@ -805,12 +806,7 @@ def scenario_fork():
             abi.reset()  # torch.cuda.empty_cache()
         eq(err.text, "", "frees of inherited memory are dropped quietly")
         eq(abi.invalid_frees(), invalid, "not counted as invalid frees")
-        try:
-            dtralloc.memory_stats(0)
-        except RuntimeError as e:
-            check("fork" in str(e), str(e))
-        else:
-            raise AssertionError("memory_stats in the forked child did not raise")
+        expect_error(lambda: dtralloc.memory_stats(0), RuntimeError, "fork")
         check(_core.existing_global_pool(0) is None, "the inherited allocator is gone")
         eq(dtralloc.snapshot()["segments"], [], "nothing of the parent's pool in the child's snapshot")
 
@@ -929,13 +925,8 @@ def scenario_cupy():  # DTRALLOC_CONF=budget:64M
     cupy.device = 0
 
     # Out of memory is a MemoryError, which CuPy's callers expect.
-    try:
-        alloc(100 * MiB)
-    except MemoryError as e:
-        check(isinstance(e, dtralloc.OutOfMemoryError), type(e).__name__)
-        check("out of memory" in str(e), str(e))
-    else:
-        raise AssertionError("100 MiB under a 64 MiB budget did not raise")
+    expect_error(lambda: alloc(100 * MiB), dtralloc.OutOfMemoryError, "CUDA out of memory.")
+    check(issubclass(dtralloc.OutOfMemoryError, MemoryError), "a MemoryError")
 
     del s, d1
     gc.collect()
@@ -995,12 +986,7 @@ def scenario_install_wiring():  # DTRALLOC_CONF is unset; install() gets budget:
     eq(fake.live_allocations(), 0, "empty_cache through the installed reset hook")
     eq(fake.live_events(), 0, "events after empty_cache")
     eq(stats()["reserved_bytes.all.current"], 0, "reserved after empty_cache")
-    try:
-        dtralloc.install("budget:32M")
-    except dtralloc.torch_hooks.InstallError as e:
-        check("already installed" in str(e), str(e))
-    else:
-        raise AssertionError("reinstalling with another conf did not raise")
+    expect_error(lambda: dtralloc.install("budget:32M"), dtralloc.torch_hooks.InstallError, "already installed")
 
 
 def scenario_torch_memory_functions():
@@ -1061,12 +1047,7 @@ def scenario_torch_memory_functions():
     # allocator's 'does not yet support').
     other = torch._C._cuda_customAllocator(1, 2)
     mine, standin.state.current = standin.state.current, other
-    try:
-        torch.cuda.memory_allocated()
-    except RuntimeError as e:
-        check("does not yet support getDeviceStats" in str(e), str(e))
-    else:
-        raise AssertionError("the memory functions answered for another allocator")
+    expect_error(torch.cuda.memory_allocated, RuntimeError, "does not yet support getDeviceStats")
     standin.state.current = mine
     eq(torch.cuda.memory_allocated(), 1024, "dtralloc's again")
     side.raw_delete(small)
@@ -1080,13 +1061,8 @@ def scenario_install_after_dtralloc_use():
     FakeCudaRuntime()
     torch, standin = cuda_torch()
     eq(stats()["budget_bytes"], GiB, "budget before install")
-    try:
-        dtralloc.install("budget:64M")
-    except dtralloc.torch_hooks.InstallError as e:
-        check("already runs with DTRALLOC_CONF=''" in str(e), str(e))
-        check("call dtralloc.install() before them" in str(e), str(e))
-    else:
-        raise AssertionError("install() with another conf after the allocator exists did not raise")
+    expect_error(lambda: dtralloc.install("budget:64M"), dtralloc.torch_hooks.InstallError,
+                 "already runs with DTRALLOC_CONF=''", "call dtralloc.install() before them")
     check(not dtralloc.installed() and standin.state.current is None, "torch untouched after the refusal")
     dtralloc.install("")  # the configuration in force: fine
     check(dtralloc.installed() and standin.state.current is not None, "installed with the conf in force")

@@ -154,17 +154,17 @@ class StandIn:
             raise AssertionError("stand-in: torch's native CUDA allocator is not modelled")
         raise _pluggable_unsupported(what)
 
-    def _cuda_memoryStats(self, device: int):
-        self._require_pluggable("getDeviceStats")
+    def _unsupported(what: str):  # noqa: N805 - a factory used in the class body
+        """A binding that reaches a CUDAPluggableAllocator method torch leaves
+        unsupported (TORCH_CHECK(false, ...))."""
+        return lambda self, *args: self._require_pluggable(what)
 
-    def _cuda_resetAccumulatedMemoryStats(self, device: int):
-        self._require_pluggable("resetAccumulatedStats")
-
-    def _cuda_resetPeakMemoryStats(self, device: int):
-        self._require_pluggable("resetPeakStats")
-
-    def _cuda_memorySnapshot(self, mempool_id):
-        self._require_pluggable("snapshot")
+    # torch/csrc/cuda/Module.cpp and memory_snapshot.cpp, each reaching the
+    # CUDAPluggableAllocator method named.
+    _cuda_memoryStats = _unsupported("getDeviceStats")  # (device: int)
+    _cuda_resetAccumulatedMemoryStats = _unsupported("resetAccumulatedStats")  # (device: int)
+    _cuda_resetPeakMemoryStats = _unsupported("resetPeakStats")  # (device: int)
+    _cuda_memorySnapshot = _unsupported("snapshot")  # (mempool_id)
 
     def _cuda_getDevice(self) -> int:
         return self.state.current_device
@@ -180,14 +180,10 @@ class StandIn:
     def _accelerator_getDeviceIndex(self) -> int:
         return self.state.current_device
 
-    def _accelerator_getDeviceStats(self, device_index: int):
-        self._require_pluggable("getDeviceStats")
-
-    def _accelerator_resetAccumulatedStats(self, device_index: int):
-        self._require_pluggable("resetAccumulatedStats")
-
-    def _accelerator_resetPeakStats(self, device_index: int):
-        self._require_pluggable("resetPeakStats")
+    _accelerator_getDeviceStats = _unsupported("getDeviceStats")  # (device_index: int)
+    _accelerator_resetAccumulatedStats = _unsupported("resetAccumulatedStats")  # (device_index: int)
+    _accelerator_resetPeakStats = _unsupported("resetPeakStats")  # (device_index: int)
+    del _unsupported
 
     BINDINGS = (
         "_cuda_customAllocator",
