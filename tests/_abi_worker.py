@@ -519,6 +519,31 @@ def scenario_record_stream():
     drain(abi, fake)
 
 
+def scenario_capture():
+    """Through the C ABI: a miss on a capturing stream is refused (NULL, the
+    refusal on stderr and in last_error) before any cudaMalloc; a hit is
+    served; once the capture ends the same request works."""
+    fake = FakeCudaRuntime()
+    abi = TorchView()
+    warm = abi.malloc(4096, 0, OTHER_STREAM)
+    abi.free(warm, 4096, 0, OTHER_STREAM)
+    fake.set_stream_capture(OTHER_STREAM, 1)
+    mallocs = fake.calls("cudaMalloc")
+    hit = abi.malloc(4096, 0, OTHER_STREAM)
+    eq(hit, warm, "a cache hit during capture")
+    with captured_stderr() as err:
+        eq(abi.malloc(8 * MiB, 0, OTHER_STREAM), None, "a miss during capture")
+    for text in ("is capturing a CUDA graph", "dtralloc.install()"):
+        check(text in err.text and text in abi.last_error(), err.text)
+    eq(fake.calls("cudaMalloc"), mallocs, "no cudaMalloc during capture")
+    fake.set_stream_capture(OTHER_STREAM, 0)
+    big = abi.malloc(8 * MiB, 0, OTHER_STREAM)
+    check(big is not None, "after the capture")
+    abi.free(big, 8 * MiB, 0, OTHER_STREAM)
+    abi.free(hit, 4096, 0, OTHER_STREAM)
+    drain(abi, fake)
+
+
 def scenario_invalid_free():
     fake = FakeCudaRuntime()
     abi = TorchView()
@@ -1039,9 +1064,7 @@ def scenario_torch_memory_functions():
     eq(torch.cuda.memory_allocated(1), 0, "memory_allocated(1)")
     eq(torch.cuda.memory_stats(1)["num_device_alloc"], 0, "memory_stats(1)")
     check(_core.existing_global_pool(1) is None, "no allocator was created on device 1")
-    unsigned, active = ctypes.c_uint(0), ctypes.c_int(-1)
-    eq(fake.lib.cuDevicePrimaryCtxGetState(1, ctypes.byref(unsigned), ctypes.byref(active)), 0, "ctx query")
-    eq(active.value, 0, "no context on device 1")
+    check(not fake.has_context(1), "no context on device 1")
 
     # Not dtralloc's turn: torch's own binding answers (here, another pluggable
     # allocator's 'does not yet support').

@@ -71,6 +71,11 @@ def test_record_stream_defers_reuse_until_the_event_completes():
     run_worker("record_stream")
 
 
+def test_cuda_graph_capture_is_refused_before_any_illegal_call():
+    proc = run_worker("capture")
+    assert "does not support CUDA graph capture" in proc.stderr
+
+
 def test_double_free_and_unknown_pointers_are_reported_not_fatal():
     proc = run_worker("invalid_free")
     assert "a double free" in proc.stderr
