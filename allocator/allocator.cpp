@@ -4,6 +4,7 @@
 #include "publisher.h"
 
 #include <algorithm>
+#include <cassert>
 #include <ctime>
 #include <cstdio>
 #include <sstream>
@@ -108,11 +109,20 @@ void Allocator::throw_oom(std::size_t size, std::size_t rounded, Stream stream) 
 }
 
 Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream) {
-  if (!pending_events_.empty()) process_events();
+  // Events are polled unless the stream captures (a query would invalidate
+  // the capture); their blocks then wait until after it, as in torch.
+  int capturing = -1;  // unknown: asked of the backend at most once
+  auto is_capturing = [&] {
+    if (capturing < 0) capturing = backend_->stream_capturing(stream) ? 1 : 0;
+    return capturing == 1;
+  };
+  if (!pending_events_.empty() && !is_capturing()) process_events();
   PoolKind pool = BlockPool::pool_for(rounded);
   // 1. cached block
   if (Block* b = pool_.find_free(pool, stream, rounded))
     return pool_.allocate_from(b, rounded, requested);
+  // Every step below may call cudaMalloc, cudaFree or wait on events.
+  if (is_capturing()) refuse_capture(requested, stream);
   // 2. new segment (after GC, if configured)
   if (config_.garbage_collection_threshold > 0) garbage_collect(pool_.segment_size(rounded));
   if (Block* b = allocate_segment(rounded, requested, stream)) return b;
@@ -129,6 +139,24 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
   return nullptr;
+}
+
+std::string graph_capture_refusal(const std::string& what) {
+  return "dtralloc: " + what +
+         ", but dtralloc does not support CUDA graph capture (torch.cuda.graph, "
+         "torch.cuda.make_graphed_callables, torch.compile(mode=\"reduce-overhead\"), "
+         "torch.cuda.MemPool): it keeps no private memory pool per graph, so blocks freed "
+         "during capture would be handed out again while replays still write to them, and a "
+         "cache miss would need cudaMalloc, which capture forbids. Capture without dtralloc: "
+         "run this program (or the part that captures) in a process that does not call "
+         "dtralloc.install(), or use torch.compile without mode=\"reduce-overhead\".";
+}
+
+void Allocator::refuse_capture(std::size_t size, Stream stream) {
+  throw GraphCaptureError(graph_capture_refusal(
+      "stream " + hex(stream) + " on device " + std::to_string(device_) +
+      " is capturing a CUDA graph and asked for " + format_bytes(size) +
+      " that the cache cannot serve"));
 }
 
 Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {
@@ -156,8 +184,10 @@ void Allocator::release_segment(Segment* seg) {
   const std::uintptr_t addr = seg->addr;
   const std::size_t size = seg->size;
   const Stream stream = seg->stream;
-  pool_.remove_segment(seg);
+  // Released first, forgotten second: when the backend fails, the segment
+  // stays cached (whole and free) instead of leaking out of the pool's sight.
   backend_->release(reinterpret_cast<void*>(addr), size);
+  pool_.remove_segment(seg);
   ++pool_.stats().num_device_free;
   record(TraceAction::kSegmentFree, addr, size, stream);
 }
@@ -170,8 +200,10 @@ void Allocator::garbage_collect(std::size_t incoming_bytes) {
                                               static_cast<double>(budget_bytes_));
   if (reserved_bytes() + incoming_bytes <= limit) return;
   auto candidates = pool_.whole_free_segments();
+  // Address breaks ties: the same calls release the same segments, always.
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
-    return a->last_free_tick < b->last_free_tick;
+    return a->last_free_tick != b->last_free_tick ? a->last_free_tick < b->last_free_tick
+                                                  : a->addr < b->addr;
   });
   for (Segment* seg : candidates) {
     if (reserved_bytes() + incoming_bytes <= limit) break;
@@ -188,8 +220,10 @@ bool Allocator::release_oversize_segments(std::size_t rounded, Stream stream) {
   for (Segment* seg : pool_.whole_free_segments())
     if (seg->stream == stream && seg->size >= config_.max_split_size_mb) oversize.push_back(seg);
   if (oversize.empty()) return false;
-  std::sort(oversize.begin(), oversize.end(),
-            [](const Segment* a, const Segment* b) { return a->size < b->size; });
+  // Address breaks ties between equal sizes: which one goes is determined.
+  std::sort(oversize.begin(), oversize.end(), [](const Segment* a, const Segment* b) {
+    return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+  });
   auto fit = std::find_if(oversize.begin(), oversize.end(),
                           [&](const Segment* s) { return s->size >= rounded; });
   if (fit != oversize.end()) {
@@ -222,20 +256,53 @@ void Allocator::free(void* ptr) {
         ", which this pool has not allocated or has already freed (a double free, or "
         "memory from another allocator). Nothing was changed.");
   }
+  // record_stream: the block may still be in use by kernels on other
+  // streams. Its events are made before the block changes, so that a backend
+  // error leaves either a block fully pending or one safely free.
+  std::vector<EventHandle> events = record_stream_events(b);
   record(TraceAction::kFreeRequested, b->addr, b->requested_size, b->stream);
   pool_.mark_freed(b);
-  if (b->stream_uses.empty()) {
+  b->stream_uses.clear();
+  if (events.empty()) {
     finish_free(b);
     return;
   }
-  // record_stream: the block may still be in use by kernels on other streams.
-  for (Stream s : b->stream_uses) {
-    EventHandle ev = backend_->create_event();
-    backend_->record_event(ev, s);
-    pending_events_.push_back({ev, b});
-    ++b->event_count;
+  for (EventHandle ev : events) pending_events_.push_back({ev, b});
+  b->event_count = static_cast<int>(events.size());
+}
+
+// One event per stream in b->stream_uses, recorded there now. When the
+// backend fails on any of them, waits for the whole device instead (after
+// which no stream can still use the block) and returns none; when that wait
+// fails too, rethrows with nothing changed, so the caller still owns the
+// block. Never leaves an event behind on failure.
+std::vector<EventHandle> Allocator::record_stream_events(Block* b) {
+  std::vector<EventHandle> events;
+  if (b->stream_uses.empty()) return events;
+  events.reserve(b->stream_uses.size());
+  try {
+    for (Stream s : b->stream_uses) {
+      events.push_back(backend_->create_event());
+      backend_->record_event(events.back(), s);
+    }
+    return events;
+  } catch (const std::exception& first) {
+    for (EventHandle ev : events) {
+      try {
+        backend_->destroy_event(ev);
+      } catch (const std::exception&) {
+        // A handle the runtime refuses to destroy is dropped, never reused.
+      }
+    }
+    try {
+      backend_->synchronize_device();
+    } catch (const std::exception& second) {
+      throw std::runtime_error(std::string(first.what()) +
+                               "; waiting for the whole device instead failed too (" +
+                               second.what() + "), so the block stays allocated");
+    }
+    return {};
   }
-  b->stream_uses.clear();
 }
 
 void Allocator::finish_free(Block* b) {
@@ -246,30 +313,66 @@ void Allocator::finish_free(Block* b) {
   record(TraceAction::kFreeCompleted, addr, size, stream);
 }
 
+// Polls the pending events in order. Exception-safe: an entry leaves
+// pending_events_ exactly when its event completed, before the event is
+// destroyed, so a backend error (rethrown) never makes an event be queried or
+// destroyed twice, nor a block's count be decremented twice.
 void Allocator::process_events() {
-  std::size_t kept = 0;
-  for (std::size_t i = 0; i < pending_events_.size(); ++i) {
-    PendingEvent p = pending_events_[i];
-    if (!backend_->event_completed(p.event)) {
-      pending_events_[kept++] = p;
-      continue;
+  std::size_t kept = 0, next = 0;
+  try {
+    while (next < pending_events_.size()) {
+      const PendingEvent p = pending_events_[next];
+      bool done = false;
+      try {
+        done = backend_->event_completed(p.event);
+      } catch (...) {
+        pending_events_[kept++] = p;  // still pending; asked again next time
+        ++next;
+        throw;
+      }
+      ++next;
+      if (!done) {
+        pending_events_[kept++] = p;
+        continue;
+      }
+      retire_event(p);
+      backend_->destroy_event(p.event);
     }
-    backend_->destroy_event(p.event);
-    if (--p.block->event_count == 0) finish_free(p.block);
+  } catch (...) {
+    pending_events_.erase(pending_events_.begin() + static_cast<std::ptrdiff_t>(kept),
+                          pending_events_.begin() + static_cast<std::ptrdiff_t>(next));
+    throw;
   }
   pending_events_.resize(kept);
 }
 
+// Waits for every pending event. On a backend error the events not yet
+// waited for (the failing one included) stay pending, and the error is
+// rethrown; the next call carries on from there.
 void Allocator::synchronize_and_free_events() {
   if (pending_events_.empty()) return;
   ++pool_.stats().num_sync_all_streams;
-  auto pending = std::move(pending_events_);
-  pending_events_.clear();
-  for (const PendingEvent& p : pending) {
-    backend_->synchronize_event(p.event);
-    backend_->destroy_event(p.event);
-    if (--p.block->event_count == 0) finish_free(p.block);
+  std::size_t consumed = 0;
+  try {
+    while (consumed < pending_events_.size()) {
+      const PendingEvent p = pending_events_[consumed];
+      backend_->synchronize_event(p.event);
+      ++consumed;  // before the destroy, which may throw
+      retire_event(p);
+      backend_->destroy_event(p.event);
+    }
+  } catch (...) {
+    pending_events_.erase(pending_events_.begin(),
+                          pending_events_.begin() + static_cast<std::ptrdiff_t>(consumed));
+    throw;
   }
+  pending_events_.clear();
+}
+
+// One of the block's events completed: the block returns once all have.
+void Allocator::retire_event(const PendingEvent& p) {
+  assert(p.block->event_count > 0);
+  if (--p.block->event_count == 0) finish_free(p.block);
 }
 
 void Allocator::record_stream(void* ptr, Stream stream) {
@@ -493,8 +596,10 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
   const std::size_t free_cached = pool_.free_bytes();
   const double frag = free_cached ? 1.0 - double(largest) / double(free_cached) : 0.0;
   std::ostringstream m;
-  m << "dtralloc: out of memory on device " << device_ << ": tried to allocate "
-    << format_bytes(size) << " (" << format_bytes(rounded) << " rounded) on stream "
+  // "CUDA out of memory." as torch words it: batch-size finders (accelerate,
+  // Lightning) decide to shrink the batch by matching that text.
+  m << "dtralloc: CUDA out of memory. Tried to allocate " << format_bytes(size) << " ("
+    << format_bytes(rounded) << " rounded) on device " << device_ << ", stream "
     << hex(stream) << ". Budget " << format_bytes(budget_bytes_) << ", reserved "
     << format_bytes(reserved) << ", allocated " << format_bytes(allocated)
     << ", largest free block " << format_bytes(largest) << " of "

@@ -17,6 +17,11 @@
 //   6. fail: an OutOfMemoryError whose message names the request, budget,
 //      reserved, allocated, largest free block, fragmentation and what to try
 //
+// While the request's stream captures a CUDA graph, only step 1 runs: record
+// stream events are not polled (a query is illegal during capture) and a
+// miss throws GraphCaptureError before any CUDA call, so the user's capture
+// is not invalidated by the allocator.
+//
 // Thread safety: one plain std::mutex guards everything. Nothing outside the
 // allocator (the eviction hook, Python) is ever called with it held: the hook
 // frees blocks, which re-enters free().
@@ -53,6 +58,18 @@ class InvalidPointerError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+// Thrown instead of serving a request that would need a CUDA call which a
+// stream capture (CUDA graph) forbids: dtralloc keeps no private pool per
+// graph, so it refuses capture (see docs/allocator.md, "CUDA graphs").
+class GraphCaptureError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The message of GraphCaptureError and of the C ABI's capture hook: the cause
+// and what to do instead.
+std::string graph_capture_refusal(const std::string& what);
 
 // The pool's last resort before OOM (step 5 above). The DTR evictor plugs in
 // here. make_room is called without the pool lock; it frees blocks through
@@ -217,13 +234,20 @@ class Allocator {
 
  private:
   Block* try_allocate(std::size_t rounded, std::size_t requested, Stream stream);
+  [[noreturn]] void refuse_capture(std::size_t size, Stream stream);
   Block* allocate_segment(std::size_t rounded, std::size_t requested, Stream stream);
   void release_segment(Segment* seg);
   void garbage_collect(std::size_t incoming_bytes);
   bool release_oversize_segments(std::size_t rounded, Stream stream);
   void release_cached_segments();
+  struct PendingEvent {
+    EventHandle event;
+    Block* block;
+  };
+  std::vector<EventHandle> record_stream_events(Block* block);
   void process_events();
   void synchronize_and_free_events();
+  void retire_event(const PendingEvent& p);
   void finish_free(Block* block);
   std::string oom_message(std::size_t size, std::size_t rounded, Stream stream);
   [[noreturn]] void throw_oom(std::size_t size, std::size_t rounded, Stream stream);
@@ -247,10 +271,6 @@ class Allocator {
   std::shared_ptr<EvictionHook> hook_;
   std::uint64_t tick_ = 0;            // advances on every free; GC age
 
-  struct PendingEvent {
-    EventHandle event;
-    Block* block;
-  };
   std::vector<PendingEvent> pending_events_;
 
   std::vector<TraceEntry> history_;   // ring buffer of history_entries

@@ -56,6 +56,12 @@ class Backend {
   virtual void synchronize_device() = 0;
   // Deferred backends: mark every recorded event complete. No-op for cuda.
   virtual void complete_events() {}
+
+  // True while `stream` is capturing a CUDA graph (or, for the legacy default
+  // stream 0, while a blocking stream of the device is): then the pool must
+  // not call cudaMalloc, cudaFree or query events (Allocator::malloc). The
+  // simulated backends never capture.
+  virtual bool stream_capturing(Stream /*stream*/) { return false; }
 };
 
 // `capacity_bytes` is the simulated device size for host/virtual backends.
@@ -70,5 +76,9 @@ std::unique_ptr<Backend> make_cuda_backend(int device);
 int cuda_device_count();
 // Path of the CUDA runtime library that was loaded, "" when none yet.
 std::string cuda_runtime_path();
+// Search libcudart.so.<major> first (backend_cuda.cpp): the CUDA major
+// version the torch in the process was built against. 0 = no preference.
+// Takes effect only for a search that has not succeeded yet.
+void prefer_cuda_runtime_major(int major);
 
 }  // namespace dtralloc

@@ -12,18 +12,25 @@
 //       "last error" in the process.
 //   (c) the loader's usual search: dlopen of libcudart.so.13, then
 //       libcudart.so.12, then libcudart.so.
+// In (b) and (c) the major version set by prefer_cuda_runtime_major (the one
+// the torch in the process was built against; dtralloc.install() sets it)
+// goes first: a CUDA 12 torch whose runtime is not loaded yet must not get a
+// libcudart.so.13 that happens to be on the search path.
 // A successful load is kept for the life of the process (never dlclosed). A
 // failed one is not remembered, so a later call, say after `import torch`,
 // searches again.
 #include <dlfcn.h>
 #include <link.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "backend.h"
 #include "cudart_api.h"
@@ -35,8 +42,28 @@ using namespace cudart;
 
 constexpr const char* kSonames[] = {"libcudart.so.13", "libcudart.so.12",
                                     "libcudart.so"};
-constexpr const char* kTriedList =
-    "libcudart.so.13, libcudart.so.12, libcudart.so";
+
+// 0 for none; read when the search runs.
+std::atomic<int> g_preferred_major{0};
+
+// kSonames with the preferred major's soname moved to the front.
+std::vector<std::string> search_order() {
+  std::vector<std::string> order(std::begin(kSonames), std::end(kSonames));
+  const int major = g_preferred_major.load();
+  if (major > 0) {
+    const std::string preferred = "libcudart.so." + std::to_string(major);
+    auto it = std::find(order.begin(), order.end(), preferred);
+    if (it != order.end()) order.erase(it);
+    order.insert(order.begin(), preferred);
+  }
+  return order;
+}
+
+std::string tried_list() {
+  std::string out;
+  for (const std::string& soname : search_order()) out += (out.empty() ? "" : ", ") + soname;
+  return out;
+}
 
 struct LoadedRuntime {
   std::string path;
@@ -74,8 +101,8 @@ void* open_from_env(std::string& name) {
 
 // (b) A runtime someone else already loaded; RTLD_NOLOAD never loads a file.
 void* open_already_loaded(std::string& name) {
-  for (const char* soname : kSonames) {
-    if (void* handle = dlopen(soname, RTLD_NOW | RTLD_NOLOAD)) {
+  for (const std::string& soname : search_order()) {
+    if (void* handle = dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD)) {
       name = soname;
       return handle;
     }
@@ -89,8 +116,8 @@ void* open_already_loaded(std::string& name) {
 // (wrong architecture, missing dependency).
 void* open_by_soname(std::string& name) {
   std::string broken;
-  for (const char* soname : kSonames) {
-    if (void* handle = dlopen(soname, RTLD_NOW | RTLD_LOCAL)) {
+  for (const std::string& soname : search_order()) {
+    if (void* handle = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL)) {
       name = soname;
       return handle;
     }
@@ -100,7 +127,7 @@ void* open_by_soname(std::string& name) {
     }
   }
   throw std::runtime_error(
-      std::string("dtralloc: no CUDA runtime found (tried ") + kTriedList +
+      std::string("dtralloc: no CUDA runtime found (tried ") + tried_list() +
       broken +
       "). Install the CUDA runtime, import torch/cupy first, or set "
       "DTRALLOC_CUDART=/path/to/libcudart.so");
@@ -148,6 +175,7 @@ void resolve_all(void* handle, const std::string& library,
   resolve(handle, "cudaDeviceSynchronize", library, api.DeviceSynchronize);
   resolve(handle, "cudaStreamSynchronize", library, api.StreamSynchronize);
   resolve(handle, "cudaStreamWaitEvent", library, api.StreamWaitEvent);
+  resolve(handle, "cudaStreamIsCapturing", library, api.StreamIsCapturing);
   resolve(handle, "cudaEventCreateWithFlags", library,
           api.EventCreateWithFlags);
   resolve(handle, "cudaEventRecord", library, api.EventRecord);
@@ -157,6 +185,23 @@ void resolve_all(void* handle, const std::string& library,
   resolve(handle, "cudaGetLastError", library, api.GetLastError);
   resolve(handle, "cudaGetErrorString", library, api.GetErrorString);
   resolve(handle, "cudaRuntimeGetVersion", library, api.RuntimeGetVersion);
+}
+
+// The driver's cuDevicePrimaryCtxGetState: from the runtime library itself
+// when it exports it (the fake does; a real libcudart does not), else from
+// libcuda.so.1, which a working runtime has already loaded. Optional: without
+// it DeviceGuard restores the caller's device unconditionally.
+void resolve_driver(void* runtime_handle, CudaRuntimeApi& api) {
+  using Fn = decltype(api.DevicePrimaryCtxGetState);
+  const char* symbol = "cuDevicePrimaryCtxGetState";
+  void* address = dlsym(runtime_handle, symbol);
+  if (address == nullptr) {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (driver == nullptr) driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver != nullptr) address = dlsym(driver, symbol);  // kept open for good
+  }
+  dlerror();  // a miss above is an answer, not an error
+  api.DevicePrimaryCtxGetState = reinterpret_cast<Fn>(address);
 }
 
 const LoadedRuntime& load_runtime() {
@@ -173,6 +218,7 @@ const LoadedRuntime& load_runtime() {
   runtime->path = loaded_path(handle, requested);
   try {
     resolve_all(handle, runtime->path, runtime->api);
+    resolve_driver(handle, runtime->api);
   } catch (...) {
     dlclose(handle);
     throw;
@@ -197,9 +243,18 @@ std::string describe(const CudaRuntimeApi& api, cudaError_t err) {
                            " failed: " + describe(api, err));
 }
 
-// Makes `device` current for one scope and restores the caller's device, so
-// that dtralloc never changes the device the user's thread works on. Skips
-// both runtime calls when the device is already current (the common case).
+// Makes `device` current for one scope and then gives the caller's thread
+// its device back, so that dtralloc never changes the device the user's
+// thread works on. Skips both runtime calls when the device is already
+// current (the common case).
+//
+// The restore happens only where the previous device already has a primary
+// context, as torch's c10::cuda::MaybeSetDevice does. A thread that never
+// chose a device reports device 0 from cudaGetDevice; restoring that with
+// cudaSetDevice(0) would create a context on GPU 0 (CUDA 12 initializes it in
+// cudaSetDevice), hundreds of MiB per process under torchrun, where each rank
+// works on its own GPU. Such a thread keeps the backend's device current
+// instead, exactly what torch leaves behind in the same case.
 class DeviceGuard {
  public:
   DeviceGuard(const CudaRuntimeApi& api, int device) : api_(api) {
@@ -211,16 +266,24 @@ class DeviceGuard {
     switched_ = true;
   }
   ~DeviceGuard() {
+    if (!switched_ || !has_context(previous_)) return;
     // A destructor cannot throw; a failed restore at least leaves no error
     // behind for the caller's next check.
-    if (switched_ && api_.SetDevice(previous_) != cudaSuccess) {
-      api_.GetLastError();
-    }
+    if (api_.SetDevice(previous_) != cudaSuccess) api_.GetLastError();
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  // Unknown (no driver function, or it failed) counts as yes: restoring the
+  // caller's device matters more than the memory of a stray context.
+  bool has_context(int device) const {
+    if (api_.DevicePrimaryCtxGetState == nullptr) return true;
+    unsigned int flags = 0;
+    int active = 0;
+    return api_.DevicePrimaryCtxGetState(device, &flags, &active) != 0 || active != 0;
+  }
+
   const CudaRuntimeApi& api_;
   int previous_ = 0;
   bool switched_ = false;
@@ -302,6 +365,23 @@ class CudaBackend final : public Backend {
     if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize");
   }
 
+  bool stream_capturing(Stream stream) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaError_t err;
+    if (stream == 0) {
+      DeviceGuard guard(api_, device_);  // 0 is the current device's stream
+      err = api_.StreamIsCapturing(nullptr, &status);
+    } else {
+      err = api_.StreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status);
+    }
+    if (err == cudaErrorStreamCaptureImplicit) {
+      api_.GetLastError();  // an answer: a blocking stream of the device captures
+      return true;
+    }
+    if (err != cudaSuccess) fail(err, "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
+  }
+
  private:
   struct MemoryInfo {
     std::size_t free = 0;
@@ -354,6 +434,8 @@ int cuda_runtime_version() {
   }
   return version;
 }
+
+void prefer_cuda_runtime_major(int major) { g_preferred_major.store(major > 0 ? major : 0); }
 
 std::string cuda_runtime_path() {
   const LoadedRuntime* loaded = g_runtime.load(std::memory_order_acquire);

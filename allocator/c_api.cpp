@@ -1,7 +1,8 @@
 // The extern "C" entry points of libdtralloc.so (include/dtralloc.h): a thin
-// shell over global::allocator(). Nothing may throw across this boundary:
-// every error is printed, counted where a counter exists, and kept for
-// dtralloc_last_error().
+// shell over global::allocator(). Nothing may throw across this boundary but
+// the two entry points torch expects to throw (dtralloc_malloc_or_throw and
+// dtralloc_begin_allocate_to_pool): every other error is printed, counted
+// where a counter exists, and kept for dtralloc_last_error().
 #include "include/dtralloc.h"
 
 #include <atomic>
@@ -26,11 +27,11 @@ dtralloc::Stream to_stream(void* stream) { return reinterpret_cast<dtralloc::Str
 
 // The one allocation path of both malloc entry points: reports a failure
 // (stderr, dtralloc_last_error) and rethrows it for the caller to translate.
-void* allocate_or_report(ssize_t size, int device, void* stream, const char* where) {
-  if (size <= 0) return nullptr;
+void* allocate_or_report(std::size_t size, int device, void* stream, const char* where) {
+  if (size == 0) return nullptr;
   last_error.clear();
   try {
-    return dtralloc::global::allocator(device).malloc(static_cast<std::size_t>(size), to_stream(stream));
+    return dtralloc::global::allocator(device).malloc(size, to_stream(stream));
   } catch (const std::exception& e) {
     report(where, e);
     throw;
@@ -41,7 +42,7 @@ void* allocate_or_report(ssize_t size, int device, void* stream, const char* whe
 
 extern "C" {
 
-void* dtralloc_malloc(ssize_t size, int device, void* stream) {
+void* dtralloc_malloc(size_t size, int device, void* stream) {
   try {
     return allocate_or_report(size, device, stream, "dtralloc_malloc");
   } catch (const std::exception&) {
@@ -49,7 +50,7 @@ void* dtralloc_malloc(ssize_t size, int device, void* stream) {
   }
 }
 
-void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream) {
+void* dtralloc_malloc_or_throw(size_t size, int device, void* stream) {
   try {
     return allocate_or_report(size, device, stream, "dtralloc_malloc_or_throw");
   } catch (const std::exception& e) {
@@ -59,8 +60,10 @@ void* dtralloc_malloc_or_throw(ssize_t size, int device, void* stream) {
   }
 }
 
-void dtralloc_free(void* ptr, ssize_t /*size*/, int device, void* /*stream*/) {
+void dtralloc_free(void* ptr, size_t /*size*/, int device, void* /*stream*/) {
   if (!ptr) return;
+  // A forked child drops the parent's blocks: their memory is not its own.
+  if (dtralloc::global::forked_child()) return;
   try {
     dtralloc::Allocator* a = dtralloc::global::existing(device);
     if (!a) throw dtralloc::InvalidPointerError("dtralloc: free on device " + std::to_string(device) +
@@ -111,7 +114,7 @@ void* dtralloc_base_alloc(void* ptr, size_t* size) {
 }
 
 void dtralloc_record_stream(void* ptr, void* stream) {
-  if (!ptr) return;
+  if (!ptr || dtralloc::global::forked_child()) return;
   for (dtralloc::Allocator* a : dtralloc::global::all_existing()) {
     if (!a->owns(ptr)) continue;
     try {
@@ -124,6 +127,16 @@ void dtralloc_record_stream(void* ptr, void* stream) {
   ++invalid_frees;
   last_error = "dtralloc: record_stream on a pointer no dtralloc allocator holds";
   std::fprintf(stderr, "%s\n", last_error.c_str());
+}
+
+void dtralloc_begin_allocate_to_pool(int device,
+                                     std::pair<unsigned long long, unsigned long long> mempool_id,
+                                     std::function<bool(CUstream_st*)> /*filter*/) {
+  last_error = dtralloc::graph_capture_refusal(
+      "torch began a CUDA graph capture (or a torch.cuda.MemPool) on device " +
+      std::to_string(device) + " into private pool (" + std::to_string(mempool_id.first) +
+      ", " + std::to_string(mempool_id.second) + ")");
+  throw std::runtime_error(last_error);
 }
 
 const char* dtralloc_last_error(void) { return last_error.c_str(); }

@@ -48,21 +48,35 @@ std::string format_double(double v) {
 
 // ---- one struct of static functions per option kind ----------------------
 
+// One rule, no guessing: a fraction is written 0.x or x%, a size carries a
+// unit. A bare number of 1 or more is refused, because `budget:1` read as
+// "the whole device" and `budget:2` as "2 bytes" meant the same-looking text
+// changed meaning at 1.
 struct BudgetKind {
   static constexpr const char* accepts =
-      "a size like 6G / 512M / 1073741824, a fraction of device memory in "
-      "(0, 1] like 0.5, or none";
+      "a fraction of device memory written 0.5 or 50% (up to 100%), a size with a unit "
+      "such as 6G, 512M or 4096B, or none; a bare number is read only as a fraction "
+      "below 1";
   static Budget parse(const std::string& key, const std::string& text) {
     Budget b;
-    if (lower(text) == "none") return b;
+    const std::string t = trim(text);
+    if (lower(t) == "none") return b;
     double v = 0;
-    // A bare number no greater than 1 is a fraction; anything else a size.
-    if (parse_number(text, &v) && v <= 1.0) {
-      if (!(v > 0.0)) bad_value(key, text, accepts);
+    if (!t.empty() && t.back() == '%') {
+      if (!parse_number(trim(t.substr(0, t.size() - 1)), &v) || !(v > 0.0) || v > 100.0)
+        bad_value(key, text, accepts);
+      b.fraction = v / 100.0;
+      return b;
+    }
+    if (parse_number(t, &v)) {  // bare: a fraction, or an error
+      if (!(v > 0.0 && v < 1.0)) bad_value(key, text, accepts);
       b.fraction = v;
       return b;
     }
-    b.bytes = parse_size(key, text, 1);
+    const bool bytes_unit = t.size() >= 2 && (t.back() == 'B' || t.back() == 'b') &&
+                            (std::isdigit(static_cast<unsigned char>(t[t.size() - 2])) ||
+                             t[t.size() - 2] == '.');
+    b.bytes = bytes_unit ? parse_size(key, t.substr(0, t.size() - 1), 1) : parse_size(key, t, 1);
     if (b.bytes == 0) bad_value(key, text, accepts);
     return b;
   }

@@ -41,7 +41,7 @@ class ConfigError : public std::invalid_argument {
 // budget: a hard cap on reserved bytes, absolute or a fraction of capacity.
 struct Budget {
   std::size_t bytes = 0;   // used when fraction == 0
-  double fraction = 0.0;   // in (0, 1]; 0 means "absolute bytes" (or none)
+  double fraction = 0.0;   // in (0, 1] (0.x or x% up to 100%); 0 means bytes (or none)
   bool none() const { return bytes == 0 && fraction == 0.0; }
   // The cap for a device of `capacity` bytes (capacity when none()).
   std::size_t resolve(std::size_t capacity) const;
@@ -62,8 +62,9 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
 // X(name, kind, default, doc). The doc is one line; it is what users read.
 #define DTRALLOC_OPTIONS(X)                                                    \
   X(budget, BudgetOption, Budget{},                                            \
-    "hard cap on reserved bytes: a size (6G, 512M) or a fraction of device "   \
-    "memory (0.5); none = the whole device")                                   \
+    "hard cap on reserved bytes: a size with a unit (6G, 512M) or a fraction " \
+    "of device memory (0.5 or 50%); a bare number of 1 or more is an error; "  \
+    "none = the whole device")                                                 \
   X(max_split_size_mb, SplitSizeOption, kAutoSplit,                           \
     "blocks at least this large (MB) are never split; small requests will "    \
     "not use them. Lowers fragmentation for mixed sizes. none = no limit; "    \

@@ -9,9 +9,10 @@
 // include the real cuda_runtime.h without a clash. Two names need care there:
 //   * cudaEventDisableTiming is a macro in the real headers; we only declare
 //     our constant when that macro is absent (same value, use it unqualified).
-//   * cudaEventRecord, cudaStreamSynchronize and cudaStreamWaitEvent become
-//     macros (the _ptsz variants) when CUDA_API_PER_THREAD_DEFAULT_STREAM is
-//     defined, which is why the table's fields drop the "cuda" prefix.
+//   * cudaEventRecord, cudaStreamSynchronize, cudaStreamWaitEvent and
+//     cudaStreamIsCapturing become macros (the _ptsz variants) when
+//     CUDA_API_PER_THREAD_DEFAULT_STREAM is defined, which is why the table's
+//     fields drop the "cuda" prefix.
 #pragma once
 
 #include <cstddef>
@@ -30,6 +31,20 @@ enum : cudaError_t {
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
+  // Stream capture (CUDA graphs): an operation not permitted while a stream
+  // captures, a capture invalidated by one, and a query of the legacy default
+  // stream while a blocking stream of its device captures.
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorStreamCaptureImplicit = 906,
+};
+
+// enum cudaStreamCaptureStatus, as an int like cudaError_t.
+typedef int cudaStreamCaptureStatus;
+enum : cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2,
 };
 
 struct OpaqueStream;
@@ -59,6 +74,7 @@ struct CudaRuntimeApi {
   Err (*DeviceSynchronize)();
   Err (*StreamSynchronize)(Stream stream);
   Err (*StreamWaitEvent)(Stream stream, Event event, unsigned int flags);
+  Err (*StreamIsCapturing)(Stream stream, cudart::cudaStreamCaptureStatus* status);
   Err (*EventCreateWithFlags)(Event* event, unsigned int flags);
   Err (*EventRecord)(Event event, Stream stream);
   Err (*EventQuery)(Event event);
@@ -67,6 +83,13 @@ struct CudaRuntimeApi {
   Err (*GetLastError)();
   const char* (*GetErrorString)(Err error);
   Err (*RuntimeGetVersion)(int* runtime_version);
+
+  // From the driver API (cuda.h), optional: CUresult
+  // cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active).
+  // CUdevice is the device ordinal and CUresult an int (0 = CUDA_SUCCESS).
+  // Found in the runtime library if it has it (the fake does), else in
+  // libcuda.so.1; nullptr when neither does.
+  int (*DevicePrimaryCtxGetState)(int device, unsigned int* flags, int* active);
 };
 
 // Loads the CUDA runtime on first use and returns its function table. Throws

@@ -1,6 +1,8 @@
 // Process-wide allocators (global.h).
 #include "global.h"
 
+#include <pthread.h>
+
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -17,6 +19,8 @@ namespace {
 
 struct State {
   std::mutex mutex;  // guards creation and configuration, not the hot path
+  // Set in a child forked after an allocator existed (on_fork_child).
+  std::atomic<bool> forked_child{false};
   bool configured = false;
   std::string text;
   Config config;
@@ -25,9 +29,47 @@ struct State {
   std::array<std::atomic<Allocator*>, kMaxDevices> published{};
 };
 
+// fork(): the child gets a copy of every allocator, but not the device
+// memory or the CUDA context behind it (CUDA does not survive fork), so it
+// must neither hand out the parent's blocks nor give them back. The handlers
+// keep the creation mutex out of the fork (a thread holding it would leave it
+// locked in the child); the child abandons the inherited allocators (never
+// destroyed: that would cudaFree the parent's memory) and refuses new ones.
+void on_fork_prepare();
+void on_fork_parent();
+void on_fork_child();
+
 State& state() {
-  static State* s = new State;  // never destroyed: torch may free at exit
+  static State* s = [] {
+    auto* fresh = new State;  // never destroyed: torch may free at exit
+    pthread_atfork(on_fork_prepare, on_fork_parent, on_fork_child);
+    return fresh;
+  }();
   return *s;
+}
+
+void on_fork_prepare() { state().mutex.lock(); }
+void on_fork_parent() { state().mutex.unlock(); }
+void on_fork_child() {
+  State& s = state();
+  bool inherited = false;
+  for (int i = 0; i < kMaxDevices; ++i) {
+    if (s.published[i].load(std::memory_order_relaxed) == nullptr) continue;
+    inherited = true;
+    s.published[i].store(nullptr, std::memory_order_relaxed);
+    (void)s.allocators[i].release();  // leaked on purpose, see above
+  }
+  if (inherited) s.forked_child.store(true);
+  s.mutex.unlock();
+}
+
+[[noreturn]] void throw_forked(int device) {
+  throw std::runtime_error(
+      "dtralloc: this process was forked from one whose dtralloc allocators held CUDA memory, "
+      "and device memory and CUDA contexts do not survive fork(), so dtralloc cannot serve "
+      "device " + std::to_string(device) + " here. Start worker processes with the 'spawn' or "
+      "'forkserver' method (multiprocessing.set_start_method('spawn'); DataLoader workers that "
+      "touch CUDA need it too), or fork before the first CUDA allocation.");
 }
 
 void ensure_configured(State& s) {
@@ -78,6 +120,7 @@ Allocator& allocator(int device) {
   // except by reset_for_tests, which callers serialize themselves.
   if (Allocator* a = s.published[device].load(std::memory_order_acquire)) return *a;
   std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.forked_child.load()) throw_forked(device);
   if (!s.allocators[device]) {
     ensure_configured(s);
     s.allocators[device] = std::make_unique<Allocator>(make_cuda_backend(device), s.config, device);
@@ -104,6 +147,8 @@ std::vector<Allocator*> all_existing() {
     if (Allocator* p = a.load(std::memory_order_acquire)) out.push_back(p);
   return out;
 }
+
+bool forked_child() { return state().forked_child.load(std::memory_order_relaxed); }
 
 void reset_for_tests() {
   State& s = state();

@@ -31,6 +31,12 @@ Allocator& allocator(int device);
 Allocator* existing(int device);
 std::vector<Allocator*> all_existing();
 
+// True in a process forked after an allocator existed: the inherited
+// allocators are abandoned (their memory belongs to the parent's CUDA
+// context), existing() reports none, and allocator() throws, naming fork().
+// Frees of inherited pointers are then dropped quietly (c_api.cpp).
+bool forked_child();
+
 // Tests only: destroys every allocator (releasing its cached memory) and
 // forgets the configuration, so the next use starts from scratch.
 void reset_for_tests();

@@ -6,6 +6,9 @@ JSON line with what it measured; it raises when a check fails.
 
     python _gpu_worker.py train native|dtralloc
     python _gpu_worker.py load | cupy | fraction_and_empty_cache
+    python _gpu_worker.py record_stream_reuse wired|unwired
+    python _gpu_worker.py memory_functions | graph_capture | raw_capture | oom
+    python _gpu_worker.py no_stray_context
 """
 from __future__ import annotations
 
@@ -177,11 +180,199 @@ def fraction_and_empty_cache() -> dict:
     return {"capacity": capacity, "half_budget": budget, "stats": _check_pool()}
 
 
+def _install_without_record_stream_hook():
+    """install() as it behaved before torch's hook names were used: every
+    hook but set_record_stream_fn wired. The control run of
+    record_stream_reuse, showing that the check has teeth on this GPU."""
+    import dtralloc
+    from dtralloc import torch_hooks
+
+    torch_hooks._REQUIRED_HOOKS = tuple(h for h in torch_hooks._REQUIRED_HOOKS if h[0] != "set_record_stream_fn")
+    dtralloc.install()
+
+
+def record_stream_reuse(variant: str) -> dict:
+    """A tensor allocated on the default stream is read late on a side stream
+    (record_stream), freed, and its size asked for again at once on the
+    default stream. With the hook, the block must not come back before the
+    side stream is done, and the side stream must read the original values."""
+    import dtralloc
+
+    if variant == "unwired":
+        _install_without_record_stream_hook()
+    else:
+        dtralloc.install()
+    import torch
+
+    n = 16 * MiB // 4  # float32 elements: 16 MiB, a block of its own
+    side = torch.cuda.Stream()
+    x = torch.full((n,), 1.0, device="cuda")
+    out = torch.empty_like(x)
+    ptr = x.data_ptr()
+    side.wait_stream(torch.cuda.current_stream())  # side sees x filled and out allocated
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the side stream is still busy below
+        out.copy_(x)  # reads x late
+    x.record_stream(side)
+    out.record_stream(side)
+    del x
+    y = torch.full((n,), 2.0, device="cuda")  # same size, default stream, side still busy
+    reused = y.data_ptr() == ptr
+    torch.cuda.synchronize()
+    corrupted = not bool((out == 1.0).all().item())
+    stats = _check_pool()
+    return {"reused": reused, "corrupted": corrupted, "stats": stats}
+
+
+def memory_functions() -> dict:
+    """torch's memory functions answer with dtralloc's figures."""
+    import dtralloc
+
+    dtralloc.install()
+    import torch
+
+    a = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    ours = dtralloc.memory_stats(0)
+    result = {
+        "memory_allocated": torch.cuda.memory_allocated(),
+        "ours_allocated": ours["allocated_bytes.all.current"],
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "ours_peak": ours["allocated_bytes.all.peak"],
+        "memory_reserved": torch.cuda.memory_reserved(),
+        "ours_reserved": ours["reserved_bytes.all.current"],
+        "same_stats": dict(torch.cuda.memory_stats()) == dict(ours),
+        "summary_ok": "PyTorch CUDA memory summary" in torch.cuda.memory_summary(),
+    }
+    del a
+    torch.cuda.reset_peak_memory_stats()
+    result["peak_after_reset"] = torch.cuda.max_memory_allocated()
+    result["ours_peak_after_reset"] = dtralloc.memory_stats(0)["allocated_bytes.all.peak"]
+    result["snapshot_segments"] = len(torch.cuda.memory_snapshot())
+    result["ours_segments"] = len(dtralloc.snapshot()["segments"])
+    del b
+    result["stats"] = _check_pool()
+    return result
+
+
+def graph_capture() -> dict:
+    """torch.cuda.graph is refused at capture begin, with the cause and the
+    way out, and the process keeps working."""
+    import dtralloc
+
+    dtralloc.install()
+    import torch
+
+    x = torch.ones(1024, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    message = ""
+    try:
+        with torch.cuda.graph(g):
+            y = x * 2  # noqa: F841
+    except RuntimeError as e:
+        message = str(e)
+    torch.cuda.synchronize()
+    after = float((x + 1).sum().item())
+    return {"message": message, "after": after, "stats": _check_pool()}
+
+
+def raw_capture() -> dict:
+    """A capture begun outside torch's graph API (no allocator hook): the
+    first allocation the cache cannot serve is refused before any CUDA call,
+    so the capture itself stays valid (cudaStreamEndCapture succeeds)."""
+    import ctypes
+
+    import dtralloc
+
+    dtralloc.install()
+    import torch
+
+    torch.ones(1, device="cuda")  # CUDA up, runtime loaded
+    cudart = ctypes.CDLL(dtralloc._core.cuda_runtime_path())
+    s = torch.cuda.Stream()
+    handle = ctypes.c_void_p(s.cuda_stream)
+    message = ""
+    begin = cudart.cudaStreamBeginCapture(handle, 0)  # cudaStreamCaptureModeGlobal
+    try:
+        with torch.cuda.stream(s):
+            torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")  # a miss: needs cudaMalloc
+    except RuntimeError as e:
+        message = str(e)
+    graph = ctypes.c_void_p()
+    end = cudart.cudaStreamEndCapture(handle, ctypes.byref(graph))
+    if graph.value:
+        cudart.cudaGraphDestroy(graph)
+    torch.cuda.synchronize()
+    return {"begin": begin, "end": end, "message": message, "stats": _check_pool()}
+
+
+def oom() -> dict:
+    """An OOM under torch reaches Python as RuntimeError whose text the batch
+    size finders (accelerate, Lightning) recognise."""
+    import dtralloc
+
+    dtralloc.install("budget:256M")
+    import torch
+
+    keep = torch.empty(128 * MiB, dtype=torch.uint8, device="cuda")
+    error = None
+    try:
+        torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    except Exception as e:  # noqa: BLE001 - the type is what is measured
+        error = e
+    after = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")  # still works
+    del keep, after
+    return {
+        "type": type(error).__name__,
+        "is_runtime_error": isinstance(error, RuntimeError),
+        "is_torch_oom": isinstance(error, torch.cuda.OutOfMemoryError),
+        "args": list(error.args) if error else [],
+        "stats": _check_pool(),
+    }
+
+
+def no_stray_context() -> dict:
+    """Two GPUs: a thread that never chose a device frees, with record_stream,
+    a tensor of device 1; no context appears on device 0."""
+    import ctypes
+    import threading
+
+    import dtralloc
+
+    dtralloc.install()
+    import torch
+
+    torch.cuda.set_device(1)
+    t = torch.ones(MiB, device="cuda:1")
+    side = torch.cuda.Stream(device=1)
+    t.record_stream(side)
+    holder = [t]
+    del t
+
+    def drop():
+        holder.clear()  # the free, and its event on device 1, from this thread
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize(1)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    libcuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active))
+    return {"device0_context": active.value}
+
+
 SCENARIOS = {
     "train": train,
     "load": load,
     "cupy": cupy_shares_the_pool,
     "fraction_and_empty_cache": fraction_and_empty_cache,
+    "record_stream_reuse": record_stream_reuse,
+    "memory_functions": memory_functions,
+    "graph_capture": graph_capture,
+    "raw_capture": raw_capture,
+    "oom": oom,
+    "no_stray_context": no_stray_context,
 }
 
 

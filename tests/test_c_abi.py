@@ -44,7 +44,7 @@ def test_malloc_free_round_trip_shares_one_pool_with_the_python_api():
 
 def test_absolute_budget_turns_into_null_and_a_clear_oom():
     proc = run_worker("budget_absolute", conf="budget:64M,history_entries:4096")
-    assert "dtralloc: out of memory on device 0: tried to allocate 8 MiB" in proc.stderr
+    assert "dtralloc: CUDA out of memory. Tried to allocate 8 MiB (8 MiB rounded) on device 0" in proc.stderr
     assert "Budget 64 MiB" in proc.stderr
     assert "raise DTRALLOC_CONF=budget" in proc.stderr
 
@@ -69,6 +69,11 @@ def test_set_memory_fraction_lowers_and_raises_the_budget():
 
 def test_record_stream_defers_reuse_until_the_event_completes():
     run_worker("record_stream")
+
+
+def test_cuda_graph_capture_is_refused_before_any_illegal_call():
+    proc = run_worker("capture")
+    assert "does not support CUDA graph capture" in proc.stderr
 
 
 def test_double_free_and_unknown_pointers_are_reported_not_fatal():

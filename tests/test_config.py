@@ -96,7 +96,8 @@ def test_pool_ignores_the_environment(monkeypatch):
         ("512M", 512 * MiB),
         ("64K", 64 * KiB),
         ("1.5G", 3 * GiB // 2),
-        ("1073741824", GiB),
+        ("1073741824B", GiB),
+        ("1T", 1 << 40),
         (" 2G ", 2 * GiB),
     ],
 )
@@ -106,10 +107,24 @@ def test_budget_takes_sizes_with_suffixes(text, expected):
     assert pool.stats()["budget_bytes"] == expected
 
 
-@pytest.mark.parametrize("fraction", ["0.5", "0.25", "1"])
-def test_budget_takes_a_fraction_of_device_memory(fraction):
+@pytest.mark.parametrize(
+    "fraction, share", [("0.5", 0.5), ("0.25", 0.25), (".75", 0.75), ("50%", 0.5), ("12.5%", 0.125), ("100%", 1.0)]
+)
+def test_budget_takes_a_fraction_of_device_memory(fraction, share):
     pool = dtralloc.Pool("virtual", capacity="8G", conf=f"budget:{fraction}")
-    assert pool.budget_bytes == int(float(fraction) * 8 * GiB)
+    assert pool.budget_bytes == int(share * 8 * GiB)
+
+
+@pytest.mark.parametrize("bare", ["1", "2", "1.0", "1.5", "512", "1073741824"])
+def test_budget_bare_number_that_is_not_a_fraction_is_an_error_naming_both_forms(bare):
+    """budget:1 once meant the whole device and budget:2 two bytes: neither is
+    what a user who writes them can be sure of, so both are errors."""
+    with pytest.raises(dtralloc.ConfigError) as info:
+        dtralloc.Pool("virtual", capacity="8G", conf=f"budget:{bare}")
+    message = str(info.value)
+    assert f"bad value '{bare}' for key 'budget'" in message
+    assert "0.5 or 50%" in message  # the fraction form
+    assert "6G" in message and "512M" in message  # the size form
 
 
 def test_budget_none_is_the_whole_device():
@@ -245,6 +260,11 @@ MALFORMED = [
     ("budget", "6Q"),
     ("budget", "lots"),
     ("budget", "0"),
+    ("budget", "0%"),
+    ("budget", "101%"),
+    ("budget", "-5%"),
+    ("budget", "%"),
+    ("budget", "5%G"),
     ("budget", "-1G"),
     ("budget", "inf"),
     ("budget", "99999999999T"),
@@ -280,10 +300,10 @@ def test_malformed_value_is_a_config_error_naming_the_key(key, value):
 
 def test_bad_value_message_says_what_the_key_accepts():
     """The message must state what the key accepts, as the option table does:
-    a user who writes budget:50% must learn that budget:0.5 works."""
+    a user who writes budget:50 must learn that budget:0.5 and 50% work."""
     accepts = {o["name"]: o["accepts"] for o in dtralloc.describe_config("")}
     bad = {
-        "budget": "50%",
+        "budget": "50",
         "max_split_size_mb": "big",
         "max_non_split_rounding_mb": "big",
         "roundup_power2_divisions": "3",

@@ -1,17 +1,26 @@
-"""Builds and runs the C++ tests (tests/cpp/test_*.cpp) under AddressSanitizer,
-UndefinedBehaviorSanitizer and LeakSanitizer.
+"""Builds and runs the C++ tests (tests/cpp/test_*.cpp) under the sanitizers.
 
-The build lives in a temporary directory, separate from the Python package's
-build: the allocator is compiled with -fsanitize=address,undefined at -O1 (fast
-enough to build and run on 2 cores in a couple of minutes, optimized enough for
-the stress test to reach real interleavings). CMakeLists.txt gives each test
-its ASAN_OPTIONS (detect_leaks=1) and a timeout, so running ctest by hand in a
-build tree behaves the same as this test.
+Two builds, each in a temporary directory apart from the Python package's:
+
+* AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer at exit):
+  every C++ test, among them the million-operation model test
+  (test_pool_model, a fresh seed each run, printed first).
+* ThreadSanitizer: the tests that run threads or the CUDA backend
+  (test_stress_threads, test_allocator, test_cuda_backend).
+
+The allocator is compiled at -O1 (fast enough to build and run on 2 cores in
+a few minutes, optimized enough for the stress tests to reach real
+interleavings). CMakeLists.txt gives each test its sanitizer options and a
+timeout, so running ctest by hand in a build tree behaves the same as here.
+
+These tests never skip: without cmake, a C++ compiler or a working
+sanitizer runtime they fail, naming what is missing (.ci/run installs it).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +31,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CPP_TESTS = sorted(p.stem for p in (ROOT / "tests" / "cpp").glob("test_*.cpp"))
 JOBS = "2"
-SANITIZE = "address,undefined"
+# (sanitizers, the tests built and run under them)
+BUILDS = {
+    "address,undefined": CPP_TESTS,
+    "thread": ["test_stress_threads", "test_allocator", "test_cuda_backend"],
+}
 
 
 def _tool(name: str) -> str | None:
@@ -63,14 +76,14 @@ def _run(cmd: list[str], cwd: Path, timeout: int, what: str) -> str:
     return proc.stdout
 
 
-def _sanitizers_link(compiler: str, work: Path) -> bool:
+def _sanitizers_link(compiler: str, sanitize: str, work: Path) -> bool:
     """True when the compiler can build and run a program with the sanitizers."""
     src = work / "probe.cpp"
     exe = work / "probe"
     src.write_text("int main() { return 0; }\n")
     try:
         build = subprocess.run(
-            [compiler, f"-fsanitize={SANITIZE}", str(src), "-o", str(exe)],
+            [compiler, f"-fsanitize={sanitize}", str(src), "-o", str(exe)],
             capture_output=True, timeout=60, check=False,
         )
         return build.returncode == 0 and subprocess.run([str(exe)], timeout=60, check=False).returncode == 0
@@ -78,43 +91,67 @@ def _sanitizers_link(compiler: str, work: Path) -> bool:
         return False
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(sys.platform != "linux", reason="the C++ tests and the fake CUDA runtime are Linux-only")
-def test_cpp_under_sanitizers(tmp_path: Path) -> None:
+def _toolchain(sanitize: str, work: Path) -> tuple[str, str, list[str]]:
+    """cmake, the compiler and the generator arguments; fails naming what is missing."""
     cmake = _tool("cmake")
     if cmake is None:
-        pytest.skip("cmake not found (neither on PATH nor the `cmake` pip package)")
+        pytest.fail("cmake not found (neither on PATH nor the `cmake` pip package): pip install cmake ninja")
     compiler = _compiler()
     if compiler is None:
-        pytest.skip("no C++ compiler found (CXX, c++, g++ or clang++)")
-    if not _sanitizers_link(compiler, tmp_path):
-        pytest.skip(f"{compiler} cannot build and run -fsanitize={SANITIZE} programs")
-    assert CPP_TESTS, "no tests/cpp/test_*.cpp found"
+        pytest.fail("no C++ compiler found (CXX, c++, g++ or clang++): install g++ (apt-get install g++)")
+    if not _sanitizers_link(compiler, sanitize, work):
+        pytest.fail(f"{compiler} cannot build and run -fsanitize={sanitize} programs (install its sanitizer runtime)")
+    ninja = _tool("ninja")
+    if ninja is not None:
+        return cmake, compiler, ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    if shutil.which("make") is None:
+        pytest.fail("neither ninja nor make found to drive the build: pip install ninja")
+    return cmake, compiler, []
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the C++ tests and the fake CUDA runtime are Linux-only")
+@pytest.mark.parametrize("sanitize", list(BUILDS))
+def test_cpp_under_sanitizers(tmp_path: Path, sanitize: str) -> None:
+    tests = BUILDS[sanitize]
+    assert tests and set(tests) <= set(CPP_TESTS), tests
+    cmake, compiler, generator = _toolchain(sanitize, tmp_path)
     build = tmp_path / "build"
     configure = [
-        cmake, "-S", str(ROOT), "-B", str(build),
+        cmake, "-S", str(ROOT), "-B", str(build), *generator,
         f"-DCMAKE_CXX_COMPILER={compiler}",
         "-DCMAKE_BUILD_TYPE=Debug",  # keeps assert() on
         "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g",
         "-DDTRALLOC_BUILD_TESTS=ON",
         "-DDTRALLOC_BUILD_PYTHON=OFF",
-        f"-DDTRALLOC_SANITIZE={SANITIZE}",
+        f"-DDTRALLOC_SANITIZE={sanitize}",
     ]
-    ninja = _tool("ninja")
-    if ninja is not None:
-        configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-    elif shutil.which("make") is None:
-        pytest.skip("neither ninja nor make found to drive the build")
     _run(configure, ROOT, 180, "cmake configure")
 
-    # Only the tests and the fake runtime they are given, two jobs.
-    targets = [*CPP_TESTS, "dtralloc_fakecudart"]
-    _run([cmake, "--build", str(build), "--parallel", JOBS, "--target", *targets], ROOT, 900, "C++ build")
+    # Only these tests and the fake runtime they are given, two jobs.
+    _run([cmake, "--build", str(build), "--parallel", JOBS, "--target", *tests, "dtralloc_fakecudart"],
+         ROOT, 900, "C++ build")
 
     ctest = Path(cmake).with_name("ctest")
-    ctest_cmd = [str(ctest) if ctest.exists() else "ctest", "--output-on-failure", "-j", JOBS, "--timeout", "300"]
+    ctest_cmd = [str(ctest) if ctest.exists() else "ctest", "--output-on-failure", "-j", JOBS,
+                 "--timeout", "300", "-R", "^(" + "|".join(tests) + ")$"]
     output = _run(ctest_cmd, build, 900, "ctest")
     assert "100% tests passed" in output, output[-20000:]
-    for name in CPP_TESTS:  # every test ran and reported its checks
+    for name in tests:  # every test ran and reported its checks
         assert name in output, output[-20000:]
+
+
+@pytest.mark.parametrize(
+    "missing, message",
+    [("cmake", "cmake not found"), ("compiler", "no C++ compiler"), ("sanitizer", "cannot build and run")],
+)
+def test_a_missing_tool_fails_instead_of_skipping(monkeypatch, tmp_path, missing, message):
+    """CI must not go green with the C++ tests quietly skipped."""
+    if missing == "cmake":
+        monkeypatch.setattr(sys.modules[__name__], "_tool", lambda name: None)
+    elif missing == "compiler":
+        monkeypatch.setattr(sys.modules[__name__], "_compiler", lambda: None)
+    else:
+        monkeypatch.setattr(sys.modules[__name__], "_compiler", lambda: "/bin/false")
+    with pytest.raises(pytest.fail.Exception, match=re.escape(message)):
+        _toolchain("address,undefined", tmp_path)

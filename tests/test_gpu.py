@@ -16,6 +16,8 @@ import warnings
 
 import pytest
 
+MiB = 1 << 20
+
 
 def _cuda_available() -> bool:
     try:
@@ -79,3 +81,58 @@ def test_memory_fraction_and_empty_cache_reach_dtralloc():
     result = run_gpu_worker("fraction_and_empty_cache")
     assert result["half_budget"] == int(0.5 * result["capacity"])
     assert result["stats"]["num_invalid_frees"] == 0
+
+
+@pytest.mark.parametrize("variant", ["wired", "unwired"])
+def test_record_stream_keeps_a_block_from_reuse_until_the_side_stream_is_done(variant):
+    """The control run ('unwired': install() without set_record_stream_fn, as
+    before torch's hook names were used) shows the check catches the fault on
+    this GPU: the block comes straight back."""
+    result = run_gpu_worker("record_stream_reuse", variant)
+    if variant == "wired":
+        assert not result["reused"] and not result["corrupted"], result
+        assert result["stats"]["num_invalid_frees"] == 0
+    else:
+        assert result["reused"], result
+
+
+def test_torch_memory_functions_answer_with_dtrallocs_figures():
+    r = run_gpu_worker("memory_functions")
+    assert r["memory_allocated"] == r["ours_allocated"] >= 3 * MiB
+    assert r["max_memory_allocated"] == r["ours_peak"]
+    assert r["memory_reserved"] == r["ours_reserved"]
+    assert r["same_stats"] and r["summary_ok"]
+    assert r["peak_after_reset"] == r["ours_peak_after_reset"] < 3 * MiB
+    assert r["snapshot_segments"] == r["ours_segments"] > 0
+
+
+def test_cuda_graph_capture_is_refused_at_its_start():
+    r = run_gpu_worker("graph_capture")
+    assert "does not support CUDA graph capture" in r["message"], r
+    assert "dtralloc.install()" in r["message"]
+    assert r["after"] == 2048.0  # the process keeps working
+
+
+def test_a_raw_capture_is_refused_before_it_is_invalidated():
+    r = run_gpu_worker("raw_capture")
+    assert r["begin"] == 0, r
+    assert "is capturing a CUDA graph" in r["message"], r
+    assert r["end"] == 0, r  # dtralloc made no call the capture forbids
+
+
+def test_oom_reaches_python_as_a_recognisable_runtime_error():
+    r = run_gpu_worker("oom")
+    assert r["is_runtime_error"] and len(r["args"]) == 1, r
+    assert "CUDA out of memory." in r["args"][0]
+    # torch's pluggable interface turns any allocator exception into
+    # RuntimeError; only c10::OutOfMemoryError becomes torch.cuda.OutOfMemoryError.
+    assert not r["is_torch_oom"]
+    assert r["stats"]["num_ooms"] == 1
+
+
+def test_no_stray_context_on_device_0():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert run_gpu_worker("no_stray_context")["device0_context"] == 0

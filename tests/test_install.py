@@ -1,8 +1,10 @@
 """dtralloc.install() and dtralloc.install_cupy(), without a GPU.
 
-The CPU build of torch installed here has no CUDA allocator, so the paths a GPU
-user meets are reached by monkeypatching the few torch attributes install()
-looks at. The configuration that install() would put in force process-wide is
+The CPU build of torch installed here has no CUDA allocator. tests/_torch_standin.py
+stands in for the C bindings a CUDA build has (exactly their names, with the
+behaviour of torch's C++ under a pluggable allocator); torch's own Python code
+(torch.cuda.memory.CUDAPluggableAllocator, change_current_allocator) runs as
+is on top. The configuration that install() would put in force process-wide is
 recorded instead of applied, so these tests leave the pytest process exactly
 as they found it; tests/_abi_worker.py's install_wiring scenario runs the real
 thing in a fresh process and then calls every function install() handed over.
@@ -16,6 +18,7 @@ import sys
 import types
 
 import pytest
+from _torch_standin import SETTERS, StandIn
 
 import dtralloc
 from dtralloc import torch_hooks
@@ -25,12 +28,14 @@ torch = pytest.importorskip("torch")
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_abi_worker.py")
 
+# What install() hands each of torch's setters.
 HOOK_SYMBOLS = {
-    "_set_init_fn": "dtralloc_init",
-    "_set_reset_fn": "dtralloc_empty_cache",
-    "_set_memory_fraction_fn": "dtralloc_set_memory_fraction",
-    "_set_base_alloc_fn": "dtralloc_base_alloc",
-    "_set_record_stream_fn": "dtralloc_record_stream",
+    "set_init_fn": "dtralloc_init",
+    "set_reset_fn": "dtralloc_empty_cache",
+    "set_memory_fraction_fn": "dtralloc_set_memory_fraction",
+    "set_base_alloc_fn": "dtralloc_base_alloc",
+    "set_record_stream_fn": "dtralloc_record_stream",
+    "set_begin_allocate_to_pool": "dtralloc_begin_allocate_to_pool",
 }
 
 
@@ -63,39 +68,21 @@ def events(monkeypatch):
     return log
 
 
-class _Hooks:
-    """Stands in for torch._C._CUDAPluggableAllocator: records the _set_*_fn calls."""
-
-    def __init__(self, log, missing=()):
-        self._log = log
-        self._missing = set(missing)
-
-    def __getattr__(self, name):
-        if not name.startswith("_set_") or name in self._missing:
-            raise AttributeError(name)
-        return lambda address: self._log.append((name, address))
+def _set_attr(monkeypatch):
+    return lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False)
 
 
 @pytest.fixture
 def cuda_torch(monkeypatch, events):
-    """torch as install() sees it on a fresh GPU process; returns a settings namespace."""
-    settings = types.SimpleNamespace(initialized=False, refuse=None, missing_hooks=())
-    monkeypatch.setattr(torch._C, "_cuda_customAllocator", lambda alloc, free: object(), raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: settings.initialized)
+    """torch as install() sees it in a fresh GPU process (CUDA not initialized)."""
+    return StandIn(torch).apply(_set_attr(monkeypatch))
 
-    class FakePluggableAllocator:
-        def __init__(self, path, alloc_fn_name, free_fn_name):
-            events.append(("CUDAPluggableAllocator", path, alloc_fn_name, free_fn_name))
-            self._allocator = _Hooks(events, settings.missing_hooks)
 
-    def change_current_allocator(allocator):
-        events.append(("change_current_allocator", allocator))
-        if settings.refuse:
-            raise RuntimeError(settings.refuse)
-
-    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggableAllocator)
-    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", change_current_allocator)
-    return settings
+def test_the_standin_binding_has_exactly_torchs_setters(cuda_torch):
+    binding = torch._C._cuda_customAllocator(1, 2)
+    assert {n for n in dir(binding) if not n.startswith("__")} == set(SETTERS)
+    with pytest.raises(TypeError):
+        binding.set_record_stream_fn(None)  # pybind11's uint64_t argument
 
 
 def test_not_installed_by_default(events):
@@ -137,21 +124,25 @@ def test_bad_conf_from_the_environment_is_a_config_error(monkeypatch, events):
 def test_install_wires_torch_to_the_c_abi(cuda_torch, events):
     dtralloc.install("budget:6G,max_split_size_mb:200")
     assert dtralloc.installed()
-    # Configured first, then the allocator built from our library, hooks set, swapped in.
-    assert events[0] == ("configure", "budget:6G,max_split_size_mb:200")
-    assert events[1] == ("CUDAPluggableAllocator", dtralloc.library_path(), "dtralloc_malloc_or_throw", "dtralloc_free")
-    hooks = dict(e for e in events[2:-1])
-    assert hooks == {setter: c_symbol(symbol) for setter, symbol in HOOK_SYMBOLS.items()}
-    assert events[-1][0] == "change_current_allocator"
-    assert all(address for address in hooks.values())
+    assert events == [("configure", "budget:6G,max_split_size_mb:200")]
+    binding = torch._C._cuda_getAllocator()  # swapped in by torch's change_current_allocator
+    assert binding is not None
+    allocator = cuda_torch.allocator_of(binding)
+    # Built by torch's own CUDAPluggableAllocator from our library's symbols.
+    assert allocator.alloc_fn == c_symbol("dtralloc_malloc_or_throw")
+    assert allocator.free_fn == c_symbol("dtralloc_free")
+    # Every hook under torch's name; end_allocate_to_pool and release_pool are
+    # never reached, because the begin hook refuses the capture.
+    assert allocator.hooks == {setter: c_symbol(symbol) for setter, symbol in HOOK_SYMBOLS.items()}
 
 
 def test_install_takes_a_dict_and_is_idempotent(cuda_torch, events):
     dtralloc.install({"budget": "6G", "garbage_collection_threshold": 0.8})
     assert events[0] == ("configure", "budget:6G,garbage_collection_threshold:0.8")
+    binding = torch._C._cuda_getAllocator()
     n = len(events)
     dtralloc.install("budget:6G,garbage_collection_threshold:0.8")  # same conf: nothing happens
-    assert len(events) == n
+    assert len(events) == n and torch._C._cuda_getAllocator() is binding
     with pytest.raises(torch_hooks.InstallError, match="already installed") as info:
         dtralloc.install("budget:1G")
     assert "budget:6G" in str(info.value) and "budget:1G" in str(info.value)
@@ -164,16 +155,36 @@ def test_install_uses_dtralloc_conf_by_default(monkeypatch, cuda_torch, events):
     assert events[0] == ("configure", "budget:0.5")
 
 
-def test_install_works_with_a_torch_that_lacks_some_hooks(cuda_torch, events):
-    cuda_torch.missing_hooks = ("_set_record_stream_fn", "_set_base_alloc_fn")
-    dtralloc.install("")
-    hooks = dict(e for e in events[2:-1])
-    assert set(hooks) == {"_set_init_fn", "_set_reset_fn", "_set_memory_fraction_fn"}
-    assert dtralloc.installed()
+@pytest.mark.parametrize(
+    "missing", ["set_record_stream_fn", "set_reset_fn", "set_memory_fraction_fn", "set_init_fn", "set_base_alloc_fn"]
+)
+def test_install_fails_loudly_when_torch_lacks_a_hook(monkeypatch, events, missing):
+    """Without set_record_stream_fn, tensor.record_stream() would do nothing and
+    a block still used on a side stream would be handed out again: silent
+    corruption. Without the others, empty_cache(), set_per_process_memory_fraction()
+    ... would silently do nothing. install() refuses, before swapping anything."""
+    standin = StandIn(torch, setters=[s for s in SETTERS if s != missing]).apply(_set_attr(monkeypatch))
+    with pytest.raises(torch_hooks.InstallError) as info:
+        dtralloc.install("")
+    assert missing in str(info.value)
+    assert torch.__version__ in str(info.value)
+    assert standin.state.current is None  # torch's allocator was not swapped
+    assert not dtralloc.installed()
+
+
+def test_install_warns_when_torch_cannot_refuse_a_capture_at_its_start(monkeypatch, events):
+    """A torch without set_begin_allocate_to_pool (before 2.2): dtralloc still
+    refuses a capture at its first cache miss, but one that only hits the cache
+    shares blocks silently; say so."""
+    standin = StandIn(torch, setters=[s for s in SETTERS if "pool" not in s]).apply(_set_attr(monkeypatch))
+    with pytest.warns(RuntimeWarning, match="set_begin_allocate_to_pool"):
+        dtralloc.install("")
+    assert dtralloc.installed() and standin.state.current is not None
 
 
 def test_install_after_cuda_init_says_to_install_first(cuda_torch, events):
-    cuda_torch.initialized = True
+    cuda_torch.state.cuda_initialized = True
+    torch.cuda._initialized = True  # torch.cuda.is_initialized(); undone by the fixture
     with pytest.raises(torch_hooks.InstallError) as info:
         dtralloc.install()
     message = str(info.value)
@@ -181,11 +192,14 @@ def test_install_after_cuda_init_says_to_install_first(cuda_torch, events):
     assert "Call dtralloc.install() at the top of your program" in message
     assert "before any tensor is created on or moved to the GPU" in message
     assert events == []  # neither configured nor touched torch's allocator
+    assert cuda_torch.state.current is None
     assert not dtralloc.installed()
 
 
 def test_torch_refusing_the_swap_becomes_an_install_error(cuda_torch, events):
-    cuda_torch.refuse = "Can't swap an already initialized allocator"
+    # torch's own allocator already served memory without torch.cuda's Python
+    # lazy init (a C++ extension did): changeCurrentAllocator refuses.
+    cuda_torch.state.cuda_initialized = True
     with pytest.raises(torch_hooks.InstallError) as info:
         dtralloc.install("budget:6G")
     message = str(info.value)
@@ -194,7 +208,7 @@ def test_torch_refusing_the_swap_becomes_an_install_error(cuda_torch, events):
     assert isinstance(info.value.__cause__, RuntimeError)
     assert not dtralloc.installed()
     # A later install (say, in a fresh program state) is not blocked by the failure.
-    cuda_torch.refuse = None
+    cuda_torch.state.cuda_initialized = False
     dtralloc.install("budget:6G")
     assert dtralloc.installed()
 
@@ -207,6 +221,25 @@ def test_install_then_call_what_torch_was_given():
     """Real configure() in a fresh process; then calls install()'s function pointers."""
     proc = run_worker("install_wiring")
     assert "Budget 64 MiB" in proc.stderr  # the conf passed to install() is in force
+
+
+def test_torch_memory_functions_answer_with_dtrallocs_figures():
+    run_worker("torch_memory_functions")
+
+
+def test_install_replaces_exactly_the_memory_bindings(cuda_torch, events):
+    before = dict(vars(torch._C))
+    dtralloc.install("")
+    changed = {name for name, value in vars(torch._C).items() if before.get(name) is not value}
+    assert changed == {
+        "_cuda_memoryStats",
+        "_cuda_resetPeakMemoryStats",
+        "_cuda_resetAccumulatedMemoryStats",
+        "_cuda_memorySnapshot",
+        "_accelerator_getDeviceStats",
+        "_accelerator_resetPeakStats",
+        "_accelerator_resetAccumulatedStats",
+    }
 
 
 def test_install_after_dtralloc_already_allocated_is_an_install_error():

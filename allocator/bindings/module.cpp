@@ -15,7 +15,11 @@ using namespace dtralloc;
 PYBIND11_MODULE(_core, m) {
   m.doc() = "dtralloc native core (private: use the dtralloc package)";
 
-  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
+  // A MemoryError, as CuPy's OOM is, and a RuntimeError, as
+  // torch.cuda.OutOfMemoryError is: code written for either catches it.
+  py::register_exception<OutOfMemoryError>(
+      m, "OutOfMemoryError",
+      py::make_tuple(py::handle(PyExc_MemoryError), py::handle(PyExc_RuntimeError)));
   py::register_exception<InvalidPointerError>(m, "InvalidPointerError", PyExc_ValueError);
   py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
 
@@ -36,6 +40,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("format_bytes", &format_bytes);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_path", &cuda_runtime_path);
+  m.def("prefer_cuda_runtime_major", &prefer_cuda_runtime_major, py::arg("major"),
+        "Search libcudart.so.<major> first when dtralloc loads a CUDA runtime.");
 
   bindings::bind_pool(m);
   bindings::bind_replay(m);

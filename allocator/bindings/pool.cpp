@@ -144,7 +144,18 @@ class PyEvictionHook : public EvictionHook {
   }
   bool make_room(std::size_t bytes, Stream stream) override {
     py::gil_scoped_acquire gil;
-    return fn_(bytes, stream).cast<bool>();
+    py::object answer = fn_(bytes, stream);
+    if (!PyBool_Check(answer.ptr())) {
+      const std::string name = py::hasattr(fn_, "__qualname__")
+                                   ? py::str(fn_.attr("__qualname__")).cast<std::string>()
+                                   : py::repr(fn_).cast<std::string>();
+      throw py::type_error(
+          "dtralloc: the eviction hook " + name + " returned " + py::repr(answer).cast<std::string>() +
+          " (a " + py::str(py::type::of(answer).attr("__name__")).cast<std::string>() +
+          "); it must return True when it freed memory (the pool tries again) or False when it "
+          "has nothing more to free (the malloc fails with an out-of-memory error)");
+    }
+    return answer.ptr() == Py_True;
   }
 
  private:

@@ -1,11 +1,14 @@
 // A fake CUDA runtime (libdtralloc_fakecudart.so) for machines without a GPU.
 //
-// It exports the 17 runtime functions dtralloc calls, under their real names
-// and with their real C signatures, so DTRALLOC_CUDART can point the cuda
-// backend (and anything else that dlopens a libcudart) at it. Device memory is
-// host memory, so tests can write into it. The fakecuda_* functions steer it
-// (device count, capacity, injected failures) and report what it saw (call
-// counts, live allocations, used bytes).
+// It exports the runtime functions dtralloc calls, under their real names and
+// with their real C signatures, so DTRALLOC_CUDART can point the cuda backend
+// (and anything else that dlopens a libcudart) at it. It also exports the one
+// driver function dtralloc uses, cuDevicePrimaryCtxGetState, which a real
+// installation has in libcuda.so.1 (backend_cuda.cpp looks in the runtime
+// first, then there). Device memory is host memory, so tests can write into
+// it. The fakecuda_* functions steer it (device count, capacity, injected
+// failures) and report what it saw (call counts, live allocations, used
+// bytes, which devices have a context).
 //
 // Behaviour that tests rely on:
 //   * Devices: 1 by default, each with the same capacity (1 GiB by default).
@@ -22,6 +25,22 @@
 //     Recording on stream 0 from another device than the event's fails, as it
 //     does on a GPU, which catches a missing cudaSetDevice.
 //   * cudaFree does not complete events (the real one synchronizes).
+//   * Stream capture (CUDA graphs), as in cudaStreamCaptureModeGlobal:
+//     fakecuda_set_stream_capture(stream, status) marks a stream of the
+//     current device as capturing; cudaStreamIsCapturing reports it, and on
+//     the legacy default stream (0) answers cudaErrorStreamCaptureImplicit
+//     while any stream of its device captures. While any capture is active,
+//     cudaMalloc, cudaFree, cudaEventQuery, cudaEventSynchronize,
+//     cudaStreamSynchronize and cudaDeviceSynchronize fail with
+//     cudaErrorStreamCaptureUnsupported and invalidate every active capture,
+//     which is what a real GPU does to a capture they interrupt.
+//   * Primary contexts, as CUDA 12 and later create them: cudaSetDevice(d)
+//     creates device d's context at once, and a call that works on the current
+//     device (cudaMalloc, cudaFree, cudaMemGetInfo, cudaEventCreateWithFlags,
+//     cudaEventRecord, cudaDeviceSynchronize) creates that device's context
+//     if none exists. cudaGetDevice, cudaGetDeviceCount and the error and
+//     version queries create none. A context costs hundreds of MiB on a real
+//     GPU, so a test can check that no stray one was made.
 //
 // No std containers, std::mutex or std::atomic here, on purpose: at -O0 their
 // inline members are emitted as weak symbols with default visibility and would
@@ -42,6 +61,7 @@ using namespace dtralloc::cudart;
 namespace {
 
 constexpr int kMaxDevices = 16;
+constexpr int kMaxCaptures = 16;  // streams capturing at once
 constexpr std::size_t kDefaultCapacity = std::size_t(1) << 30;
 constexpr std::size_t kAlignment = 512;
 constexpr int kRuntimeVersion = 13000;
@@ -54,6 +74,7 @@ enum Function {
   kDeviceSynchronize, kStreamSynchronize, kStreamWaitEvent,
   kEventCreateWithFlags, kEventRecord, kEventQuery, kEventSynchronize,
   kEventDestroy, kGetLastError, kGetErrorString, kRuntimeGetVersion,
+  kStreamIsCapturing, kDevicePrimaryCtxGetState,
   kFunctionCount
 };
 
@@ -63,7 +84,8 @@ constexpr const char* kFunctionNames[kFunctionCount] = {
     "cudaStreamSynchronize", "cudaStreamWaitEvent", "cudaEventCreateWithFlags",
     "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
     "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString",
-    "cudaRuntimeGetVersion"};
+    "cudaRuntimeGetVersion", "cudaStreamIsCapturing",
+    "cuDevicePrimaryCtxGetState"};
 
 // Open-addressing hash map from pointer to a trivially copyable value, with
 // linear probing. Deleting re-places the rest of the probe run, which keeps
@@ -160,6 +182,12 @@ struct EventState {
   bool pending;
 };
 
+struct Capture {
+  int device;
+  cudaStream_t stream;  // nullptr: a free slot
+  cudaStreamCaptureStatus status;
+};
+
 // Constant-initialized and never destroyed: other threads (or atexit
 // handlers of the program under test) may still call in during exit.
 struct State {
@@ -167,6 +195,8 @@ struct State {
   int device_count = 1;
   std::size_t capacity = kDefaultCapacity;
   std::size_t used[kMaxDevices] = {};
+  bool context[kMaxDevices] = {};  // the device's primary context exists
+  Capture captures[kMaxCaptures] = {};
   int failing_mallocs = 0;
   std::uintptr_t events_created = 0;
   PointerMap<Allocation> allocations;
@@ -204,6 +234,34 @@ cudaError_t current_device_error() {
   return cudaSuccess;
 }
 
+// A call not permitted during a global-mode capture: fails and invalidates
+// every active capture (caller holds the lock).
+cudaError_t capture_forbids() {
+  bool active = false;
+  for (Capture& c : g_state.captures) {
+    if (c.stream != nullptr && c.status == cudaStreamCaptureStatusActive) {
+      c.status = cudaStreamCaptureStatusInvalidated;
+      active = true;
+    }
+  }
+  return active ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
+
+Capture* find_capture(int device, cudaStream_t stream) {
+  for (Capture& c : g_state.captures) {
+    if (c.stream == stream && c.device == device) return &c;
+  }
+  return nullptr;
+}
+
+// A call that works on the current device: like the real runtime, it
+// initializes that device's primary context first (caller holds the lock).
+cudaError_t use_current_device() {
+  if (cudaError_t err = current_device_error()) return err;
+  g_state.context[t_device] = true;
+  return cudaSuccess;
+}
+
 cudaEvent_t new_event_handle() {
   std::uintptr_t id = ++g_state.events_created;
   return reinterpret_cast<cudaEvent_t>(kEventHandleBase + id * 16);
@@ -235,6 +293,15 @@ const char* error_string(cudaError_t err) {
       return "cudaErrorInvalidResourceHandle: invalid resource handle";
     case cudaErrorNotReady:
       return "cudaErrorNotReady: device not ready";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported: operation not permitted when "
+             "stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated: operation failed due to a "
+             "previous error during capture";
+    case cudaErrorStreamCaptureImplicit:
+      return "cudaErrorStreamCaptureImplicit: operation would make the legacy "
+             "stream depend on a capturing blocking stream";
     default: return "unrecognized error code";
   }
 }
@@ -248,7 +315,8 @@ FAKECUDA_EXPORT cudaError_t cudaMalloc(void** dev_ptr, std::size_t size) {
   if (dev_ptr == nullptr) return fail(cudaErrorInvalidValue);
   *dev_ptr = nullptr;
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
+  if (cudaError_t err = capture_forbids()) return fail(err);
   if (g_state.failing_mallocs > 0) {
     --g_state.failing_mallocs;
     return fail(cudaErrorMemoryAllocation);
@@ -273,6 +341,8 @@ FAKECUDA_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   count_call(kFree);
   if (dev_ptr == nullptr) return cudaSuccess;
   Lock lock;
+  if (cudaError_t err = use_current_device()) return fail(err);
+  if (cudaError_t err = capture_forbids()) return fail(err);
   const Allocation* allocation = g_state.allocations.find(dev_ptr);
   if (allocation == nullptr) return fail(cudaErrorInvalidValue);
   g_state.used[allocation->device] -= allocation->bytes;
@@ -286,7 +356,7 @@ FAKECUDA_EXPORT cudaError_t cudaMemGetInfo(std::size_t* free,
   count_call(kMemGetInfo);
   if (free == nullptr || total == nullptr) return fail(cudaErrorInvalidValue);
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
   std::size_t used = g_state.used[t_device];
   *total = g_state.capacity;
   *free = used < g_state.capacity ? g_state.capacity - used : 0;
@@ -308,6 +378,7 @@ FAKECUDA_EXPORT cudaError_t cudaSetDevice(int device) {
     return fail(cudaErrorInvalidDevice);
   }
   t_device = device;
+  g_state.context[device] = true;  // CUDA 12: cudaSetDevice initializes it
   return cudaSuccess;
 }
 
@@ -322,7 +393,8 @@ FAKECUDA_EXPORT cudaError_t cudaGetDeviceCount(int* count) {
 FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
   count_call(kDeviceSynchronize);
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
+  if (cudaError_t err = capture_forbids()) return fail(err);
   const int device = t_device;
   complete_events_where(
       [device](const EventState& event) { return event.device == device; });
@@ -332,6 +404,7 @@ FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
 FAKECUDA_EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   count_call(kStreamSynchronize);
   Lock lock;
+  if (cudaError_t err = capture_forbids()) return fail(err);
   // Stream 0 is each device's own default stream.
   const int device = t_device;
   complete_events_where([stream, device](const EventState& event) {
@@ -352,12 +425,32 @@ FAKECUDA_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t /*stream*/,
   return cudaSuccess;
 }
 
+FAKECUDA_EXPORT cudaError_t cudaStreamIsCapturing(
+    cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  count_call(kStreamIsCapturing);
+  if (status == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  if (cudaError_t err = current_device_error()) return fail(err);
+  if (stream == nullptr) {  // the legacy stream depends on every blocking one
+    for (const Capture& c : g_state.captures) {
+      if (c.stream != nullptr && c.device == t_device) {
+        return fail(cudaErrorStreamCaptureImplicit);
+      }
+    }
+    *status = cudaStreamCaptureStatusNone;
+    return cudaSuccess;
+  }
+  const Capture* capture = find_capture(t_device, stream);
+  *status = capture ? capture->status : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
 FAKECUDA_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event,
                                                      unsigned int /*flags*/) {
   count_call(kEventCreateWithFlags);
   if (event == nullptr) return fail(cudaErrorInvalidValue);
   Lock lock;
-  if (cudaError_t err = current_device_error()) return fail(err);
+  if (cudaError_t err = use_current_device()) return fail(err);
   cudaEvent_t handle = new_event_handle();
   if (!g_state.events.insert(handle, EventState{t_device, nullptr, false})) {
     return fail(cudaErrorMemoryAllocation);
@@ -376,6 +469,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
   if (stream == nullptr && state->device != t_device) {
     return fail(cudaErrorInvalidResourceHandle);
   }
+  g_state.context[state->device] = true;
   state->stream = stream;
   state->pending = true;
   return cudaSuccess;
@@ -384,6 +478,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
 FAKECUDA_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
   count_call(kEventQuery);
   Lock lock;
+  if (cudaError_t err = capture_forbids()) return fail(err);
   const EventState* state = g_state.events.find(event);
   if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
   return state->pending ? fail(cudaErrorNotReady) : cudaSuccess;
@@ -392,6 +487,7 @@ FAKECUDA_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
 FAKECUDA_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   count_call(kEventSynchronize);
   Lock lock;
+  if (cudaError_t err = capture_forbids()) return fail(err);
   EventState* state = g_state.events.find(event);
   if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
   state->pending = false;
@@ -427,6 +523,23 @@ FAKECUDA_EXPORT cudaError_t cudaRuntimeGetVersion(int* runtime_version) {
   return cudaSuccess;
 }
 
+// ---- The driver API function dtralloc uses ---------------------------------
+
+// CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags,
+// int* active) (cuda.h). CUdevice is the device ordinal; CUresult codes:
+// CUDA_SUCCESS 0, CUDA_ERROR_INVALID_VALUE 1, CUDA_ERROR_INVALID_DEVICE 101.
+// It creates no context, as on a real driver.
+FAKECUDA_EXPORT int cuDevicePrimaryCtxGetState(int dev, unsigned int* flags,
+                                               int* active) {
+  count_call(kDevicePrimaryCtxGetState);
+  if (flags == nullptr || active == nullptr) return 1;
+  Lock lock;
+  if (dev < 0 || dev >= g_state.device_count) return 101;
+  *flags = 0;
+  *active = g_state.context[dev] ? 1 : 0;
+  return 0;
+}
+
 // ---- Controls for tests --------------------------------------------------
 
 // Clamped to 0..16. Devices keep their used bytes across changes.
@@ -460,6 +573,27 @@ FAKECUDA_EXPORT long fakecuda_call_count(const char* function_name) {
   return -1;
 }
 
+// Marks `stream` (not 0) of the calling thread's current device as capturing
+// (status 1), invalidated (2) or not capturing (0), as cudaStreamBeginCapture,
+// an illegal call and cudaStreamEndCapture would. Returns 0, or -1 when the
+// stream is 0 or more than 16 streams would capture at once.
+FAKECUDA_EXPORT int fakecuda_set_stream_capture(void* stream, int status) {
+  if (stream == nullptr) return -1;
+  Lock lock;
+  auto* handle = static_cast<cudaStream_t>(stream);
+  Capture* capture = find_capture(t_device, handle);
+  if (status == cudaStreamCaptureStatusNone) {
+    if (capture != nullptr) capture->stream = nullptr;
+    return 0;
+  }
+  for (Capture& c : g_state.captures) {
+    if (capture == nullptr && c.stream == nullptr) capture = &c;
+  }
+  if (capture == nullptr) return -1;
+  *capture = Capture{t_device, handle, status};
+  return 0;
+}
+
 FAKECUDA_EXPORT void fakecuda_complete_events() {
   Lock lock;
   complete_events_where([](const EventState&) { return true; });
@@ -467,13 +601,16 @@ FAKECUDA_EXPORT void fakecuda_complete_events() {
 
 // Back to the defaults, except that live allocations and events stay valid:
 // they belong to the code under test (fakecuda_live_allocations shows them).
-// Current device and last error are reset for the calling thread only.
+// No device has a context afterwards. Current device and last error are reset
+// for the calling thread only.
 FAKECUDA_EXPORT void fakecuda_reset() {
   for (long& calls : g_calls) __atomic_store_n(&calls, 0, __ATOMIC_RELAXED);
   Lock lock;
   g_state.device_count = 1;
   g_state.capacity = kDefaultCapacity;
   g_state.failing_mallocs = 0;
+  for (bool& context : g_state.context) context = false;
+  for (Capture& capture : g_state.captures) capture.stream = nullptr;
   complete_events_where([](const EventState&) { return true; });
   t_device = 0;
   t_last_error = cudaSuccess;

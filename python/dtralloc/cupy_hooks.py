@@ -1,7 +1,7 @@
 """Route CuPy allocations into the same pool torch uses."""
 from __future__ import annotations
 
-from . import _core
+from ._native import global_pool
 
 
 class _Allocation:
@@ -31,7 +31,7 @@ def cupy_allocator(size: int):
     if size == 0:
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
     stream = cupy.cuda.get_current_stream().ptr
-    pool = _core.global_pool(device)
+    pool = global_pool(device)
     address = pool.malloc(size, stream)
     owner = _Allocation(pool, address)
     memory = cupy.cuda.UnownedMemory(address, size, owner, device)

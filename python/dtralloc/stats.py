@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 
 from . import _core
+from ._native import global_pool
 
 
 def _current_device() -> int:
@@ -44,7 +45,7 @@ def _device_index(device) -> int:
 
 
 def _pool(device):
-    return _core.global_pool(_device_index(device))
+    return global_pool(_device_index(device))
 
 
 def memory_stats(device=None) -> "collections.OrderedDict[str, object]":

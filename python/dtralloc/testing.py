@@ -1,8 +1,9 @@
 """Test helpers: the fake CUDA runtime the project builds (no GPU needed).
 
-The fake implements exactly the CUDA runtime functions dtralloc resolves, on
-host memory, plus controls: capacity, injected cudaMalloc failures, call
-counters and deferred events. Point dtralloc at it with
+The fake implements exactly the CUDA runtime functions dtralloc resolves (and
+the driver's cuDevicePrimaryCtxGetState), on host memory, plus controls:
+capacity, injected cudaMalloc failures, call counters, deferred events, stream
+capture, and which devices have a primary context. Point dtralloc at it with
 ``DTRALLOC_CUDART=dtralloc.testing.fake_cudart_path()`` before the first use
 of the cuda backend in the process.
 """
@@ -35,6 +36,11 @@ class FakeCudaRuntime:
         lib.fakecuda_used_bytes.restype = ctypes.c_size_t
         lib.fakecuda_live_allocations.restype = ctypes.c_int
         lib.fakecuda_live_events.restype = ctypes.c_int
+        lib.fakecuda_set_stream_capture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.fakecuda_set_stream_capture.restype = ctypes.c_int
+        lib.cuDevicePrimaryCtxGetState.argtypes = [
+            ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int)]
+        lib.cuDevicePrimaryCtxGetState.restype = ctypes.c_int
 
     def reset(self) -> None:
         self.lib.fakecuda_reset()
@@ -63,3 +69,16 @@ class FakeCudaRuntime:
 
     def complete_events(self) -> None:
         self.lib.fakecuda_complete_events()
+
+    def set_stream_capture(self, stream: int, status: int) -> None:
+        """Mark `stream` (not 0) of the current device as capturing a CUDA
+        graph (1), invalidated (2) or not capturing (0)."""
+        if self.lib.fakecuda_set_stream_capture(stream, status) != 0:
+            raise ValueError(f"fake runtime: cannot set the capture status of stream {stream:#x}")
+
+    def has_context(self, device: int) -> bool:
+        """Whether `device` has a primary context (cuDevicePrimaryCtxGetState)."""
+        flags, active = ctypes.c_uint(), ctypes.c_int()
+        if self.lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) != 0:
+            raise ValueError(f"fake runtime: no device {device}")
+        return active.value == 1

@@ -2,22 +2,34 @@
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Optional
 
-from . import _core
-from ._native import library_path
+from . import _core, torch_memory
+from ._native import library_path, prefer_torch_cuda_runtime
 from .config import ConfLike, conf_text
 
 _installed_conf: Optional[str] = None
 
-# torch's optional hooks and the C functions that serve them.
-_HOOKS = (
-    ("_set_init_fn", "dtralloc_init"),
-    ("_set_reset_fn", "dtralloc_empty_cache"),
-    ("_set_memory_fraction_fn", "dtralloc_set_memory_fraction"),
-    ("_set_base_alloc_fn", "dtralloc_base_alloc"),
-    ("_set_record_stream_fn", "dtralloc_record_stream"),
+# The setters of torch._C._CUDAPluggableAllocator (torch/csrc/cuda/Module.cpp,
+# registerCudaPluggableAllocator) and the C functions of include/dtralloc.h
+# that serve them, each with the prototype torch casts the address to.
+# Required: without any of these torch silently skips the call
+# (tensor.record_stream() would do nothing and a block still used on a side
+# stream be handed out again; torch.cuda.empty_cache() and
+# set_per_process_memory_fraction() would do nothing).
+_REQUIRED_HOOKS = (
+    ("set_init_fn", "dtralloc_init"),
+    ("set_reset_fn", "dtralloc_empty_cache"),
+    ("set_memory_fraction_fn", "dtralloc_set_memory_fraction"),
+    ("set_base_alloc_fn", "dtralloc_base_alloc"),
+    ("set_record_stream_fn", "dtralloc_record_stream"),
 )
+# Refuses a CUDA graph capture (or torch.cuda.MemPool) at its start, before
+# cudaStreamBeginCapture; torch 2.2 and later have it. set_end_allocate_to_pool_fn
+# and set_release_pool are left unset: torch calls them only for a capture
+# that began, and none does.
+_CAPTURE_HOOK = ("set_begin_allocate_to_pool", "dtralloc_begin_allocate_to_pool")
 
 
 class InstallError(RuntimeError):
@@ -36,6 +48,11 @@ def install(conf: ConfLike = None) -> None:
     allocator that has already served memory. ``conf`` is DTRALLOC_CONF text
     or a dict and defaults to the environment variable. A bad setting raises
     ConfigError naming the key. Calling it again with the same conf is a no-op.
+
+    Afterwards torch's memory functions (torch.cuda.memory_allocated(),
+    memory_stats(), memory_summary(), reset_peak_memory_stats(),
+    memory_snapshot(), ...) answer with dtralloc's figures: see
+    dtralloc.torch_memory for exactly what is replaced.
     """
     global _installed_conf
     text = conf_text(conf)
@@ -62,6 +79,7 @@ def install(conf: ConfLike = None) -> None:
             "an allocator that already served memory. Call dtralloc.install() at the top of "
             "your program, before any tensor is created on or moved to the GPU."
         )
+    prefer_torch_cuda_runtime()
     try:
         _core.configure(text)
     except RuntimeError as e:
@@ -74,11 +92,7 @@ def install(conf: ConfLike = None) -> None:
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         library_path(), "dtralloc_malloc_or_throw", "dtralloc_free"
     )
-    lib = ctypes.CDLL(library_path())
-    for setter, symbol in _HOOKS:
-        set_fn = getattr(allocator._allocator, setter, None)
-        if set_fn is not None:  # older torch versions lack some hooks
-            set_fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    _wire_hooks(torch, allocator.allocator())
     try:
         torch.cuda.memory.change_current_allocator(allocator)
     except RuntimeError as e:
@@ -86,4 +100,39 @@ def install(conf: ConfLike = None) -> None:
             "torch refused to swap its allocator (it was already initialized). Call "
             f"dtralloc.install() before the first CUDA allocation. torch said: {e}"
         ) from e
+    torch_memory.patch(torch, allocator.allocator())
     _installed_conf = text
+
+
+def _wire_hooks(torch, binding) -> None:
+    """Hands torch's pluggable allocator every hook, by torch's setter names;
+    raises InstallError, before anything is swapped, when a required one is
+    missing from this torch."""
+    missing = [setter for setter, _ in _REQUIRED_HOOKS if not callable(getattr(binding, setter, None))]
+    if missing:
+        raise InstallError(
+            f"this torch ({torch.__version__}) has no {', '.join(missing)} on its pluggable "
+            "allocator, so it would silently skip what dtralloc must do there (record_stream, "
+            "empty_cache, memory fraction, base allocation, init). dtralloc needs torch 2.1 or "
+            "newer; nothing was changed"
+        )
+    lib = ctypes.CDLL(library_path())
+    for setter, symbol in _REQUIRED_HOOKS:
+        getattr(binding, setter)(_address(lib, symbol))
+    setter, symbol = _CAPTURE_HOOK
+    if callable(getattr(binding, setter, None)):
+        getattr(binding, setter)(_address(lib, symbol))
+    else:
+        warnings.warn(
+            f"this torch ({torch.__version__}) has no {setter} on its pluggable allocator: "
+            "dtralloc refuses a CUDA graph capture only at the capture's first cache miss, so a "
+            "capture that is served from the cache alone shares blocks with the rest of the "
+            "program. Do not capture CUDA graphs under dtralloc, or use torch 2.2 or newer",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _address(lib: ctypes.CDLL, symbol: str) -> int:
+    """The address of a C function, as torch's setters take it (uint64_t)."""
+    return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value

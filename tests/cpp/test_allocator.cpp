@@ -191,9 +191,10 @@ void test_budget_and_oom_message() {
   a->check_invariants();
   const Stats before = stats(*a);
   std::string message = thrown_message<OutOfMemoryError>([&] { a->malloc(30 * kMiB, 3); });
-  CHECK_CONTAINS(message, "out of memory on device 0");
-  CHECK_CONTAINS(message, "tried to allocate 30 MiB");
-  CHECK_CONTAINS(message, "on stream 0x3");
+  // torch's words, which batch-size finders (accelerate, Lightning) look for.
+  CHECK_CONTAINS(message, "CUDA out of memory.");
+  CHECK_CONTAINS(message, "Tried to allocate 30 MiB");
+  CHECK_CONTAINS(message, "on device 0, stream 0x3");
   CHECK_CONTAINS(message, "Budget 64 MiB, reserved 60 MiB, allocated 60 MiB");
   CHECK_CONTAINS(message, "device capacity 1 GiB");
   CHECK_CONTAINS(message, "raise DTRALLOC_CONF=budget");
@@ -505,9 +506,18 @@ void test_eviction_hook_concurrent() {
 void test_budget_forms() {
   CHECK_EQ(make_virtual("budget:64M")->budget_bytes(), 64 * kMiB);
   CHECK_EQ(make_virtual("budget:0.25")->budget_bytes(), kGiB / 4);
-  CHECK_EQ(make_virtual("budget:1")->budget_bytes(), kGiB);
+  CHECK_EQ(make_virtual("budget:25%")->budget_bytes(), kGiB / 4);
+  CHECK_EQ(make_virtual("budget:100%")->budget_bytes(), kGiB);
   CHECK_EQ(make_virtual("budget:none")->budget_bytes(), kGiB);
   CHECK_EQ(make_virtual("budget:0.5", 100 * kMiB)->budget_bytes(), 50 * kMiB);
+  CHECK_EQ(make_virtual("budget:4096B")->budget_bytes(), 4096u);
+  // A bare number is a fraction only below 1: `budget:1` (the whole device?)
+  // and `budget:2` (2 bytes?) are errors naming both forms.
+  for (const char* bare : {"budget:1", "budget:2", "budget:1.0", "budget:1073741824"}) {
+    const std::string message = thrown_message<ConfigError>([&] { make_virtual(bare); });
+    CHECK_CONTAINS(message, "0.5 or 50%");
+    CHECK_CONTAINS(message, "6G");
+  }
 
   // A budget above the device: the device runs out first, and says so.
   auto a = make_virtual("budget:2G");

@@ -1,10 +1,14 @@
-// dtralloc_malloc_or_throw, the entry point install() hands torch: it must
-// throw (torch turns a C++ exception into a Python RuntimeError) where
-// dtralloc_malloc returns NULL, and behave identically otherwise. Python
-// cannot test this through ctypes (a C++ exception there aborts).
+// The two entry points that throw into torch: dtralloc_malloc_or_throw, the
+// allocation function install() hands torch (torch turns a C++ exception into
+// a Python RuntimeError) where dtralloc_malloc returns NULL, and
+// dtralloc_begin_allocate_to_pool, which refuses CUDA graph capture. Python
+// cannot test these through ctypes (a C++ exception there aborts, and the
+// capture hook takes a std::function by value).
 #include <cstdlib>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "check.h"
 #include "include/dtralloc.h"
@@ -24,9 +28,22 @@ int main(int argc, char** argv) {
 
   std::string message = check::thrown_message<std::runtime_error>(
       [&] { dtralloc_malloc_or_throw(100 * MiB, 0, nullptr); });
-  CHECK_CONTAINS(message, "out of memory");
+  // torch turns this into RuntimeError(what()): the words accelerate's and
+  // Lightning's batch-size finders match on must be in it.
+  CHECK_CONTAINS(message, "CUDA out of memory.");
   CHECK_CONTAINS(message, "Budget 64 MiB");
-  CHECK_CONTAINS(std::string(dtralloc_last_error()), "out of memory");
+  CHECK_CONTAINS(std::string(dtralloc_last_error()), "CUDA out of memory.");
+
+  // torch passes the size as size_t: 2^63 and more is a request that cannot
+  // be served (an OOM), not a negative size to ignore.
+  const std::size_t huge = std::size_t{1} << 63;
+  for (std::size_t size : {huge, huge + 4096, ~std::size_t{0}}) {
+    CHECK_CONTAINS(check::thrown_message<std::runtime_error>(
+                       [&] { dtralloc_malloc_or_throw(size, 0, nullptr); }),
+                   "CUDA out of memory.");
+    CHECK(dtralloc_malloc(size, 0, nullptr) == nullptr);
+    CHECK_CONTAINS(std::string(dtralloc_last_error()), "CUDA out of memory.");
+  }
 
   // The C-safe twin reports the same failure as NULL.
   CHECK(dtralloc_malloc(100 * MiB, 0, nullptr) == nullptr);
@@ -36,5 +53,23 @@ int main(int argc, char** argv) {
   CHECK(q != nullptr);
   dtralloc_free(q, 50 * MiB, 0, nullptr);
   dtralloc_empty_cache();
+
+  // The type torch casts the hook's address to (torch/csrc/cuda/Module.cpp,
+  // set_begin_allocate_to_pool: void(int, MempoolId_t,
+  // std::function<bool(cudaStream_t)>), MempoolId_t a pair of unsigned long
+  // long): this line does not compile unless the prototypes agree.
+  using BeginAllocateToPool = void(int, std::pair<unsigned long long, unsigned long long>,
+                                   std::function<bool(CUstream_st*)>);
+  BeginAllocateToPool* begin = &dtralloc_begin_allocate_to_pool;
+  bool filter_called = false;
+  const std::string refusal = check::thrown_message<std::runtime_error>([&] {
+    begin(0, {3, 0}, [&](CUstream_st*) { return filter_called = true; });
+  });
+  CHECK_CONTAINS(refusal, "CUDA graph");
+  CHECK_CONTAINS(refusal, "private pool (3, 0)");
+  CHECK_CONTAINS(refusal, "dtralloc.install()");
+  CHECK_CONTAINS(refusal, "reduce-overhead");
+  CHECK(!filter_called);
+  CHECK_CONTAINS(std::string(dtralloc_last_error()), "CUDA graph");
   return check::check_summary("test_c_api_throw");
 }

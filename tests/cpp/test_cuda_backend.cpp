@@ -25,8 +25,10 @@
 #include <thread>
 #include <vector>
 
+#include "allocator.h"
 #include "backend.h"
 #include "check.h"
+#include "config.h"
 #include "cudart_api.h"
 
 namespace {
@@ -47,6 +49,16 @@ struct FakeControls {
   int (*live_allocations)();
   int (*live_events)();
   std::size_t (*used_bytes)(int);
+  int (*set_stream_capture)(void* stream, int status);
+  // The driver API's query (cuda.h), which the fake exports too.
+  int (*primary_ctx_get_state)(int device, unsigned int* flags, int* active);
+
+  bool has_context(int device) const {
+    unsigned int flags = 0;
+    int active = -1;
+    CHECK_EQ(primary_ctx_get_state(device, &flags, &active), 0);
+    return active == 1;
+  }
 };
 
 template <typename Fn>
@@ -72,6 +84,8 @@ FakeControls load_controls(const std::string& fake_path) {
   resolve(library, "fakecuda_live_allocations", fake.live_allocations);
   resolve(library, "fakecuda_live_events", fake.live_events);
   resolve(library, "fakecuda_used_bytes", fake.used_bytes);
+  resolve(library, "fakecuda_set_stream_capture", fake.set_stream_capture);
+  resolve(library, "cuDevicePrimaryCtxGetState", fake.primary_ctx_get_state);
   return fake;
 }
 
@@ -262,6 +276,7 @@ void test_device_guard(const FakeControls& fake) {
   CHECK(cuda_device_count() == 2);
   auto on0 = make_cuda_backend(0);
   auto on1 = make_cuda_backend(1);
+  CHECK(api.SetDevice(0) == cudaSuccess);  // the caller works on device 0
   long sets = fake.call_count("cudaSetDevice");
   void* ptr = on1->allocate(8192);
   CHECK(fake.used_bytes(1) == 8192);
@@ -286,6 +301,102 @@ void test_device_guard(const FakeControls& fake) {
   on0->release(on_device0, 4096);
   on1->release(ptr, 8192);
   CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
+}
+
+// A thread that never chose a device (torchrun's helper threads, a thread
+// that frees a tensor of device 1) must not come out of dtralloc with a new
+// context on device 0: on a GPU that is hundreds of MiB on GPU 0 per rank. The
+// guard switches to the backend's device and restores the previous one only
+// where that device already had a context (torch's c10::cuda::MaybeSetDevice).
+void test_device_guard_makes_no_stray_context(const FakeControls& fake) {
+  fake.reset();
+  fake.set_device_count(2);
+  CHECK(!fake.has_context(0) && !fake.has_context(1));
+  std::thread fresh([&] {
+    auto on1 = make_cuda_backend(1);
+    void* ptr = on1->allocate(4096);
+    EventHandle event = on1->create_event();
+    on1->record_event(event, 0);
+    on1->synchronize_event(event);
+    on1->destroy_event(event);
+    on1->synchronize_device();
+    CHECK(on1->total_bytes() == 1024 * kMiB);
+    on1->release(ptr, 4096);
+  });
+  fresh.join();
+  CHECK(fake.has_context(1));
+  CHECK(!fake.has_context(0));  // no stray context on device 0
+  // Where device 0 has a context, the caller's device is restored as before.
+  const CudaRuntimeApi& api = cuda_runtime();
+  std::thread chose0([&] {
+    CHECK(api.SetDevice(0) == cudaSuccess);
+    auto on1 = make_cuda_backend(1);
+    void* ptr = on1->allocate(4096);
+    on1->release(ptr, 4096);
+    int current = -1;
+    CHECK(api.GetDevice(&current) == cudaSuccess && current == 0);
+  });
+  chose0.join();
+  fake.reset();
+}
+
+// CUDA graph capture: dtralloc keeps no private pool per graph, so it refuses
+// a capture, and must do so before it makes a call the capture forbids
+// (cudaMalloc, cudaEventQuery, ...), which would invalidate the user's
+// capture and surface as an obscure CUDA error instead.
+void test_capture_is_refused_before_any_illegal_call(const FakeControls& fake) {
+  fake.reset();
+  const CudaRuntimeApi& api = cuda_runtime();
+  Allocator a(make_cuda_backend(0), parse_config(""));
+  const Stream side = 0x5000, other = 0x6000;
+  void* warm = a.malloc(kMiB, side);  // a cached small segment on `side`
+  a.free(warm);
+  void* pending = a.malloc(512, side);
+  a.record_stream(pending, other);
+  a.free(pending);  // an event on `other` now holds it
+
+  CHECK_EQ(fake.set_stream_capture(reinterpret_cast<void*>(side), cudaStreamCaptureStatusActive), 0);
+  auto status_of = [&](Stream s) {
+    cudaStreamCaptureStatus status = -1;
+    CHECK_EQ(api.StreamIsCapturing(reinterpret_cast<cudaStream_t>(s), &status), cudaSuccess);
+    return status;
+  };
+  const long mallocs = fake.call_count("cudaMalloc");
+  const long queries = fake.call_count("cudaEventQuery");
+  // A cache hit needs no CUDA call; the pending event is not polled.
+  void* hit = a.malloc(kMiB, side);
+  CHECK(hit != nullptr);
+  CHECK_EQ(fake.call_count("cudaMalloc"), mallocs);
+  CHECK_EQ(fake.call_count("cudaEventQuery"), queries);
+  // A miss would need cudaMalloc: refused, naming the cause and the way out.
+  std::string message = thrown_message<std::runtime_error>([&] { a.malloc(4 * kMiB, side); });
+  CHECK_CONTAINS(message, "CUDA graph");
+  CHECK_CONTAINS(message, "capturing");
+  CHECK_CONTAINS(message, "dtralloc.install()");
+  CHECK_EQ(fake.call_count("cudaMalloc"), mallocs);
+  CHECK_EQ(fake.call_count("cudaEventQuery"), queries);
+  CHECK_EQ(status_of(side), cudaStreamCaptureStatusActive);  // the capture survives
+  CHECK(api.GetLastError() == cudaSuccess);
+  // The legacy default stream of a device with a capture under way is refused
+  // too (the runtime answers cudaErrorStreamCaptureImplicit for it).
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { a.malloc(4 * kMiB, 0); }), "CUDA graph");
+  CHECK(api.GetLastError() == cudaSuccess);
+  CHECK_EQ(fake.call_count("cudaMalloc"), mallocs);
+  a.free(hit);
+  a.check_invariants();
+
+  // Once the capture ends, everything works again.
+  CHECK_EQ(fake.set_stream_capture(reinterpret_cast<void*>(side), cudaStreamCaptureStatusNone), 0);
+  void* big = a.malloc(4 * kMiB, side);
+  fake.complete_events();
+  void* again = a.malloc(512, side);
+  CHECK(again == pending);  // the event was polled and the block came back
+  a.free(big);
+  a.free(again);
+  a.empty_cache();
+  a.check_invariants();
+  CHECK_EQ(fake.live_allocations(), 0);
+  CHECK_EQ(fake.live_events(), 0);
 }
 
 void test_bad_devices(const FakeControls& fake) {
@@ -415,6 +526,8 @@ int main(int argc, char** argv) {
   test_injected_failures(fake);
   test_events(fake);
   test_device_guard(fake);
+  test_device_guard_makes_no_stray_context(fake);
+  test_capture_is_refused_before_any_illegal_call(fake);
   test_bad_devices(fake);
   test_runtime_errors_throw(fake);
   test_call_counters(fake);

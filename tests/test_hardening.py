@@ -1,0 +1,74 @@
+"""Smaller faults of the GPU path, each with the behaviour a user would see.
+
+* an eviction hook that returns something other than True/False;
+* which CUDA runtime dtralloc loads when torch (built against CUDA 12 or 13)
+  is in the process but no runtime is loaded yet;
+* a process forked from one whose dtralloc allocators hold CUDA memory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import dtralloc
+from dtralloc.testing import fake_cudart_path
+
+MiB = 1 << 20
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_abi_worker.py")
+
+
+@pytest.mark.parametrize("answer", [None, 1, "yes", 0.0])
+def test_eviction_hook_returning_the_wrong_type_says_what_it_must_return(make_pool, answer):
+    pool = make_pool("virtual", "1G", "budget:64M")
+
+    def make_room(nbytes, stream):
+        return answer
+
+    pool.set_eviction_hook(make_room)
+    with pytest.raises(TypeError) as info:
+        pool.malloc(100 * MiB)
+    message = str(info.value)
+    assert "eviction hook" in message and "make_room" in message
+    assert repr(answer) in message and type(answer).__name__ in message
+    assert "True" in message and "False" in message
+    pool.check_invariants()
+
+
+def _runtime_chosen(tmp_path, torch_cuda: str | None) -> str:
+    """The CUDA runtime dtralloc loads in a fresh process where the loader
+    finds both libcudart.so.13 and libcudart.so.12 (copies of the fake) and
+    torch, built against `torch_cuda`, is imported but loaded none."""
+    for soname in ("libcudart.so.12", "libcudart.so.13"):
+        shutil.copy(fake_cudart_path(), tmp_path / soname)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
+    env["LD_LIBRARY_PATH"] = f"{tmp_path}:{env.get('LD_LIBRARY_PATH', '')}"
+    code = (
+        "import torch, dtralloc\n"
+        # torch/version.py of a CUDA build: cuda = '12.8' (None in the CPU build here)
+        f"torch.version.cuda = {torch_cuda!r}\n"
+        "dtralloc.memory_stats(0)\n"
+        "print(dtralloc._core.cuda_runtime_path())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return os.path.basename(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("torch_cuda, soname", [("12.8", "libcudart.so.12"), ("13.0", "libcudart.so.13")])
+def test_the_runtime_of_the_torch_in_the_process_is_preferred(tmp_path, torch_cuda, soname):
+    assert _runtime_chosen(tmp_path, torch_cuda) == soname
+
+
+def test_without_a_cuda_torch_the_newest_runtime_is_tried_first(tmp_path):
+    assert _runtime_chosen(tmp_path, None) == "libcudart.so.13"
+
+
+def test_a_forked_child_does_not_use_the_parents_pool():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
+    env["DTRALLOC_CUDART"] = fake_cudart_path()
+    proc = subprocess.run([sys.executable, WORKER, "fork"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "PASS fork" in proc.stdout, proc.stdout + proc.stderr
