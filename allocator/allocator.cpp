@@ -451,6 +451,7 @@ void Allocator::set_history_entries(std::size_t entries) {
   history_.assign(entries, TraceEntry{});
   history_next_ = 0;
   history_wrapped_ = false;
+  history_recorded_ = 0;
 }
 
 std::size_t Allocator::history_entries() {
@@ -582,10 +583,16 @@ void Allocator::record(TraceAction action, std::uintptr_t addr, std::size_t size
   if (history_.empty()) return;
   history_[history_next_] = {action, op_stamp_.load(std::memory_order_relaxed), addr, size, stream,
                              op_time_us_, detail};
+  ++history_recorded_;
   if (++history_next_ == history_.size()) {
     history_next_ = 0;
     history_wrapped_ = true;
   }
+}
+
+std::uint64_t Allocator::history_recorded() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return history_recorded_;
 }
 
 std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream stream) {

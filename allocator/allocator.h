@@ -181,6 +181,9 @@ class Allocator {
   // A relaxed atomic store: drivers call it once per op, from any thread,
   // without the pool lock.
   void set_op_stamp(std::int32_t op) { op_stamp_.store(op, std::memory_order_relaxed); }
+  // Events recorded into the history since it was last resized (more than
+  // the ring holds once it wrapped): a position in the event stream.
+  std::uint64_t history_recorded();
   std::int32_t op_stamp() const { return op_stamp_.load(std::memory_order_relaxed); }
   // The history, oldest first, as the ring's two contiguous runs (`older`
   // then `newer`), handed over under the lock: exporters copy columns
@@ -276,6 +279,7 @@ class Allocator {
   std::vector<TraceEntry> history_;   // ring buffer of history_entries
   std::size_t history_next_ = 0;
   bool history_wrapped_ = false;
+  std::uint64_t history_recorded_ = 0;  // events recorded since the ring was (re)sized
   std::int64_t op_time_us_ = 0;       // clock at the start of the current op
   std::atomic<std::int32_t> op_stamp_{-1};  // set_op_stamp; read by record()
 

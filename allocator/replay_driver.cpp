@@ -83,6 +83,7 @@ void sample(Allocator& allocator, const RematEngine& engine, bool evicting, int 
   series->evictable.push_back(evicting ? static_cast<std::int64_t>(engine.evictable_resident_bytes()) : 0);
   series->largest_free.push_back(static_cast<std::int64_t>(report.largest_free_bytes));
   series->free.push_back(static_cast<std::int64_t>(report.free_cached_bytes));
+  if (allocator.history_entries()) series->event.push_back(static_cast<std::int64_t>(allocator.history_recorded()));
 }
 
 // The figures derived from the counters and the per-op samples, summed in op
@@ -126,6 +127,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   const bool evicting = policy_traits(options.policy).choice != VictimChoice::kNone;
   if (evicting) allocator.set_eviction_hook(evictor);
   const bool recipes = evicting || options.measure_floor;
+  if (options.history_entries) allocator.set_history_entries(options.history_entries);
 
   std::vector<int> current(t.nbytes.size(), -1);  // storage id -> its current value
   auto check = [&] {
@@ -147,6 +149,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
     check();
     for (std::size_t i = 0; i < t.num_ops(); ++i) {
       out.oom_op = static_cast<int>(i);
+      allocator.set_op_stamp(static_cast<std::int32_t>(i));
       engine.tick();
       call.cost = t.cost[i];
       call.random = t.random[i] != 0;
@@ -178,6 +181,10 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
     out.oom_message = e.what();
   }
   allocator.set_eviction_hook(nullptr);
+  if (options.history_entries) {
+    out.history = allocator.snapshot().trace;
+    out.history_wrapped = allocator.history_recorded() > out.history.size();
+  }
   const StatsReport report = allocator.stats_report();
   out.peak_reserved_bytes = report.stats.reserved_bytes[kStatAll].peak;
   out.peak_allocated_bytes = report.stats.allocated_bytes[kStatAll].peak;

@@ -47,6 +47,9 @@ struct ReplayOptions {
   // resident_floor_bytes. Without it the allocation-only replay keeps none,
   // so every storage is freed exactly when the trace frees it.
   bool measure_floor = false;
+  // > 0: the pool keeps that many events of its alloc/free history, each
+  // stamped with the op it happened in (ReplayResult::history).
+  std::size_t history_entries = 0;
   // Called now and then with (ops done, ops in all), from the replaying thread.
   std::function<void(std::size_t, std::size_t)> progress;
 };
@@ -107,8 +110,15 @@ struct ReplayResult {
   struct Series {
     std::vector<std::int32_t> op;
     std::vector<std::int64_t> reserved, allocated, evictable, largest_free, free;
+    // With a history: how many history events precede the sample (the
+    // history's first event is 0); the dashboard's address views start there.
+    std::vector<std::int64_t> event;
   } series;
   EventLog events;
+  // The pool's event history, oldest first (ReplayOptions::history_entries);
+  // op stamps: -1 for the storages alive before the step.
+  std::vector<TraceEntry> history;
+  bool history_wrapped = false;        // the ring overflowed: the oldest events are gone
 };
 
 ReplayResult run_replay(const ReplayTrace& trace, const ReplayOptions& options);

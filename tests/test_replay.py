@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from _steps import training_step
 from conftest import MiB
@@ -407,3 +408,21 @@ def test_cli_replay_with_policies_adds_eviction_columns(tmp_path):
         assert overhead > 0 and evictions > 0 and remats > 0
     bad = _dtralloc("replay", bundled_path("mlp"), "--budget", "0.5", "--policy", "bogus")
     assert bad.returncode == 2 and "unknown policy 'bogus'" in bad.stderr
+
+
+def test_history_is_stamped_with_ops_and_agrees_with_the_series():
+    from dtralloc.dashboard.history import build_history
+    from dtralloc.traces import load_bundled
+
+    trace = load_bundled("resnet50")
+    assert dtralloc.replay(trace, budget=0.5, policy="dtralloc").history is None
+    r = dtralloc.replay(trace, budget=0.5, policy="dtralloc", history=True)
+    assert r.feasible and r.evictions > 0 and not r.history_wrapped
+    h, s = r.history, r.series
+    assert np.all(np.diff(h["op"]) >= 0) and h["op"][0] == -1 and h["op"][-1] == len(trace.ops) - 1
+    assert np.all(np.diff(s["event"]) >= 0) and s["event"][-1] <= len(h["op"])
+    model = build_history(h).model
+    for i in range(0, len(s["op"]), 7):  # what was allocated at each op's sample, from the events alone
+        e = s["event"][i] - 1
+        live = (model["block_start"] <= e) & (e < model["block_free_requested"])
+        assert int(model["block_size"][live].sum()) == s["allocated"][i], i

@@ -31,6 +31,7 @@ py::dict series_dict(const ReplayResult& r, py::handle owner) {
   d["evictable"] = column(r.series.evictable, owner);
   d["largest_free"] = column(r.series.largest_free, owner);
   d["free"] = column(r.series.free, owner);
+  if (!r.series.event.empty()) d["event"] = column(r.series.event, owner);
   return d;
 }
 
@@ -58,7 +59,7 @@ py::array_t<double> one_minus_ratio(const std::vector<std::int64_t>& a, const st
 
 ReplayResult replay(const ReplayTrace& trace, std::size_t budget_bytes, const std::string& policy,
                     const std::string& conf, bool check_invariants, bool series, bool measure_floor,
-                    py::object progress) {
+                    std::size_t history_entries, py::object progress) {
   ReplayOptions options;
   options.config = parse_config(conf);
   options.policy = parse_policy(policy);
@@ -66,6 +67,7 @@ ReplayResult replay(const ReplayTrace& trace, std::size_t budget_bytes, const st
   options.check_invariants = check_invariants;
   options.series = series;
   options.measure_floor = measure_floor;
+  options.history_entries = history_entries;
   if (!progress.is_none()) {
     options.progress = [progress](std::size_t done, std::size_t total) {
       py::gil_scoped_acquire gil;
@@ -144,12 +146,19 @@ void bind_replay(py::module_& m) {
       .def_property_readonly("series", [](py::object self) {
         return series_dict(self.cast<const ReplayResult&>(), self);
       }, "per op, after its outputs are allocated: op, reserved, allocated, evictable, largest_free, free "
-         "(numpy arrays)")
+         "(numpy arrays); with history=True also event, the number of history events before the sample")
       .def_property_readonly("events", [](py::object self) {
         return events_dict(self.cast<const ReplayResult&>().events, self);
       }, "the evictor's calls, evictions and recomputes: op, kind (0 room asked, 1 evicted, "
          "2 recomputed), value, bytes, addr, plan (0 none, 1 window, 2 segment release, 3 single), "
          "score, window_addr, window_bytes (numpy arrays)")
+      .def_property_readonly("history", [](const ReplayResult& r) -> py::object {
+        if (r.history.empty()) return py::none();
+        return history_columns(r.history.data(), r.history.size(), nullptr, 0);
+      }, "the pool's alloc/free/segment events, each stamped with its op (-1: before the first), as "
+         "numpy columns (Pool.history()'s); None unless replay(..., history=True)")
+      .def_readonly("history_wrapped", &ReplayResult::history_wrapped,
+                    "the history ring filled up: its oldest events may be gone")
       .def_property_readonly("reserved_fragmentation", [](const ReplayResult& r) {
         return one_minus_ratio(r.series.allocated, r.series.reserved);
       }, "1 - allocated / reserved after each op")
@@ -176,7 +185,7 @@ void bind_replay(py::module_& m) {
 
   m.def("replay", &replay, py::arg("trace"), py::arg("budget_bytes"), py::arg("policy"), py::arg("conf"),
         py::arg("check_invariants") = false, py::arg("series") = true, py::arg("measure_floor") = false,
-        py::arg("progress") = py::none(),
+        py::arg("history_entries") = 0, py::arg("progress") = py::none(),
         "Replay `trace` (a ReplayTrace) through a fresh pool on the virtual backend under "
         "`budget_bytes` (0 = none) with eviction `policy`.");
 

@@ -84,7 +84,11 @@ def replay_run(trace, result, label: str, min_budget: Optional[float] = None) ->
     hist = getattr(result, "history", None)
     if hist is not None:
         run.history = build_history(hist)
-        run.x_event = sample_events(run.history.cols["op"], run.history.cols["action"], n)
+        if "event" in result.series:  # the replay says where each op was sampled
+            run.x_event = np.full(n, len(run.history.cols["op"]), np.int64)
+            run.x_event[result.series["op"]] = result.series["event"]
+        else:
+            run.x_event = sample_events(run.history.cols["op"], run.history.cols["action"], n)
     else:
         run.notes.append("This replay carries no allocator history (dtralloc.replay(..., history=True) is "
                          "not in this build), so the address map, the address x time map and the tensor "

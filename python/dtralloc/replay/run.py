@@ -18,6 +18,7 @@ def replay(
     conf: ConfLike = None,
     check_invariants: bool = False,
     progress: Optional[Callable[[int, int], None]] = None,
+    history: bool = False,
 ) -> ReplayResult:
     """Run `trace` through a fresh pool and measure it.
 
@@ -30,6 +31,9 @@ def replay(
         conf: extra DTRALLOC_CONF settings for the pool (not `budget`).
         check_invariants: verify the pool's invariants after every op (slow).
         progress: called as progress(ops_done, ops_total) now and then.
+        history: keep the pool's alloc/free/segment events, each stamped
+            with its op (``result.history``, numpy columns; what the
+            dashboard's address views draw).
     """
     if isinstance(trace, str):
         trace = load(trace)
@@ -39,13 +43,14 @@ def replay(
     if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
         policy = _core.describe_config(text)[_POLICY_ROW]["value"]
     columns = replay_columns(trace)
+    entries = _history_entries(trace) if history else 0
     if budget is None and policy == "none":  # the replay is its own no-eviction reference
-        result = _run(columns, 0, "none", text, check_invariants, progress)
+        result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries)
         result.no_eviction_peak_reserved_bytes = result.peak_reserved_bytes
     else:
         reference = _run(columns, 0, "none", text, False, None).peak_reserved_bytes
         budget_bytes = 0 if budget is None else _resolve_budget(budget, reference)
-        result = _run(columns, budget_bytes, policy, text, check_invariants, progress)
+        result = _run(columns, budget_bytes, policy, text, check_invariants, progress, history_entries=entries)
         result.no_eviction_peak_reserved_bytes = reference
     result.name = str(trace.meta.get("name", ""))
     result.conf = text
@@ -107,9 +112,21 @@ def replay_columns(trace: Trace) -> _core.ReplayTrace:
     return t
 
 
+# The pool's history ring holds at most this many events (48 bytes each).
+_MAX_HISTORY = 1 << 24
+
+
+def _history_entries(trace: Trace) -> int:
+    """A history ring for the whole replay: each storage makes an alloc and
+    two free events, segments come and go, and recomputes allocate again
+    (at most kMaxRematsPerOp per op before the replay calls it thrashing, but
+    a handful on average); capped at the pool's maximum."""
+    return min(_MAX_HISTORY, 4 * len(trace.storages) + 16 * len(trace.ops) + 4096)
+
+
 def _run(columns, budget_bytes: int, policy: str, conf: str, check: bool, progress,
-         measure_floor: bool = False) -> ReplayResult:
-    return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, progress)
+         measure_floor: bool = False, history_entries: int = 0) -> ReplayResult:
+    return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, history_entries, progress)
 
 
 def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
