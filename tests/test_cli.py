@@ -35,11 +35,17 @@ def test_demo_replays_every_bundled_trace_under_each_setting():
     assert len(rows) == 6 * len(list_bundled())
     assert any(" yes " in row and float(row.split()[-3]) > 0 for row in rows), \
         "some step must fit its budget by recomputing"
+    # The live part: a model trained under dtr() at half its peak, losses as plain.
+    live = out[out.index("Live:"):]
+    assert "losses identical: yes" in live
+    steps = [line.split() for line in live.splitlines() if line.strip()[:1].isdigit()]
+    assert len(steps) == 3 and all(row[1] == row[2] and int(row[3]) > 0 for row in steps)
 
 
 def test_demo_takes_a_subset_and_custom_settings():
     out = run("demo", "--trace", "mlp", "--conf", "", "--conf", "max_split_size_mb:64",
-              "--policy", "dtralloc", "--budget", "0.99").stdout
+              "--policy", "dtralloc", "--budget", "0.99", "--no-live").stdout
+    assert "Live:" not in out
     assert "[ 2/2]" in out and "max_split_size_mb:64" in out and "gpt2" not in out
     assert "[ 1/1] mlp       dtralloc  0.99" in out
 

@@ -28,7 +28,7 @@ def _cmd_bench(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(traces=args.trace, confs=args.conf, policies=args.policy,
+    run_demo(traces=args.trace, confs=args.conf, policies=args.policy, live=not args.no_live,
              budgets=[float(b) for b in args.budget] if args.budget else None)
     return 0
 
@@ -189,13 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", action="store_true",
                    help="print the eviction policy table (the values of `policy`) as markdown")
     p.set_defaults(func=_cmd_config)
-    p = sub.add_parser("demo", help="replay the bundled training steps under several settings")
+    p = sub.add_parser("demo", help="replay the bundled training steps under several settings, then train a "
+                                    "small model live under a budget")
     p.add_argument("--trace", action="append", help="a bundled trace to replay (repeatable; default all)")
     p.add_argument("--conf", action="append", help="a DTRALLOC_CONF to compare (repeatable)")
     p.add_argument("--policy", action="append",
                    help="an eviction policy for the budget table (repeatable; default dtr, coop, dtralloc)")
     p.add_argument("--budget", action="append",
                    help="a budget fraction of the peak for the budget table (repeatable; default 0.7, 0.5)")
+    p.add_argument("--no-live", action="store_true",
+                   help="skip the live part (a model trained on CPU under dtralloc.dtr at half its peak)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
     p.add_argument("target", help="a zoo model of dtralloc.zoo (gpt2, bert, llama, resnet50, unet, mlp), "

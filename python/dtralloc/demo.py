@@ -6,7 +6,10 @@ every one of them through dtralloc's pool on the virtual backend under the
 default policy and a few DTRALLOC_CONF variants, and prints how much memory
 each step really reserves against what it allocates, and how fragmented the
 cache gets. Then it replays them under budgets below their peak with the
-main eviction policies, and prints what recomputation costs. No GPU needed.
+main eviction policies, and prints what recomputation costs. Last, the live
+part (demo_live.py): a small model trained for a few steps on CPU under
+dtralloc.dtr() at half its peak, losses identical to the plain run. No GPU
+needed.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ DEMO_BUDGETS = [0.7, 0.5]
 DEMO_POLICIES = ["dtr", "coop", "dtralloc"]
 
 
-def run_demo(traces=None, confs=None, policies=None, budgets=None, echo=print) -> list[ReplayResult]:
+def run_demo(traces=None, confs=None, policies=None, budgets=None, echo=print, live=True) -> list[ReplayResult]:
     names = traces or list_bundled()
     confs = DEMO_CONFS if confs is None else confs
     policies = DEMO_POLICIES if policies is None else policies
@@ -70,6 +73,11 @@ def run_demo(traces=None, confs=None, policies=None, budgets=None, echo=print) -
         echo("overhead: recompute cost over one pass of the step; OOM rows: the policy cannot fit "
              "the step in that budget.")
         results += evicting
+    if live:
+        from .demo_live import run_live_demo
+
+        echo("")
+        run_live_demo(echo)
     echo(f"done in {time.perf_counter() - start:.1f}s")
     return results
 
