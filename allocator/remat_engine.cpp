@@ -117,6 +117,12 @@ void RematEngine::unacquire(int v) { unlock(v); }
 // so the loop ends. Nested recomputes are frames on `stack`, not calls.
 void RematEngine::hold(const std::vector<int>& vs) {
   if (in_hold_) broken(-1, "hold() re-entered (a driver recomputed from inside a recompute)");
+  // The common case (every op of a live run, most of a replay): all resident,
+  // nothing to recompute, no stack to build.
+  if (std::all_of(vs.begin(), vs.end(), [&](int v) { return values_[v].state == ValueState::kResident; })) {
+    for (int v : vs) lock(v);
+    return;
+  }
   in_hold_ = true;
   std::vector<Frame> stack;
   stack.push_back(Frame{});

@@ -50,15 +50,12 @@ std::int64_t as_int(const py::object& o) {
   return v;
 }
 
-// The placeholder a template holds where a tensor was: (kMarker, k).
+// The placeholder a template holds where a tensor was; the tensors are
+// filled back in the order record() met them (for_each_tensor's order).
 py::object& marker() {
   static py::object* m = new py::object(py::reinterpret_steal<py::object>(PyObject_CallNoArgs(
       reinterpret_cast<PyObject*>(&PyBaseObject_Type))));
   return *m;
-}
-int placeholder_index(PyObject* o) {
-  if (!PyTuple_CheckExact(o) || PyTuple_GET_SIZE(o) != 2 || PyTuple_GET_ITEM(o, 0) != marker().ptr()) return -1;
-  return static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(o, 1)));
 }
 
 // Tensor leaves of an op's arguments or outputs, in a fixed order (tuples,
@@ -151,13 +148,25 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   engine_ = std::make_unique<RematEngine>(*driver_);
   evictor_ = std::make_shared<Evictor>(*pool_, *engine_, options.policy, config);
   // One callback for every storage the session watches: it only queues the
-  // value; flush_deaths() tells the engine at the next entry point.
-  watch_callback_ = py::cpp_function([this](py::handle weakref) {
-    auto it = watched_.find(weakref.ptr());
-    if (it == watched_.end()) return;
-    dead_.push_back(it->second);
-    watched_.erase(it);
-  });
+  // value; flush_deaths() tells the engine at the next entry point. A plain
+  // CPython function (one per op dies; a pybind11 function costs a
+  // microsecond more per call).
+  static PyMethodDef def = {"dtralloc_storage_died", &LiveSession::storage_died, METH_O, nullptr};
+  py::capsule self(this);
+  PyObject* fn = PyCFunction_New(&def, self.ptr());
+  if (!fn) throw py::error_already_set();
+  watch_callback_ = py::reinterpret_steal<py::object>(fn);
+}
+
+PyObject* LiveSession::storage_died(PyObject* self, PyObject* weakref) {
+  auto* session = static_cast<LiveSession*>(PyCapsule_GetPointer(self, nullptr));
+  if (!session) return nullptr;
+  auto it = session->watched_.find(weakref);
+  if (it != session->watched_.end()) {
+    session->dead_.push_back(it->second);
+    session->watched_.erase(it);
+  }
+  Py_RETURN_NONE;
 }
 
 LiveSession::~LiveSession() {
@@ -468,9 +477,6 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       Slot& s = slot(v);
       s.pin = foreign ? PinReason::kForeign : reason;
       s.out_index = m.out_index;
-      PyObject* fam = PyWeakref_NewRef(m.tensor.ptr(), nullptr);
-      if (!fam) throw py::error_already_set();
-      s.family = py::reinterpret_steal<py::object>(fam);
       watch(v, m.storage, m.cdata);
       if (!engine_->value(v).pinned) recomputable.push_back(v);
     }
@@ -538,30 +544,28 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     for (const Seen& w : written)
       for (std::size_t k = 0; k < inputs.size(); ++k)
         if (inputs[k].tensor == w.tensor || inputs[k].value == w.value) rec->written.push_back(static_cast<int>(k));
-    int next = 0;
-    rec->args = template_of(args, &next);
-    rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs, &next) : py::object(py::dict());
+    rec->args = template_of(args);
+    rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : py::object(py::dict());
     if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);
     ops_[op] = std::move(rec);
   }
-  if (mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, mirror_->usage().reserved);
+  if (!mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, pool_->usage().reserved);
   if (options_.chaos) evict_for_chaos();
   if (options_.check_invariants) check_invariants();
 }
 
-// `x` with every tensor replaced by (marker, k), k counting tensors in the
-// order record() saw them; containers without tensors are kept as they are.
-py::object LiveSession::template_of(py::handle x, int* next_index) const {
+// `x` with every tensor replaced by the marker; containers without tensors
+// are kept as they are.
+py::object LiveSession::template_of(py::handle x) const {
   PyObject* o = x.ptr();
-  if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type_.ptr())))
-    return py::make_tuple(marker(), (*next_index)++);
+  if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type_.ptr()))) return marker();
   if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
     PyObject** items = PySequence_Fast_ITEMS(o);
     py::list parts(n);
     bool changed = false;
     for (Py_ssize_t i = 0; i < n; ++i) {
-      py::object part = template_of(items[i], next_index);
+      py::object part = template_of(items[i]);
       changed |= part.ptr() != items[i];
       parts[i] = part;
     }
@@ -574,7 +578,7 @@ py::object LiveSession::template_of(py::handle x, int* next_index) const {
     PyObject *key, *value;
     Py_ssize_t pos = 0;
     while (PyDict_Next(o, &pos, &key, &value)) {
-      py::object part = template_of(value, next_index);
+      py::object part = template_of(value);
       changed |= part.ptr() != value;
       d[key] = part;
     }
@@ -583,22 +587,21 @@ py::object LiveSession::template_of(py::handle x, int* next_index) const {
   return py::reinterpret_borrow<py::object>(o);
 }
 
-py::object LiveSession::fill(py::handle x, const py::list& tensors) const {
+py::object LiveSession::fill(py::handle x, const py::list& tensors, std::size_t* next) const {
   PyObject* o = x.ptr();
-  const int k = placeholder_index(o);
-  if (k >= 0) return tensors[k];
+  if (o == marker().ptr()) return tensors[(*next)++];
   if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
     PyObject** items = PySequence_Fast_ITEMS(o);
     py::list parts(n);
-    for (Py_ssize_t i = 0; i < n; ++i) parts[i] = fill(items[i], tensors);
+    for (Py_ssize_t i = 0; i < n; ++i) parts[i] = fill(items[i], tensors, next);
     return PyTuple_CheckExact(o) ? py::object(py::tuple(parts)) : py::object(parts);
   }
   if (PyDict_CheckExact(o)) {
     py::dict d;
     PyObject *key, *value;
     Py_ssize_t pos = 0;
-    while (PyDict_Next(o, &pos, &key, &value)) d[key] = fill(value, tensors);
+    while (PyDict_Next(o, &pos, &key, &value)) d[key] = fill(value, tensors, next);
     return d;
   }
   return py::reinterpret_borrow<py::object>(o);
@@ -641,8 +644,11 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
     }
     tensors[k] = view_(storage, r.dtype, r.size, r.stride, r.offset);
   }
-  py::object out = run_(op->func, fill(op->args, tensors), fill(op->kwargs, tensors), op->rng,
-                        (op->flags & kGradEnabled) != 0);
+  std::size_t next = 0;
+  py::object args = fill(op->args, tensors, &next);
+  py::object kwargs = fill(op->kwargs, tensors, &next);
+  if (next != tensors.size()) throw std::logic_error("dtralloc live session: a recipe's template lost a tensor");
+  py::object out = run_(op->func, args, kwargs, op->rng, (op->flags & kGradEnabled) != 0);
   int leaves = 0;
   if (target.out_index >= 0) {
     for_each_tensor(out.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
@@ -679,6 +685,11 @@ py::object LiveSession::pack(py::handle tensor) {
   if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
   Slot& s = slots_[v];
   if (!s.storage) s.storage = storage;  // the registry owns it now
+  if (!s.family) {  // the saved tensor's version counter: a change outside the session shows there
+    PyObject* fam = PyWeakref_NewRef(tensor.ptr(), nullptr);
+    if (!fam) throw py::error_already_set();
+    s.family = py::reinterpret_steal<py::object>(fam);
+  }
   ++s.handles;
   ++stats_.saved;
   auto handle = std::make_unique<SavedValue>();

@@ -10,8 +10,8 @@
 //   slots_        per engine value: the real storage behind it (a strong
 //                 reference while the registry owns it: saved by autograd, or
 //                 brought back by a recompute), a weak reference that reports
-//                 its death, a weak reference to a tensor on it (version
-//                 checks), the saved handles that name it
+//                 its death, a weak reference to a saved tensor on it (its
+//                 version counter), the saved handles that name it
 //   by_storage_   StorageImpl address (_cdata) -> its current value
 //   ops_          per engine op with recomputable outputs: the OpOverload and
 //                 its arguments with every tensor replaced by a placeholder,
@@ -194,8 +194,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
 
   int value_of(py::handle storage_cdata_owner, std::uintptr_t cdata) const;
   int external_value(py::handle tensor, py::handle storage, std::uintptr_t cdata);
-  py::object template_of(py::handle x, int* next_index) const;
-  py::object fill(py::handle x, const py::list& tensors) const;
+  py::object template_of(py::handle x) const;
+  py::object fill(py::handle x, const py::list& tensors, std::size_t* next) const;
   void watch(int value, py::handle storage, std::uintptr_t cdata);
   void unwatch(int value);
   Slot& slot(int value);
@@ -204,6 +204,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
   void evict_for_chaos();
   void own_for_recipes(int value);
+  static PyObject* storage_died(PyObject* self, PyObject* weakref);
 
   Options options_;
   py::object view_, run_, new_storage_, use_count_fn_, version_error_, what_of_, tensor_type_, device_,

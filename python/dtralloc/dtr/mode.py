@@ -26,17 +26,22 @@ class Mode(TorchDispatchMode):
     def __init__(self, session):
         super().__init__()
         self._session = session
-        self._record = session._core.record
+        self._record = session._record  # a plain CPython function bound to the session
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         info = _INFO.get(func)
         if info is None:
             info = _INFO[func] = ops.classify(func)
-        if info.fast:
+        if info.fast:  # the per-op path: as little Python as possible
             start = _ns()
-            out = self._call(func, args, kwargs or {})
+            try:
+                out = func(*args, **kwargs) if kwargs else func(*args)
+            except RuntimeError as e:
+                self._oom(e)
+                raise
             cost = _ns() - start
-            self._record(func, args, kwargs, out, (), info.flags | (_grad_enabled() << 3), info.pin, cost, None)
+            self._record(func, args, kwargs, out, (), info.flags | (_grad_enabled() << 3), info.pin, float(cost),
+                         None)
             return out
         return self._dispatch(func, info, args, kwargs or {})
 
@@ -60,22 +65,22 @@ class Mode(TorchDispatchMode):
             if info.overwrites and all(ops.covers_storage(t) for t in writes):
                 flags |= ops.OVERWRITES
         start = _ns()
-        out = self._call(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:
+            self._oom(e)
+            raise
         cost = _ns() - start
-        self._record(func, args, kwargs, out, writes, flags, pin, cost, rng)
+        self._record(func, args, kwargs, out, writes, flags, pin, float(cost), rng)
         if info.rebinds:
             for t in writes:
                 core.exported(t)  # its memory may have moved: never recompute it
         return out
 
-    def _call(self, func, args, kwargs):
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as e:
-            # On CUDA the pool's OOM comes through torch: say what the budget holds.
-            if "out of memory" in str(e) and _OOM_MARKER in str(e) and self._session.device != "cpu":
-                raise _core.OutOfMemoryError(f"{e}\n{self._session._core.oom_report()}") from e
-            raise
+    def _oom(self, e: RuntimeError) -> None:
+        # On CUDA the pool's OOM comes through torch: say what the budget holds.
+        if "out of memory" in str(e) and _OOM_MARKER in str(e) and self._session.device != "cpu":
+            raise _core.OutOfMemoryError(f"{e}\n{self._session._core.oom_report()}") from e
 
 
 def _on_cuda(args) -> bool:
@@ -83,10 +88,10 @@ def _on_cuda(args) -> bool:
 
 
 def pack(session):
-    core = session._core
+    fast_pack = session._pack
 
     def pack_hook(t):
-        handle = core.pack(t)
+        handle = fast_pack(t)
         if handle is None:  # not the session's: made outside it; autograd keeps the tensor itself
             return (t, t._version)
         return handle

@@ -103,6 +103,7 @@ class Session:
         self._core = _core.LiveSession(cuda, index, self.budget_bytes, _core.config_text(), self.policy, chaos,
                                        check_invariants, helpers(name))
         self._core.use_raw_refcount(_check_raw_refcount())
+        self._record, self._pack = self._core.fast_calls()
         self._mode: Optional[Mode] = None
         self._hooks = None
         self._entered = False
