@@ -22,7 +22,7 @@ from ._version import __version__
 from .config import describe_config, effective_config
 from .cupy_hooks import cupy_allocator, install_cupy
 from .pool import Pool
-from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
+from .replay import POLICIES, ReplayResult, feasibility_holes, feasible_budgets, min_feasible_budget, replay, resident_floor
 from .stats import (
     empty_cache,
     memory_stats,
@@ -47,6 +47,8 @@ __all__ = [
     "describe_config",
     "effective_config",
     "empty_cache",
+    "feasibility_holes",
+    "feasible_budgets",
     "install",
     "install_cupy",
     "installed",
