@@ -313,6 +313,13 @@ def earlier_targets(names, grid, floors, base) -> list:
     return out
 
 
+def policy_columns(names, cell) -> list:
+    """A markdown table, a row per trace and a column per policy: cell(name, policy)."""
+    lines = ["| trace | " + " | ".join(POLICIES) + " |", "|---|" + "---|" * len(POLICIES)]
+    lines += [f"| {name} | " + " | ".join(cell(name, p) for p in POLICIES) + " |" for name in names]
+    return lines
+
+
 def fmt_cell(r) -> str:
     if not r.feasible:
         return "OOM"
@@ -346,38 +353,28 @@ def report(names, grid, floors, base, command: str) -> str:
                  "lowest feasible budget, and in brackets how many budgets above it fail (a failing budget "
                  "above a working one: the pool's layout, and so which tensors are evicted when, changes "
                  "with the budget):\n")
-    lines.append("| trace | " + " | ".join(POLICIES) + " |")
-    lines.append("|---|" + "---|" * len(POLICIES))
-    for name in names:
-        cells = []
-        for p in POLICIES:
-            lowest, holes = floors[name, p, "lowest"], floors[name, p, "holes"]
-            cells.append("-" if lowest is None else f"{lowest:.3f}" + (f" ({len(holes)})" if holes else ""))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    def holes_cell(name, p):
+        lowest, holes = floors[name, p, "lowest"], floors[name, p, "holes"]
+        return "-" if lowest is None else f"{lowest:.3f}" + (f" ({len(holes)})" if holes else "")
+
+    lines += policy_columns(names, holes_cell)
     lines.append("\nHoles in all, per policy: " + ", ".join(
         f"{p} {sum(len(floors[n, p, 'holes']) for n in names)} on "
         f"{sum(1 for n in names if floors[n, p, 'holes'])} traces" for p in POLICIES) + ".\n")
     lines.append("Excess of each policy's scan minimum over the resident floor, as a share of dtr's "
                  f"(`floor`: the trace is floor-bound, dtr within {FLOOR_BOUND} of the floor):\n")
-    lines.append("| trace | " + " | ".join(POLICIES) + " |")
-    lines.append("|---|" + "---|" * len(POLICIES))
-    for name in names:
-        cells = []
-        for p in POLICIES:
-            r = excess_ratio(name, p, floors)
-            cells.append("floor" if floor_bound(name, floors) else ("-" if r is None else f"{r:.2f}"))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    def excess_cell(name, p):
+        r = excess_ratio(name, p, floors)
+        return "floor" if floor_bound(name, floors) else ("-" if r is None else f"{r:.2f}")
+
+    lines += policy_columns(names, excess_cell)
     lines.append("")
     lines.append("By scan with the same placement for every policy: `" + SAME_PLACEMENT + "` (what "
                  "`max_split_size_mb:auto`, `segment_fit:auto` and `small_in_large:auto` give dtralloc alone), fractions still of the default "
                  "pool's peak. It separates what dtralloc's placement gains from what its victim "
                  "choice gains:\n")
-    lines.append("| trace | " + " | ".join(POLICIES) + " |")
-    lines.append("|---|" + "---|" * len(POLICIES))
-    for name in names:
-        cells = [f"{floors[name, p, 'same']:.2f}" if floors[name, p, "same"] is not None else "-"
-                 for p in POLICIES]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += policy_columns(names, lambda name, p: f"{floors[name, p, 'same']:.2f}"
+                            if floors[name, p, "same"] is not None else "-")
     lines += targets(names, grid, floors)
     lines += earlier_targets(names, grid, floors, base)
     lines.append("\n## Compute overhead (extra compute / one pass; OOM = infeasible)\n")

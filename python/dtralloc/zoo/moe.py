@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .layers import SelfAttention
 from .workload import Workload, param_millions
 
 
@@ -43,19 +44,14 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int, experts: int, top_k: int, dropout: float):
         super().__init__()
-        self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.attn = SelfAttention(dim, heads, causal=True)
         self.norm2 = nn.LayerNorm(dim)
         self.moe = MoE(dim, hidden, experts, top_k)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, d)
-        x = x + self.drop(self.proj(attn))
+        x = x + self.drop(self.attn(self.norm1(x)))
         moe, balance = self.moe(self.norm2(x))
         return x + self.drop(moe), balance
 

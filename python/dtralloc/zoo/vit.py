@@ -8,26 +8,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .layers import SelfAttention
 from .workload import Workload, param_millions
 
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, mlp: int, dropout: float):
         super().__init__()
-        self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.attn = SelfAttention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, mlp)
         self.fc2 = nn.Linear(mlp, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-        x = x + self.drop(self.proj(attn))
+        x = x + self.drop(self.attn(self.norm1(x)))
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm2(x)))))
 
 
