@@ -138,6 +138,9 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
       return pool_.allocate_from(b, rounded, requested);
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
+  // small_in_large (config.cpp): a small request takes a large-pool block.
+  if (pool == kSmallPool && config_.small_in_large == Switch::kOn)
+    if (Block* b = pool_.find_free(kLargePool, stream, rounded)) return pool_.allocate_from(b, rounded, requested);
   return nullptr;
 }
 

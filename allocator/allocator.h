@@ -11,7 +11,8 @@
 //      segment of its own 2 MiB-rounded size instead
 //   3. release cached oversize segments (max_split_size_mb) and retry 2
 //   4. wait for all record_stream events, release every cached segment that
-//      is entirely free, and retry 2 (counted in num_alloc_retries)
+//      is entirely free, and retry 2 (counted in num_alloc_retries); then,
+//      with small_in_large on, a small request takes a large-pool free block
 //   5. ask the eviction hook for room, *without* the lock held, and start
 //      again from 1 for as long as the hook reports progress
 //   6. fail: an OutOfMemoryError whose message names the request, budget,

@@ -28,7 +28,8 @@ constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
 // kDtrallocMaxSplit under the dtralloc policy with a budget, else kNoLimit.
 constexpr std::size_t kAutoSplit = kNoLimit - 1;
 constexpr std::size_t kDtrallocMaxSplit = 32 * kMiB;
-// An on/off setting whose `auto` the Allocator resolves (segment_fit).
+// An on/off setting whose `auto` the Allocator resolves (segment_fit,
+// small_in_large).
 enum class Switch : std::uint8_t { kOff, kOn, kAuto };
 // The history ring is allocated up front (48 bytes an entry): at most 768 MiB.
 constexpr std::size_t kMaxHistoryEntries = std::size_t{1} << 24;
@@ -75,6 +76,11 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "in 20 MB (2 MB-rounded) instead of 20 MB, so same-size tensors "          \
     "(weights, gradients, optimizer state) strand no tail; off: always 20 MB " \
     "(torch); auto = on under the dtralloc policy with a budget, else off")    \
+  X(small_in_large, SwitchOption, Switch::kAuto,                               \
+    "on: a small request (<= 1 MB) the budget leaves no room for a new 2 MB "  \
+    "small segment takes a free block of the large pool, rather than "         \
+    "evicting or failing; off: the pools never mix (torch); auto = on under "  \
+    "the dtralloc policy with a budget, else off")                             \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \
@@ -120,7 +126,7 @@ Config parse_config(const std::string& text);
 
 // `config` with the values that depend on other keys settled (what the
 // Allocator runs with): max_split_size_mb:auto becomes a size or none,
-// segment_fit:auto on or off.
+// segment_fit:auto and small_in_large:auto on or off.
 Config resolve_config(Config config);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").

@@ -150,17 +150,37 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
   logged_.score = 0;
   if (traits_.choice == VictimChoice::kNone) return {};
   if (traits_.choice == VictimChoice::kWindow) {
-    // A large request is served by a large-pool run or by releasing segments;
-    // the small pool (2 MiB segments of tiny tensors, often half the blocks)
-    // can do little for it, so it is not walked.
-    walk(stream, BlockPool::pool_for(bytes) == kLargePool, bytes);
+    // A large request is served by a large-pool run or by releasing segments.
+    // For a big one the small pool (2 MiB segments of tiny tensors, often half
+    // the blocks) can do little, so it is not walked; under kWalkSmallBelow
+    // (thorough policies) releasing a small segment or two can be the
+    // cheapest room there is (models of a hundred MiB: a whole segment of
+    // cheap small tensors beside a window of one dear big one).
+    const bool large_only = BlockPool::pool_for(bytes) == kLargePool &&
+                            !(traits_.thorough && bytes < kWalkSmallBelow);
+    walk(stream, large_only, bytes);
     weight_.assign(items_.size(), -1.0);
-    Plan window = choose_window(bytes);
+    Plan window = choose_window(bytes, true);
     // Plans scored per byte can be compared with the window's score as they
     // are searched, which lets the release search skip segments dearer than
     // the window (choose_release).
-    Plan release = choose_release(
-        bytes, traits_.per_byte && window.found() ? window.score : std::numeric_limits<double>::infinity());
+    auto window_bound = [&] {
+      return traits_.per_byte && window.found() ? window.score : std::numeric_limits<double>::infinity();
+    };
+    Plan release = choose_release(bytes, window_bound());
+    if (!window.found() && !release.found() && traits_.thorough) {
+      // Before reporting OOM, search everything: every segment (released
+      // small segments can be the headroom a large request lacks) and every
+      // window start, unsampled. Only calls that would fail get here, so a
+      // step that fits is not slowed down and runs exactly as before.
+      ++stats_.widened;
+      if (large_only) {
+        walk(stream, false, bytes);
+        weight_.assign(items_.size(), -1.0);
+      }
+      window = choose_window(bytes, false);
+      release = choose_release(bytes, window_bound());
+    }
     if (!window.found() && !release.found()) {
       ++stats_.no_plan;
       return {};
@@ -221,7 +241,7 @@ double Evictor::weight(std::size_t i) {
 // shortest run that fits only moves right as its start does (two pointers),
 // so a stretch costs one pass. Coop scores a run by its total cost, dtralloc
 // by cost per byte freed, free neighbours outside the run included.
-Evictor::Plan Evictor::choose_window(std::size_t bytes) {
+Evictor::Plan Evictor::choose_window(std::size_t bytes, bool may_sample) {
   const PoolKind pool = BlockPool::pool_for(bytes);
   // Window starts: free blocks and evictable values; below the small-tensor
   // cutoff a value only joins runs (unless the request itself is that small).
@@ -238,7 +258,7 @@ Evictor::Plan Evictor::choose_window(std::size_t bytes) {
     for (std::size_t i = seg.begin; i < seg.end; ++i)
       if (is_start(i)) starts.push_back(i);
   }
-  if (traits_.pruned && starts.size() > sample_threshold_) {
+  if (traits_.pruned && may_sample && starts.size() > sample_threshold_) {
     const auto k = static_cast<std::size_t>(std::ceil(std::sqrt(static_cast<double>(starts.size()))));
     std::vector<std::size_t> sample;
     for (std::size_t j = 0; j < k; ++j) sample.push_back(starts[next_random() % starts.size()]);

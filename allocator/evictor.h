@@ -12,9 +12,12 @@
 //   release  whole segments made only of free and evictable blocks, enough
 //            of them that, released, the budget has room for the segment the
 //            request needs (a request larger than every segment's runs).
-// With neither plan no eviction can serve the request now (every candidate
+// A thorough policy (the descriptor's `thorough`) searches again before
+// giving up: every pool's segments and every window start, unsampled. With
+// neither plan then, no eviction can serve the request now (every candidate
 // run or segment holds a pinned or locked block), and they evict nothing:
-// the Allocator reports OOM instead of recomputing for nothing.
+// the Allocator reports OOM instead of recomputing for nothing. A caller
+// does nothing differently either way.
 #pragma once
 
 #include <cstddef>
@@ -52,6 +55,7 @@ struct EvictorStats {
   std::size_t windows = 0;               // calls served by a window plan
   std::size_t segment_releases = 0;      // calls served by a release plan
   std::size_t no_plan = 0;               // calls where no eviction could help
+  std::size_t widened = 0;               // calls that searched everything (thorough policies)
   std::vector<std::int64_t> search_ns;   // time to choose victims, per call
   std::vector<double> free_fraction;     // (budget - allocated) / budget, per call
 };
@@ -88,6 +92,13 @@ class Evictor : public EvictionHook {
   };
   static constexpr int kFree = -1;
   static constexpr int kBlocked = -2;
+  // Thorough policies walk the small pool too for requests below this: a
+  // released 2 MiB small segment is a tenth of what such a request needs, or
+  // more, and the room one or two of them make can be the cheapest there is.
+  // 20 MiB: the large-pool segment, the most a released small segment or two
+  // can stand in for; on the bundled GPU-scale traces it changed min
+  // budgets by at most 0.005 (bench/results/replay_policies-*.md).
+  static constexpr std::size_t kWalkSmallBelow = kLargeBuffer;
 
   void walk(Stream stream, bool large_only, std::size_t window_bytes);
   double victim_cost(int v);
@@ -96,7 +107,7 @@ class Evictor : public EvictionHook {
   double weight(std::size_t i);
   double lower_weight(std::size_t i, bool* exact);
   std::vector<int> choose_single();
-  Plan choose_window(std::size_t bytes);
+  Plan choose_window(std::size_t bytes, bool may_sample);
   Plan choose_release(std::size_t bytes, double bound);
   std::size_t free_at(std::size_t j, int segment) const;
   std::size_t free_beside(std::size_t i) const;

@@ -51,39 +51,42 @@ struct PolicyTraits {
   bool penalty;           // times recompute_penalty^recomputes (the config's knob)
   bool pruned;            // windows: starts below small_tensor_cutoff skipped and, past
                           // eviction_sample_threshold, sampled
+  bool thorough;          // windows: the small pool searched too for requests under
+                          // 20 MiB, and when neither plan is found, everything
+                          // again (every segment, every window start unsampled)
 };
 
 // X(enumerator, name, traits, doc). The doc is one line; it is what users read.
 #define DTRALLOC_POLICIES(X)                                                            \
   X(kNone, none, (PolicyTraits{VictimChoice::kNone, VictimCost::kNone,                  \
-                               false, false, false, false, false}),                     \
+                               false, false, false, false, false, false}),              \
     "no eviction: a request over the budget is an out-of-memory error")                 \
   X(kLru, lru, (PolicyTraits{VictimChoice::kSingle, VictimCost::kLastAccess,            \
-                             false, false, false, false, false}),                       \
+                             false, false, false, false, false, false}),                \
     "least recently used tensor first")                                                 \
   X(kSize, size, (PolicyTraits{VictimChoice::kSingle, VictimCost::kUnit,                \
-                               true, false, false, false, false}),                      \
+                               true, false, false, false, false, false}),               \
     "largest tensor first")                                                             \
   X(kMsps, msps, (PolicyTraits{VictimChoice::kSingle, VictimCost::kChain,               \
-                               true, false, false, false, false}),                      \
+                               true, false, false, false, false, false}),               \
     "Capuchin: recompute time of the tensor's chain per byte saved")                    \
   X(kDtr, dtr, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarExact,            \
-                             true, false, true, false, false}),                         \
+                             true, false, true, false, false, false}),                  \
     "DTR's h_DTR: e* / (size * staleness), e* walking the evicted neighbourhood")       \
   X(kDtrEq, dtr_eq, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,          \
-                                  true, false, true, false, false}),                    \
+                                  true, false, true, false, false, false}),             \
     "DTR's h_DTR-eq: e* from union-find classes / (size * staleness)")                  \
   X(kDtrLocal, dtr_local, (PolicyTraits{VictimChoice::kSingle, VictimCost::kProducer,   \
-                                        true, false, true, false, false}),              \
-    "DTR's h_DTR-local: producer cost / (size * staleness), no neighbourhood")           \
+                                        true, false, true, false, false, false}),       \
+    "DTR's h_DTR-local: producer cost / (size * staleness), no neighbourhood")          \
   X(kDte, dte, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,               \
-                             true, true, true, false, false}),                          \
+                             true, true, true, false, false, false}),                   \
     "MegEngine's DTE: e* / ((size + free neighbours) * staleness)")                     \
   X(kCoop, coop, (PolicyTraits{VictimChoice::kWindow, VictimCost::kProducer,            \
-                               false, false, false, false, false}),                     \
+                               false, false, false, false, false, false}),              \
     "Coop: the run of adjacent free + evictable blocks with the least total op cost")   \
   X(kDtralloc, dtralloc, (PolicyTraits{VictimChoice::kWindow, VictimCost::kChain,       \
-                                       true, true, false, true, true}),                 \
+                                       true, true, false, true, true, true}),           \
     "ours: the run of adjacent blocks (or whole segments) with the least recompute "    \
     "chain cost per byte freed, free neighbours counted")
 

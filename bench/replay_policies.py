@@ -1,31 +1,38 @@
 """Eviction policies side by side, by replay of the bundled training steps.
 
-For every bundled trace x budget {0.9, 0.7, 0.5, 0.4, 0.3, 0.2} of the
-no-eviction peak x every policy: feasible?, compute overhead, fragmentation at
-forced evictions and median victim-search time; then each policy's minimum
-feasible budget (by bisection, and by a scan down from 1.0 that stops at the
-first failure), next to the static baselines (Chen's sqrt(n)
-checkpointing; Checkmate's MILP with --checkmate, on graphs small enough,
-at the same bytes as the replays);
-and the scan again with dtralloc's placement (max_split_size_mb:32 and
-segment_fit:on) given to every policy.
-Writes a markdown report and, if matplotlib is installed, two plots.
+For every bundled trace (the zoo at GPU scale, and the compact 70-150 MiB
+ones) x budget {0.9, 0.7, 0.5, 0.4, 0.3, 0.2} of the no-eviction peak x every
+policy: feasible?, compute overhead, fragmentation at forced evictions and
+median victim-search time. Then each policy's feasibility on a grid of 0.005
+of the peak from 1.0 down to the trace's resident floor
+(`dtralloc.feasible_budgets`): its lowest feasible budget, the scan minimum
+(the last budget before the first failure coming down from 1.0) and its
+holes (failing budgets above the lowest feasible one); its minimum by
+bisection; each minimum's excess over the resident floor as a share of
+dtr's, with the traces where every policy sits at the floor named; next to
+the static baselines (Chen's sqrt(n) checkpointing; Checkmate's MILP with
+--checkmate, on graphs small enough, at the same bytes as the replays); and
+the scan again with dtralloc's placement (max_split_size_mb:32,
+segment_fit:on and small_in_large:on) given to every policy. Writes a markdown report and, if
+matplotlib is installed, two plots.
 
-    python bench/replay_policies.py [--traces NAME ...] [--checkmate] [--out-dir bench/results]
+    python bench/replay_policies.py [--traces NAME ...] [--checkmate] [--jobs 2] [--out-dir bench/results]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
 POLICIES = tuple(p for p in __import__("dtralloc").POLICIES if p != "none")
 # dtralloc's placement (what max_split_size_mb:auto and segment_fit:auto
 # resolve to under dtralloc), given to every policy for the "same placement" table.
-SAME_PLACEMENT = "max_split_size_mb:32,segment_fit:on"
+SAME_PLACEMENT = "max_split_size_mb:32,segment_fit:on,small_in_large:on"
 
 
 def scan_with_conf(trace, policy: str, conf: str, peak: int, step: float = 0.01) -> float | None:
@@ -56,28 +63,90 @@ def pooled_search_ns(trace, budget_bytes: int, policy: str) -> float:
     return float(ns[len(ns) // 2]) if ns else 0.0  # the upper median, as ReplayResult.search_ns
 
 
-def sweep(names, echo):
+# The feasibility grid: fine enough to see holes of one or two percent of
+# the peak, which are what a user sees as "more memory and it ran out".
+FINE_STEP = 0.005
+# A trace is floor-bound when dtr's scan minimum is within this of the
+# resident floor: there no policy can do much better than dtr, and the excess
+# ratio below is a quotient of two rounding errors.
+FLOOR_BOUND = 0.02
+
+
+def _figures(r) -> SimpleNamespace:
+    """What the report reads of a ReplayResult (plain data: it crosses processes)."""
+    return SimpleNamespace(**{k: getattr(r, k) for k in (
+        "feasible", "compute_overhead", "free_share_at_evictions", "eviction_calls", "evictions", "budget_bytes")})
+
+
+def scan_of(grid: dict) -> float | None:
+    """The scan minimum of a feasible_budgets grid: the last fraction before
+    the first failure coming down from 1.0 (None if 1.0 fails)."""
+    lowest = None
+    for fraction, fits in sorted(grid.items(), reverse=True):
+        if not fits:
+            break
+        lowest = fraction
+    return lowest
+
+
+def measure(name: str) -> dict:
+    """Everything the report needs of one bundled trace (one worker's share)."""
     import dtralloc
     from dtralloc.traces import load_bundled
 
+    trace = load_bundled(name)
+    t0 = time.perf_counter()
+    peak = dtralloc.replay(trace).peak_reserved_bytes
+    floor = dtralloc.resident_floor(trace)
+    out = {"peak": peak, "floor": floor, "grid": {}, "search": {}, "bisect": {}, "lowest": {}, "scan": {},
+           "holes": {}, "same": {}}
+    for policy in POLICIES:
+        for budget in BUDGETS:
+            r = dtralloc.replay(trace, budget=budget, policy=policy)
+            out["grid"][policy, budget] = _figures(r)
+            if policy in ("dtr", "dtralloc"):
+                out["search"][policy, budget] = pooled_search_ns(trace, r.budget_bytes, policy)
+        out["bisect"][policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
+        fine = dtralloc.feasible_budgets(trace, policy, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP))
+        ok = [f for f, fits in fine.items() if fits]
+        out["lowest"][policy] = min(ok) if ok else None
+        out["scan"][policy] = scan_of(fine)
+        out["holes"][policy] = dtralloc.feasibility_holes(fine)
+        out["same"][policy] = scan_with_conf(trace, policy, SAME_PLACEMENT, peak)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def sweep(names, jobs: int, echo):
+    """measure() over the traces, `jobs` at a time; keyed as the report reads it."""
     grid, floors, peaks = {}, {}, {}
-    for name in names:
-        trace = load_bundled(name)
-        t0 = time.perf_counter()
+    if jobs > 1:
+        from multiprocessing import Pool
+
+        with Pool(jobs) as pool:
+            results = pool.imap(measure, names)
+            measured = {}
+            for name, m in zip(names, results):
+                measured[name] = m
+                echo(f"{name:<16} {m['seconds']:.0f}s")
+    else:
+        measured = {}
+        for name in names:
+            measured[name] = measure(name)
+            echo(f"{name:<16} {measured[name]['seconds']:.0f}s")
+    for name, m in measured.items():
+        peaks[name] = m["peak"]
+        floors[name, "resident floor"] = m["floor"]
+        for (policy, budget), r in m["grid"].items():
+            grid[name, policy, budget] = r
+        for (policy, budget), ns in m["search"].items():
+            grid[name, policy, budget, "search"] = ns
         for policy in POLICIES:
-            for budget in BUDGETS:
-                r = grid[name, policy, budget] = dtralloc.replay(trace, budget=budget, policy=policy)
-                if policy in ("dtr", "dtralloc"):
-                    grid[name, policy, budget, "search"] = pooled_search_ns(trace, r.budget_bytes, policy)
-            floors[name, policy] = dtralloc.min_feasible_budget(trace, policy, tolerance=0.01)
-            floors[name, policy, "scan"] = dtralloc.min_feasible_budget(
-                trace, policy, tolerance=0.01, method="scan")
-        peak = peaks[name] = dtralloc.replay(trace).peak_reserved_bytes
-        for policy in POLICIES:
-            floors[name, policy, "same"] = scan_with_conf(trace, policy, SAME_PLACEMENT, peak)
-        floors[name, "resident floor"] = dtralloc.resident_floor(trace)
-        echo(f"{name:<9} {len(POLICIES)} policies x {len(BUDGETS)} budgets + bisection + 2 scans: "
-             f"{time.perf_counter() - t0:.1f}s")
+            floors[name, policy] = m["bisect"][policy]
+            floors[name, policy, "scan"] = m["scan"][policy]
+            floors[name, policy, "lowest"] = m["lowest"][policy]
+            floors[name, policy, "holes"] = m["holes"][policy]
+            floors[name, policy, "same"] = m["same"][policy]
     return grid, floors, peaks
 
 
@@ -123,10 +192,90 @@ def vs_milp(name, grid, base) -> str:
     return ", ".join(cells) or "-"
 
 
-def targets(names, grid, floors, base) -> list:
-    """The issue's targets for dtralloc, computed from the sweep."""
-    dynamic = [p for p in POLICIES if p != "dtralloc"]
+def floor_bound(name, floors) -> bool:
+    """dtr's scan minimum within FLOOR_BOUND of the resident floor (or dtr never runs)."""
+    dtr = floors[name, "dtr", "scan"]
+    return dtr is not None and dtr - floors[name, "resident floor"] <= FLOOR_BOUND
+
+
+def excess_ratio(name, policy, floors) -> float | None:
+    """(policy's scan minimum - floor) / (dtr's - floor); None where either is missing or floor-bound."""
+    mine, dtr, floor = floors[name, policy, "scan"], floors[name, "dtr", "scan"], floors[name, "resident floor"]
+    if mine is None or dtr is None or floor_bound(name, floors):
+        return None
+    return (mine - floor) / (dtr - floor)
+
+
+def overhead_ratios(name, grid) -> list:
+    """(budget, dtralloc's overhead / dtr's) at every bench budget where both
+    are feasible and one of them recomputes (inf where only dtralloc does)."""
+    out = []
+    for b in BUDGETS:
+        mine, dtr = grid[name, "dtralloc", b], grid[name, "dtr", b]
+        if not (mine.feasible and dtr.feasible) or mine.compute_overhead == dtr.compute_overhead == 0:
+            continue
+        out.append((b, mine.compute_overhead / dtr.compute_overhead if dtr.compute_overhead > 0 else math.inf))
+    return out
+
+
+OVERHEAD_TARGET = 1.05  # dtralloc's overhead at most 5% above dtr's at every budget where both run
+EXCESS_TARGET = 0.6     # mean excess over the floor at most 0.6 of dtr's, traces not floor-bound
+
+
+def targets(names, grid, floors) -> list:
+    """Issue 16's targets for dtralloc, computed from the sweep."""
     out = ["\n## Targets for dtralloc, from the numbers above\n",
+           (f"Scan minimum on the {FINE_STEP} grid (lowest feasible in brackets where it is lower: a hole lies "
+            f"between); holes: failing budgets above the lowest feasible one; excess: (min - floor) / "
+            f"(dtr's min - floor), `floor` where dtr's minimum is within {FLOOR_BOUND} of the floor "
+            f"(floor-bound: no policy can do much better than dtr there); worst overhead: the largest "
+            f"dtralloc / dtr overhead ratio over the budgets {', '.join(map(str, BUDGETS))} where both run "
+            f"(target <= {OVERHEAD_TARGET}; inf: only dtralloc recomputes).\n"),
+           ("| trace | floor | dtralloc | dtr | msps | dtralloc holes | excess / dtr's | worst overhead / dtr's | "
+            "min <= dtr's | all met |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(name, policy):
+        scan, lowest = floors[name, policy, "scan"], floors[name, policy, "lowest"]
+        if scan is None:
+            return "-"
+        return f"{scan:.3f}" + (f" ({lowest:.3f})" if lowest is not None and lowest < scan else "")
+
+    excess_mine, excess_dtr, bound, failed = [], [], [], []
+    for name in names:
+        holes = floors[name, "dtralloc", "holes"]
+        ratio = excess_ratio(name, "dtralloc", floors)
+        floor = floors[name, "resident floor"]
+        if floor_bound(name, floors):
+            bound.append(name)
+        elif ratio is not None:
+            excess_mine.append(floors[name, "dtralloc", "scan"] - floor)
+            excess_dtr.append(floors[name, "dtr", "scan"] - floor)
+        worst = max(overhead_ratios(name, grid), key=lambda x: x[1], default=None)
+        mine, dtr = floors[name, "dtralloc", "scan"], floors[name, "dtr", "scan"]
+        min_ok = mine is not None and (dtr is None or mine <= dtr + 1e-9)
+        met = min_ok and not holes and (worst is None or worst[1] <= OVERHEAD_TARGET)
+        if not met:
+            failed.append(name)
+        out.append(f"| {name} | {floor:.3f} | {cell(name, 'dtralloc')} | {cell(name, 'dtr')} | {cell(name, 'msps')} | "
+                   f"{len(holes)}{' (' + ', '.join(f'{h:.3f}' for h in holes) + ')' if holes else ''} | "
+                   f"{'floor' if name in bound else (f'{ratio:.2f}' if ratio is not None else '-')} | "
+                   f"{f'{worst[1]:.2f} at {worst[0]}' if worst else '-'} | {'yes' if min_ok else 'no'} | "
+                   f"{'yes' if met else 'no'} |")
+    mean = sum(excess_mine) / sum(excess_dtr) if excess_dtr and sum(excess_dtr) > 0 else None
+    out.append("")
+    out.append(f"Floor-bound traces: {', '.join(bound) or 'none'}. Mean excess over the floor, dtralloc / dtr, "
+               f"over the {len(excess_dtr)} traces that are not: "
+               f"{f'{mean:.2f}' if mean is not None else '-'} (target <= {EXCESS_TARGET}). "
+               f"Traces missing a target: {', '.join(failed) or 'none'}.")
+    return out
+
+
+def earlier_targets(names, grid, floors, base) -> list:
+    """Issue 4's figures for dtralloc: best other policy, same placement, the
+    MILP, fragmentation and search time."""
+    dynamic = [p for p in POLICIES if p != "dtralloc"]
+    out = ["\n## dtralloc against the other policies, the MILP, fragmentation and search time\n",
            "Min budgets as bisection / scan; \"same placement\": the best other policy's scan when "
            "it too runs with `" + SAME_PLACEMENT + "`; / MILP: dtralloc's overhead over the "
            "Checkmate optimum at the same bytes, where it solves (`--checkmate`).\n",
@@ -138,7 +287,7 @@ def targets(names, grid, floors, base) -> list:
         others = [(floors[(name, p) + key], p) for p in dynamic if floors[(name, p) + key] is not None]
         return min(others) if others else (None, "-")
 
-    def pair(a, b, fmt="{:.2f}"):
+    def pair(a, b, fmt="{:.3f}"):
         return "/".join(fmt.format(x) if x is not None else "-" for x in (a, b))
 
     for name in names:
@@ -148,7 +297,7 @@ def targets(names, grid, floors, base) -> list:
         same = f"{best_same:.2f} ({who_same})" if best_same is not None else "-"
         mine_s, dtr, dtr_s = floors[name, "dtralloc", "scan"], floors[name, "dtr"], floors[name, "dtr", "scan"]
         ratio = pair(mine / dtr if mine is not None and dtr else None,
-                     mine_s / dtr_s if mine_s is not None and dtr_s else None)
+                     mine_s / dtr_s if mine_s is not None and dtr_s else None, "{:.2f}")
         both = [b for b in BUDGETS if grid[name, "dtr", b].feasible and grid[name, "dtralloc", b].feasible
                 and grid[name, "dtr", b].evictions > 0]
         worse = [f"{b}: {grid[name, 'dtralloc', b].compute_overhead:.3f} vs {grid[name, 'dtr', b].compute_overhead:.3f}"
@@ -164,6 +313,13 @@ def targets(names, grid, floors, base) -> list:
     return out
 
 
+def policy_columns(names, cell) -> list:
+    """A markdown table, a row per trace and a column per policy: cell(name, policy)."""
+    lines = ["| trace | " + " | ".join(POLICIES) + " |", "|---|" + "---|" * len(POLICIES)]
+    lines += [f"| {name} | " + " | ".join(cell(name, p) for p in POLICIES) + " |" for name in names]
+    return lines
+
+
 def fmt_cell(r) -> str:
     if not r.feasible:
         return "OOM"
@@ -176,37 +332,51 @@ def report(names, grid, floors, base, command: str) -> str:
     lines = [header("Eviction policies by replay of the bundled traces", command), ""]
     lines.append("## Minimum feasible budget (fraction of the no-eviction peak reserved; lower is better)\n")
     for title, key in (("By bisection (`min_feasible_budget`, tolerance 0.01)", ()),
-                       ("By scan (`method=\"scan\"`: every budget on the 0.01 grid from here up is feasible)",
-                        ("scan",))):
+                       ((f"By scan on the {FINE_STEP} grid (`feasible_budgets`: every budget on the grid from "
+                         f"here up is feasible)"), ("scan",))):
         lines.append(f"{title}:\n")
         lines.append("| trace | " + " | ".join(POLICIES) + " | Chen sqrt(n) peak (of live) | resident floor |")
         lines.append("|---|" + "---|" * (len(POLICIES) + 2))
         for name in names:
-            cells = [f"{floors[(name, p) + key]:.2f}" if floors[(name, p) + key] is not None else "-"
+            cells = [f"{floors[(name, p) + key]:.3f}" if floors[(name, p) + key] is not None else "-"
                      for p in POLICIES]
             chen = base[name, "chen"]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {chen.peak_fraction:.2f} | "
-                         f"{floors[name, 'resident floor']:.2f} |")
+                         f"{floors[name, 'resident floor']:.3f} |")
         lines.append("")
     lines.append("Chen sqrt(n) peak (of live): the plan's live-byte peak as a share of the step's "
                  "live-byte peak (`BaselineResult.peak_fraction`; the static baselines count live bytes, "
                  "not the pool's reserved bytes). "
                  "resident floor = `dtralloc.resident_floor`: pinned bytes plus the op's own inputs and "
-                 "outputs at the worst op; no policy can run below it. Feasibility is not quite "
-                 "monotone in the budget (where the pool puts blocks changes with it), so bisection "
-                 "reports a point on some boundary, possibly below a budget that fails; the scan "
-                 "reports the budget from which every larger one on the grid works.\n")
+                 "outputs at the worst op; no policy can run below it.\n")
+    lines.append(f"Feasibility holes on the {FINE_STEP} grid from 1.0 down to the resident floor: the "
+                 "lowest feasible budget, and in brackets how many budgets above it fail (a failing budget "
+                 "above a working one: the pool's layout, and so which tensors are evicted when, changes "
+                 "with the budget):\n")
+    def holes_cell(name, p):
+        lowest, holes = floors[name, p, "lowest"], floors[name, p, "holes"]
+        return "-" if lowest is None else f"{lowest:.3f}" + (f" ({len(holes)})" if holes else "")
+
+    lines += policy_columns(names, holes_cell)
+    lines.append("\nHoles in all, per policy: " + ", ".join(
+        f"{p} {sum(len(floors[n, p, 'holes']) for n in names)} on "
+        f"{sum(1 for n in names if floors[n, p, 'holes'])} traces" for p in POLICIES) + ".\n")
+    lines.append("Excess of each policy's scan minimum over the resident floor, as a share of dtr's "
+                 f"(`floor`: the trace is floor-bound, dtr within {FLOOR_BOUND} of the floor):\n")
+    def excess_cell(name, p):
+        r = excess_ratio(name, p, floors)
+        return "floor" if floor_bound(name, floors) else ("-" if r is None else f"{r:.2f}")
+
+    lines += policy_columns(names, excess_cell)
+    lines.append("")
     lines.append("By scan with the same placement for every policy: `" + SAME_PLACEMENT + "` (what "
-                 "`max_split_size_mb:auto` and `segment_fit:auto` give dtralloc alone), fractions still of the default "
+                 "`max_split_size_mb:auto`, `segment_fit:auto` and `small_in_large:auto` give dtralloc alone), fractions still of the default "
                  "pool's peak. It separates what dtralloc's placement gains from what its victim "
                  "choice gains:\n")
-    lines.append("| trace | " + " | ".join(POLICIES) + " |")
-    lines.append("|---|" + "---|" * len(POLICIES))
-    for name in names:
-        cells = [f"{floors[name, p, 'same']:.2f}" if floors[name, p, "same"] is not None else "-"
-                 for p in POLICIES]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += targets(names, grid, floors, base)
+    lines += policy_columns(names, lambda name, p: f"{floors[name, p, 'same']:.2f}"
+                            if floors[name, p, "same"] is not None else "-")
+    lines += targets(names, grid, floors)
+    lines += earlier_targets(names, grid, floors, base)
     lines.append("\n## Compute overhead (extra compute / one pass; OOM = infeasible)\n")
     for name in names:
         lines.append(f"### {name}\n")
@@ -261,8 +431,9 @@ def plots(names, grid, floors, out_dir: str, stamp: str) -> list[str]:
     except ImportError:
         return []
     files = []
-    fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(5 * ((len(names) + 1) // 2), 8),
-                             squeeze=False)
+    cols = min(4, len(names))
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
         for p in POLICIES:
             xs = [b for b in BUDGETS if grid[name, p, b].feasible]
@@ -281,7 +452,7 @@ def plots(names, grid, floors, out_dir: str, stamp: str) -> list[str]:
     path = os.path.join(out_dir, f"replay_policies-overhead-{stamp}.png")
     fig.savefig(path, dpi=90)
     files.append(path)
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(max(10, len(names)), 4))
     width = 0.8 / len(POLICIES)
     for i, p in enumerate(POLICIES):
         ax.bar([j + i * width for j in range(len(names))],
@@ -302,6 +473,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="*", help="bundled trace names (default: all)")
     parser.add_argument("--checkmate", action="store_true", help="also solve Checkmate's MILP (slow)")
+    parser.add_argument("--jobs", type=int, default=1, help="traces measured at once (worker processes)")
     parser.add_argument("--out-dir", help="write the report and plots here")
     args = parser.parse_args()
     names = args.traces or list_bundled()
@@ -310,8 +482,8 @@ def main() -> int:
         print(text, file=sys.stderr, flush=True)
 
     command = "python bench/replay_policies.py" + (" --traces " + " ".join(args.traces) if args.traces else "") \
-        + (" --checkmate" if args.checkmate else "")
-    grid, floors, peaks = sweep(names, echo)
+        + (" --checkmate" if args.checkmate else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+    grid, floors, peaks = sweep(names, args.jobs, echo)
     base = baselines(names, peaks, args.checkmate, echo)
     text = report(names, grid, floors, base, command)
     print(text)

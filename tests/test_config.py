@@ -21,6 +21,7 @@ OPTION_NAMES = [
     "budget",
     "max_split_size_mb",
     "segment_fit",
+    "small_in_large",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",

@@ -13,15 +13,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import dtralloc  # noqa: E402
 import dtralloc.trace  # noqa: E402
 from dtralloc import traces  # noqa: E402
 from dtralloc import zoo  # noqa: E402
-from dtralloc.zoo import MODELS, NEEDS_TRANSFORMERS, SMALL_SIZES  # noqa: E402
+from dtralloc.zoo import COMPACT_SIZES, MODELS, NEEDS_TRANSFORMERS, SMALL_SIZES  # noqa: E402
 
-ZOO = ["gpt2", "bert", "llama", "resnet50", "unet", "mlp"]
-WITH_DROPOUT = {"gpt2", "bert", "mlp"}   # Llama's config has none; the CNNs have none
-WITH_BATCHNORM = {"resnet50", "unet"}
-MAX_TRACE_BYTES = 2 * 1024 * 1024        # small enough to commit
+ZOO = ["gpt2", "bert", "llama", "resnet50", "unet", "mlp", "lstm", "vit", "encdec", "convbn", "moe"]
+COMPACT = ["lstm", "vit", "encdec", "convbn", "moe"]
+# Llama's config has none; the CNNs have none
+WITH_DROPOUT = {"gpt2", "bert", "mlp", "lstm", "vit", "encdec", "moe"}
+WITH_BATCHNORM = {"resnet50", "unet", "convbn"}
+BUNDLED = sorted(ZOO + [name + "-compact" for name in COMPACT])
+MAX_TRACE_BYTES = 100 * 1024             # small enough to commit (the largest is ~30 KB)
 try:
     import transformers  # noqa: F401  (lazy: cheap until a model class is used)
     HAVE_TRANSFORMERS = True
@@ -55,11 +59,45 @@ def small_traces():
     return get
 
 
-def test_registry_has_the_six_models():
+def test_registry_has_every_model():
     assert sorted(MODELS) == sorted(ZOO)
     assert sorted(SMALL_SIZES) == sorted(ZOO)
+    assert sorted(COMPACT_SIZES) == sorted(COMPACT)
+    assert not NEEDS_TRANSFORMERS & set(COMPACT), "the compact models run without the zoo extra"
     with pytest.raises(ValueError, match="unknown zoo model 'gpt3'; available: gpt2, bert"):
         zoo.build("gpt3")
+
+
+def test_scales_are_named_and_exclusive():
+    assert zoo.scale_sizes("vit") == {}
+    assert zoo.scale_sizes("vit", compact=True) == COMPACT_SIZES["vit"]
+    assert zoo.scale_sizes("vit", small=True) == SMALL_SIZES["vit"]
+    with pytest.raises(ValueError, match="choose one scale"):
+        zoo.build("vit", small=True, compact=True)
+    with pytest.raises(ValueError, match="'gpt2' has no compact size; models with one: lstm, vit"):
+        zoo.build("gpt2", compact=True)
+
+
+def test_compact_recording_is_named_for_its_scale():
+    trace = zoo.record_model("convbn", compact=True, sizes={"batch": 1, "image": 32})
+    assert trace.meta["name"] == "convbn-compact"
+    assert trace.meta["sizes"] == {**zoo.effective_sizes("convbn", {}), **COMPACT_SIZES["convbn"],
+                                   "batch": 1, "image": 32}
+
+
+def test_moe_routes_a_data_dependent_number_of_tokens():
+    # Each expert gets the tokens the router sends it: nonzero's output, and
+    # so the gathered batch and every expert tensor, changes size with the data.
+    sizes = {}
+    for seed in (0, 1):
+        workload = zoo.build("moe", small=True, seed=seed)
+        workload.step()
+        trace = dtralloc.trace.record(workload.step, name="moe")
+        nonzero = [op for op in trace.ops if op.name.startswith("aten::nonzero")]
+        assert len(nonzero) >= 2 * SMALL_SIZES["moe"]["experts"], "one per expert and block"
+        assert any(op.name.startswith("aten::index_add") for op in trace.ops), "results scattered back"
+        sizes[seed] = [trace.storages[op.created[0]].nbytes for op in nonzero]
+    assert sizes[0] != sizes[1], "another batch routes differently"
 
 
 def test_without_transformers_its_models_name_the_extra(monkeypatch, tmp_path):
@@ -145,11 +183,11 @@ def test_batchnorm_running_stats_are_marked_mutated(name, small_traces):
 
 # -- bundled traces ---------------------------------------------------------------
 
-def test_list_bundled_names_the_six_models():
-    assert traces.list_bundled() == sorted(ZOO)
+def test_list_bundled_names_every_model_and_scale():
+    assert traces.list_bundled() == BUNDLED
 
 
-@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_trace_loads_and_validates(name):
     path = traces.bundled_path(name)
     assert os.path.getsize(path) <= MAX_TRACE_BYTES
@@ -158,16 +196,25 @@ def test_bundled_trace_loads_and_validates(name):
     assert trace.meta["name"] == name
     assert trace.meta["description"]
     assert any(op.backward for op in trace.ops)
-    if name in WITH_DROPOUT:
+    model = name.removesuffix("-compact")
+    if model in WITH_DROPOUT:
         assert any(op.random for op in trace.ops)
     # Recorded by the current recorder: in-place writes, declared or not, are marked.
     assert all(op.mutated for op in trace.ops if _is_inplace(op.name))
-    if name in WITH_BATCHNORM:
+    if model in WITH_BATCHNORM:
         assert all(op.mutated for op in trace.ops if op.name == "aten::native_batch_norm")
 
 
+@pytest.mark.parametrize("name", COMPACT)
+def test_bundled_scales(name):
+    # GPU scale: 0.8-4 GiB a step; compact: 70-150 MiB (the no-eviction peak reserved).
+    gib = dtralloc.replay(traces.load_bundled(name)).peak_reserved_bytes / 2**30
+    mib = dtralloc.replay(traces.load_bundled(name + "-compact")).peak_reserved_bytes / 2**20
+    assert 0.8 <= gib <= 4 and 70 <= mib <= 150, (gib, mib)
+
+
 def test_unknown_bundled_name_lists_the_choices():
-    with pytest.raises(ValueError, match="available: bert, gpt2"):
+    with pytest.raises(ValueError, match="available: bert, convbn, convbn-compact, encdec"):
         traces.bundled_path("gpt3")
     with pytest.raises(ValueError, match="no bundled trace"):
         traces.load_bundled("../traces/gpt2")

@@ -213,6 +213,7 @@ void bind_replay(py::module_& m) {
       d["staleness"] = t.staleness;
       d["penalty"] = t.penalty;
       d["pruned"] = t.pruned;
+      d["thorough"] = t.thorough;
       out.append(d);
     }
     return out;

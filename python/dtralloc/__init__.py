@@ -26,7 +26,7 @@ from .cupy_hooks import cupy_allocator, install_cupy
 from .dashboard import dashboard
 from .dtr import dtr
 from .pool import Pool
-from .replay import POLICIES, ReplayResult, min_feasible_budget, replay, resident_floor
+from .replay import POLICIES, ReplayResult, feasibility_holes, feasible_budgets, min_feasible_budget, replay, resident_floor
 from .stats import (
     empty_cache,
     memory_stats,
@@ -65,6 +65,8 @@ __all__ = [
     "dtr",
     "effective_config",
     "empty_cache",
+    "feasibility_holes",
+    "feasible_budgets",
     "install",
     "install_cupy",
     "installed",

@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the live part (a model trained on CPU under dtralloc.dtr at half its peak)")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("record", help="record one training step's memory traffic to a trace file")
-    p.add_argument("target", help="a zoo model of dtralloc.zoo (gpt2, bert, llama, resnet50, unet, mlp), "
+    p.add_argument("target", help="a zoo model of dtralloc.zoo (gpt2, bert, llama, resnet50, unet, mlp, "
+                   "lstm, vit, encdec, convbn, moe), "
                    "or module:function, function() returning your step function (the module is "
                    "imported from the current directory or PYTHONPATH)")
     p.add_argument("-o", "--out", help="output file (default NAME.dtrace)")

@@ -239,6 +239,40 @@ void test_oom_message_fragmented() {
   a->free(p);
 }
 
+// small_in_large: a small request the budget leaves no 2 MiB segment for
+// takes a free large-pool block (on), or fails (off, torch's pools apart).
+void test_small_in_large() {
+  for (const char* mode : {"on", "off"}) {
+    auto a = make_virtual(std::string("budget:21M,segment_fit:off,small_in_large:") + mode);
+    void* big = a->malloc(4 * kMiB);  // a 20 MiB large segment, 16 MiB of it free
+    CHECK_EQ(reserved(*a), mib(20));
+    if (std::string(mode) == "on") {
+      void* small = a->malloc(512 * 1024);
+      CHECK_EQ(addr(small), addr(big) + 4 * kMiB);  // beside it, in the large segment
+      CHECK_EQ(reserved(*a), mib(20));
+      CHECK_EQ(cur(stats(*a).segment), 1);
+      a->check_invariants();
+      a->free(small);
+    } else {
+      CHECK_CONTAINS(thrown_message<OutOfMemoryError>([&] { a->malloc(512 * 1024); }), "out of memory");
+    }
+    a->check_invariants();
+    // With room for a small segment, small requests go there as always.
+    auto b = make_virtual(std::string("budget:40M,segment_fit:off,small_in_large:") + mode);
+    void* big2 = b->malloc(4 * kMiB);
+    void* small2 = b->malloc(512 * 1024);
+    CHECK_EQ(reserved(*b), mib(22));
+    b->free(small2);
+    b->free(big2);
+    a->free(big);
+  }
+  // auto: on under the dtralloc policy with a budget, else off.
+  CHECK(make_virtual("policy:dtralloc,budget:1G")->config().small_in_large == Switch::kOn);
+  CHECK(make_virtual("policy:dtralloc")->config().small_in_large == Switch::kOff);
+  CHECK(make_virtual("policy:dtr,budget:1G")->config().small_in_large == Switch::kOff);
+  CHECK(make_virtual("policy:dtralloc,budget:1G,small_in_large:off")->config().small_in_large == Switch::kOff);
+}
+
 // Step 1 before step 2: a cached block is used even when the budget would
 // allow a new segment.
 void test_cache_hit_before_new_segment() {
@@ -1033,6 +1067,7 @@ int main() {
   test_basics();
   test_budget_and_oom_message();
   test_oom_message_fragmented();
+  test_small_in_large();
   test_cache_hit_before_new_segment();
   test_release_oversize_first();
   test_release_all_cached_and_retry();

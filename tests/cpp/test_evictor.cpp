@@ -259,6 +259,40 @@ void test_release_plan_costs_chains() {
   CHECK(both == (std::vector<int>{q, r}));
 }
 
+// Thorough search (dtralloc): a pinned 18 MiB tensor L, an evictable 20 MiB X
+// in its own segment, four evictable quarters S in one small segment.
+//   - 2.5 MiB under a budget leaving 2 MiB of headroom: its own 4 MiB
+//     segment needs one small segment released; the large pool offers
+//     nothing (L's segment is pinned, X's is dearer per byte than the
+//     quarters). Requests under 20 MiB walk the small pool at once.
+//   - 22 MiB with no headroom: X's segment alone is 2 MiB short. The first
+//     search (large pool only) finds no plan; the second, over every pool,
+//     releases X's segment and the small one.
+// Coop, not thorough, evicts X for the first (the large pool's only window)
+// and finds no plan for the second.
+void test_thorough_search() {
+  constexpr std::size_t k18 = 18 << 20, k20 = 20 << 20;
+  for (const char* budget : {"42M", "40M"}) {
+    Graph g(std::string("budget:") + budget);
+    g.engine.add_initial(k18);
+    const int x = g.make(50, -1, k20);
+    std::vector<int> quarters;
+    for (int i = 0; i < 4; ++i) quarters.push_back(g.make(1, -1, kQuarter));
+    CHECK_EQ(g.allocator.stats_report().stats.reserved_bytes[kStatAll].current, std::int64_t{40} << 20);
+    const bool headroom = std::string(budget) == "42M";
+    const std::size_t request = headroom ? (5 << 20) / 2 : 22 << 20;
+    Evictor dtralloc(g.allocator, g.engine, Policy::kDtralloc, g.allocator.config());
+    std::vector<int> got = dtralloc.choose(request, 0);
+    std::sort(got.begin(), got.end());
+    std::vector<int> want = quarters;
+    if (!headroom) want.insert(want.begin(), x);
+    CHECK(got == want);
+    CHECK_EQ(dtralloc.stats().widened, headroom ? std::size_t{0} : std::size_t{1});
+    Evictor coop(g.allocator, g.engine, Policy::kCoop, g.allocator.config());
+    CHECK(coop.choose(request, 0) == (headroom ? std::vector<int>{x} : std::vector<int>{}));
+  }
+}
+
 void test_unknown_policy() {
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_policy("belady"); }), "belady");
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "policy");
@@ -287,6 +321,7 @@ int main() {
   test_make_room_serves_request();
   test_release_plans();
   test_release_plan_costs_chains();
+  test_thorough_search();
   test_unknown_policy();
   return check::check_summary("test_evictor");
 }

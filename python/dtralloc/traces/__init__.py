@@ -1,13 +1,15 @@
 """Recorded training steps bundled with dtralloc: one ``<name>.dtrace`` per zoo model.
 
     >>> from dtralloc.traces import list_bundled, load_bundled
-    >>> list_bundled()
-    ['bert', 'gpt2', 'llama', 'mlp', 'resnet50', 'unet']
+    >>> list_bundled()[:6]
+    ['bert', 'convbn', 'convbn-compact', 'encdec', 'encdec-compact', 'gpt2']
     >>> trace = load_bundled("gpt2")
 
 Each is one step (after a warm-up step) of a model of :mod:`dtralloc.zoo`, recorded
-on CPU by ``bench/record_zoo.py``; ``trace.meta["description"]`` names the model,
-its sizes and its optimizer. Replaying one needs neither torch nor the model.
+on CPU by ``bench/record_zoo.py``: every model at GPU scale, and the torch-only
+newcomers at compact scale too (``<name>-compact``, 70-150 MiB a step);
+``trace.meta["description"]`` names the model, its sizes and its optimizer.
+Replaying one needs neither torch nor the model.
 """
 from __future__ import annotations
 
