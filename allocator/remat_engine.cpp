@@ -87,17 +87,15 @@ int RematEngine::begin_op(const OpCall& call) {
   const int op = static_cast<int>(ops_.size()) - 1;
   for (int w : call.writes) prepare_write(w);
   // What the op holds: its reads, then the written values it does not read.
-  std::vector<int> vs = call.reads;
+  std::vector<int>& vs = ops_[op].inputs;
+  vs = call.reads;
   for (int w : call.writes)
     if (std::find(call.reads.begin(), call.reads.end(), w) == call.reads.end()) vs.push_back(w);
   for (int v : vs)
     if (values_[v].state == ValueState::kReleased) broken(v, "an op reads a released value");
   hold(vs);
-  for (int v : vs) {
-    values_[v].last_access = clock_;
-    ops_[op].inputs.push_back(v);
-    ops_[op].locked.push_back(v);
-  }
+  for (int v : vs) values_[v].last_access = clock_;
+  ops_[op].locked = vs;
   return op;
 }
 

@@ -66,23 +66,49 @@ PyObject* fast_pack(PyObject* self, PyObject* tensor) {
   }
 }
 
+// __torch_dispatch__(func, types, args, kwargs) of the session's mode, for
+// the ops the classifier calls fast (no writes, not random, nothing decided
+// per call): run, time, record. Others go to the Python mode's slow path.
+// Bound to the mode as a method (torch wants one), so argv[0] is the mode.
+PyObject* fast_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
+  if (nargs < 4 || nargs > 5) {
+    PyErr_SetString(PyExc_TypeError, "__torch_dispatch__ takes (mode, func, types, args, kwargs)");
+    return nullptr;
+  }
+  LiveSession* s = session_of(self);
+  if (!s) return nullptr;
+  try {
+    return s->dispatch(argv[1], argv[2], argv[3], nargs == 5 ? argv[4] : Py_None).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+PyMethodDef kDispatchDef = {
+    "__torch_dispatch__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_dispatch)),
+    METH_FASTCALL, "The dtr mode's __torch_dispatch__ (see fast_calls)."};
 PyMethodDef kRecordDef = {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_record)),
                           METH_FASTCALL, "LiveSession.record, bound (see fast_calls)."};
 PyMethodDef kPackDef = {"pack", &fast_pack, METH_O, "LiveSession.pack, bound (see fast_calls)."};
 
-// (record, pack) bound to `session`: plain CPython functions.
+// (record, pack, dispatch) bound to `session`: plain CPython functions.
 py::tuple fast_calls(const std::shared_ptr<LiveSession>& session) {
   py::capsule owner(new std::shared_ptr<LiveSession>(session), "dtralloc.LiveSession", [](PyObject* capsule) {
     delete static_cast<std::shared_ptr<LiveSession>*>(PyCapsule_GetPointer(capsule, "dtralloc.LiveSession"));
   });
   PyObject* record = PyCFunction_New(&kRecordDef, owner.ptr());
   if (!record) throw py::error_already_set();
+  py::object r = py::reinterpret_steal<py::object>(record);
   PyObject* pack = PyCFunction_New(&kPackDef, owner.ptr());
-  if (!pack) {
-    Py_DECREF(record);
-    throw py::error_already_set();
-  }
-  return py::make_tuple(py::reinterpret_steal<py::object>(record), py::reinterpret_steal<py::object>(pack));
+  if (!pack) throw py::error_already_set();
+  py::object p = py::reinterpret_steal<py::object>(pack);
+  PyObject* dispatch = PyCFunction_New(&kDispatchDef, owner.ptr());
+  if (!dispatch) throw py::error_already_set();
+  return py::make_tuple(r, p, py::reinterpret_steal<py::object>(dispatch));
 }
 
 }  // namespace
@@ -124,7 +150,11 @@ void bind_live(py::module_& m) {
       .def("check_invariants", &LiveSession::check_invariants)
       .def("use_raw_refcount", &LiveSession::use_raw_refcount, py::arg("on"))
       .def("fast_calls", &fast_calls,
-           "(record, pack) as plain CPython functions bound to this session (the per-op path)");
+           "(record, pack, dispatch) as plain CPython functions bound to this session (the per-op path)")
+      .def("set_dispatch_helpers", &LiveSession::set_dispatch_helpers, py::arg("classify"), py::arg("slow"),
+           py::arg("on_error"),
+           "classify(func) -> (fast, flags, pin); slow(func, types, args, kwargs): the mode's Python path; "
+           "on_error(exception): may replace an error the op raised");
 
   // The strong count of a StorageImpl as LiveSession reads it without torch
   // (the low 32 bits after the vtable pointer); dtr/ compares it with

@@ -11,36 +11,54 @@
 namespace dtralloc::live {
 namespace {
 
-// Python objects are reached through the C API on the hot path: attribute
-// and method names interned once.
-PyObject* intern(const char* s) {
-  PyObject* o = PyUnicode_InternFromString(s);
-  if (!o) throw py::error_already_set();
-  return o;
-}
-struct Names {
-  PyObject* untyped_storage = intern("untyped_storage");
-  PyObject* cdata = intern("_cdata");
-  PyObject* nbytes = intern("nbytes");
-  PyObject* data_ptr = intern("data_ptr");
-  PyObject* dtype = intern("dtype");
-  PyObject* size = intern("size");
-  PyObject* stride = intern("stride");
-  PyObject* storage_offset = intern("storage_offset");
-  PyObject* version = intern("_version");
+// Python objects are reached through the C API on the hot path. Tensor and
+// storage attributes go straight to their descriptors (torch._C.TensorBase's
+// and StorageBase's, looked up once): a lookup by name walks the type's MRO
+// and costs more than the call itself.
+struct Accessors {
+  PyObject* untyped_storage = nullptr;  // method descriptors
+  PyObject* size = nullptr;
+  PyObject* stride = nullptr;
+  PyObject* storage_offset = nullptr;
+  PyObject* nbytes = nullptr;
+  PyObject* data_ptr = nullptr;
+  PyObject* dtype = nullptr;            // getset descriptors
+  PyObject* version = nullptr;
+  PyObject* cdata = nullptr;
 };
-const Names& names() {
-  static const Names n;
-  return n;
+Accessors& names() {
+  static Accessors a;
+  return a;
+}
+void load_accessors(py::dict d) {
+  Accessors& a = names();
+  if (a.untyped_storage) return;
+  auto take = [&](const char* key) {
+    PyObject* o = d[key].ptr();
+    Py_INCREF(o);  // kept for the process's life, as the functions they describe
+    return o;
+  };
+  a.untyped_storage = take("untyped_storage");
+  a.size = take("size");
+  a.stride = take("stride");
+  a.storage_offset = take("storage_offset");
+  a.nbytes = take("nbytes");
+  a.data_ptr = take("data_ptr");
+  a.dtype = take("dtype");
+  a.version = take("_version");
+  a.cdata = take("_cdata");
 }
 
-py::object call_method(py::handle o, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(o.ptr(), name);
+// A method descriptor called on `o` (no arguments).
+py::object call_method(py::handle o, PyObject* descr) {
+  PyObject* self = o.ptr();
+  PyObject* r = PyObject_Vectorcall(descr, &self, 1, nullptr);
   if (!r) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(r);
 }
-py::object get_attr(py::handle o, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(o.ptr(), name);
+// A getset descriptor read on `o`.
+py::object get_attr(py::handle o, PyObject* descr) {
+  PyObject* r = Py_TYPE(descr)->tp_descr_get(descr, o.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(o.ptr())));
   if (!r) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(r);
 }
@@ -132,6 +150,7 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   version_error_ = helpers["version_error"];
   what_of_ = helpers["what_of"];
   tensor_type_ = helpers["tensor_type"];
+  load_accessors(helpers["accessors"]);
   device_ = helpers["device"];
   Config config = parse_config(options.conf);
   config.policy = options.policy;
@@ -405,18 +424,61 @@ void LiveSession::before_write(py::handle writes) {
   if (!vs.empty()) engine_->prepare_writes(vs);
 }
 
+void LiveSession::set_dispatch_helpers(py::object classify, py::object slow, py::object on_error) {
+  classify_ = std::move(classify);
+  slow_ = std::move(slow);
+  on_error_ = std::move(on_error);
+  grad_enabled_ = py::module_::import("torch").attr("is_grad_enabled");
+}
+
+py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs) {
+  if (!slow_ || slow_.is_none()) throw std::logic_error("dtralloc: the dtr() session's dispatch mode ran after the session closed");
+  auto it = fast_info_.find(func);
+  if (it == fast_info_.end()) {
+    py::tuple info = classify_(py::handle(func));
+    fast_funcs_.push_back(py::reinterpret_borrow<py::object>(func));
+    it = fast_info_.emplace(func, FastInfo{info[0].cast<bool>(), info[1].cast<std::uint32_t>(), info[2].cast<int>()})
+             .first;
+  }
+  const FastInfo info = it->second;
+  if (!info.fast) return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
+  const bool has_kwargs = kwargs != Py_None && PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) > 0;
+  const auto start = std::chrono::steady_clock::now();
+  PyObject* out = PyObject_Call(func, args, has_kwargs ? kwargs : nullptr);
+  const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  if (!out) {
+    py::error_already_set error;  // takes the op's exception
+    // May raise a better one (on CUDA, an OOM that says what the budget holds).
+    on_error_(error.value());
+    throw error;
+  }
+  py::object result = py::reinterpret_steal<py::object>(out);
+  PyObject* grad = PyObject_CallNoArgs(grad_enabled_.ptr());
+  if (!grad) throw py::error_already_set();
+  const std::uint32_t flags = info.flags | (grad == Py_True ? kGradEnabled : 0);
+  Py_DECREF(grad);
+  record(func, args, has_kwargs ? kwargs : Py_None, result, py::tuple(), flags, info.pin, cost, py::none());
+  return result;
+}
+
 void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,
                          std::uint32_t flags, int pin, double cost, py::handle rng) {
   flush_deaths();
   ++stats_.ops;
   engine_->tick();
   PyObject* tensor_type = tensor_type_.ptr();
-  // 1. What the op read: each tensor argument's storage and value.
-  struct Seen {
-    PyObject* tensor;
-    int value;
-  };
-  std::vector<Seen> inputs;
+  // 1. What the op read: each tensor argument's storage and value. The
+  // scratch vectors are members, kept between calls for their capacity
+  // (record() is never re-entered: what it calls out to only queues deaths).
+  std::vector<Seen>& inputs = scratch_inputs_;
+  std::vector<Seen>& written = scratch_written_;
+  std::vector<Made>& made = scratch_made_;
+  inputs.clear();
+  written.clear();
+  struct ClearMade {  // made holds references: never keep them past the call
+    std::vector<Made>& m;
+    ~ClearMade() { m.clear(); }
+  } clear_made{made};
   auto see = [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
     const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
@@ -426,7 +488,6 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   };
   for_each_tensor(args.ptr(), tensor_type, see);
   if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
-  std::vector<Seen> written;
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
     const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
@@ -434,13 +495,6 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       written.push_back({t, v});
   });
   // 2. What it made: output tensors on storages the session has not seen.
-  struct Made {
-    py::object storage, tensor;
-    std::uintptr_t cdata;
-    std::size_t nbytes;
-    int out_index;
-  };
-  std::vector<Made> made;
   int leaf = 0;
   for_each_tensor(out.ptr(), tensor_type, [&](PyObject* t) {
     const int index = leaf++;
@@ -457,7 +511,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     return;  // views, detach, scalar reads: nothing for the engine
   }
   // 3. The engine's protocol, all at once: the op has already run.
-  OpCall call;
+  OpCall& call = scratch_call_;
+  call.reads.clear();
+  call.writes.clear();
   call.random = (flags & kRandom) != 0;
   for (const Seen& s : inputs)
     if (std::find(call.reads.begin(), call.reads.end(), s.value) == call.reads.end()) call.reads.push_back(s.value);
@@ -560,17 +616,25 @@ py::object LiveSession::template_of(py::handle x) const {
   PyObject* o = x.ptr();
   if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type_.ptr()))) return marker();
   if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const bool tuple = PyTuple_CheckExact(o);
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
     PyObject** items = PySequence_Fast_ITEMS(o);
-    py::list parts(n);
-    bool changed = false;
+    py::object copy;  // made at the first tensor found; until then `o` itself will do
     for (Py_ssize_t i = 0; i < n; ++i) {
       py::object part = template_of(items[i]);
-      changed |= part.ptr() != items[i];
-      parts[i] = part;
+      if (!copy && part.ptr() == items[i]) continue;
+      if (!copy) {
+        copy = py::reinterpret_steal<py::object>(tuple ? PyTuple_New(n) : PyList_New(n));
+        if (!copy) throw py::error_already_set();
+        for (Py_ssize_t j = 0; j < i; ++j) {
+          Py_INCREF(items[j]);
+          tuple ? PyTuple_SET_ITEM(copy.ptr(), j, items[j]) : PyList_SET_ITEM(copy.ptr(), j, items[j]);
+        }
+      }
+      PyObject* p = part.release().ptr();
+      tuple ? PyTuple_SET_ITEM(copy.ptr(), i, p) : PyList_SET_ITEM(copy.ptr(), i, p);
     }
-    if (!changed) return py::reinterpret_borrow<py::object>(o);
-    return PyTuple_CheckExact(o) ? py::object(py::tuple(parts)) : py::object(parts);
+    return copy ? copy : py::reinterpret_borrow<py::object>(o);
   }
   if (PyDict_CheckExact(o)) {
     py::dict d;

@@ -155,6 +155,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
 
   // Before an op that writes `writes` (tensors) runs.
   void before_write(py::handle writes);
+  // The mode's __torch_dispatch__: fast ops run, are timed and recorded
+  // here; the rest go to the Python slow path (set_dispatch_helpers).
+  py::object dispatch(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs);
+  void set_dispatch_helpers(py::object classify, py::object slow, py::object on_error);
   // After an op ran: everything it read, made and wrote, in one call.
   void record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,
               std::uint32_t flags, int pin, double cost, py::handle rng);
@@ -224,6 +228,28 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unordered_map<PyObject*, int> watched_;
   std::vector<int> dead_;
   std::vector<int> polled_;             // owned pinned values and external values (poll_owned)
+  // record()'s scratch, kept for its capacity.
+  struct Seen {
+    PyObject* tensor;  // borrowed from the op's arguments
+    int value;
+  };
+  struct Made {
+    py::object storage, tensor;
+    std::uintptr_t cdata;
+    std::size_t nbytes;
+    int out_index;
+  };
+  std::vector<Seen> scratch_inputs_, scratch_written_;
+  std::vector<Made> scratch_made_;
+  OpCall scratch_call_;
+  struct FastInfo {
+    bool fast;
+    std::uint32_t flags;
+    int pin;
+  };
+  std::unordered_map<PyObject*, FastInfo> fast_info_;  // per OpOverload (kept alive by fast_funcs_)
+  std::vector<py::object> fast_funcs_;
+  py::object classify_, slow_, on_error_, grad_enabled_;
   std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
   std::size_t peak_reserved_bytes_ = 0;

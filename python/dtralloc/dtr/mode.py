@@ -9,6 +9,7 @@ overwritten. Everything else lives in C++ (allocator/bindings/live_session.h).
 from __future__ import annotations
 
 import time
+import types
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,10 +24,26 @@ _OOM_MARKER = "dtralloc"
 
 
 class Mode(TorchDispatchMode):
-    def __init__(self, session):
+    def __init__(self, session, fast_dispatch):
         super().__init__()
         self._session = session
         self._record = session._record  # a plain CPython function bound to the session
+        # The per-op path in C (allocator/bindings/live.cpp): torch looks
+        # __torch_dispatch__ up on the instance, so this one takes precedence
+        # over the Python method below, which it calls for the ops that are
+        # not fast (writes, random, pins decided per call).
+        self.__dict__["__torch_dispatch__"] = types.MethodType(fast_dispatch, self)
+        session._core.set_dispatch_helpers(_classify_for_c, self._slow, self._on_error)
+
+    def _slow(self, func, types, args, kwargs):
+        info = _INFO.get(func)
+        if info is None:
+            info = _INFO[func] = ops.classify(func)
+        return self._dispatch(func, info, args, kwargs or {})
+
+    def _on_error(self, e):
+        if isinstance(e, RuntimeError):
+            self._oom(e)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         info = _INFO.get(func)
@@ -81,6 +98,13 @@ class Mode(TorchDispatchMode):
         # On CUDA the pool's OOM comes through torch: say what the budget holds.
         if "out of memory" in str(e) and _OOM_MARKER in str(e) and self._session.device != "cpu":
             raise _core.OutOfMemoryError(f"{e}\n{self._session._core.oom_report()}") from e
+
+
+def _classify_for_c(func):
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = ops.classify(func)
+    return info.fast, info.flags, info.pin
 
 
 def _on_cuda(args) -> bool:

@@ -104,7 +104,17 @@ def version_error(what, now: int, expected: int):
         f"operation: {subject} is at version {now}; expected version {expected} instead. {_HINT}")
 
 
+def _accessors() -> dict:
+    """The descriptors behind the tensor and storage attributes the C++ half
+    reads per op (called directly, with no lookup by name)."""
+    tensor, storage = torch._C.TensorBase, torch._C.StorageBase
+    return {"untyped_storage": tensor.untyped_storage, "size": tensor.size, "stride": tensor.stride,
+            "storage_offset": tensor.storage_offset, "dtype": tensor.__dict__["dtype"],
+            "_version": tensor.__dict__["_version"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
+            "_cdata": storage.__dict__["_cdata"]}
+
+
 def helpers(device: str) -> dict:
     return {"view": view, "run": run, "new_storage": new_storage, "use_count": use_count,
             "version_error": version_error, "what_of": what_of, "tensor_type": torch.Tensor,
-            "device": device}
+            "device": device, "accessors": _accessors()}

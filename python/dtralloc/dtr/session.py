@@ -103,7 +103,7 @@ class Session:
         self._core = _core.LiveSession(cuda, index, self.budget_bytes, _core.config_text(), self.policy, chaos,
                                        check_invariants, helpers(name))
         self._core.use_raw_refcount(_check_raw_refcount())
-        self._record, self._pack = self._core.fast_calls()
+        self._record, self._pack, self._fast_dispatch = self._core.fast_calls()
         self._mode: Optional[Mode] = None
         self._hooks = None
         self._entered = False
@@ -117,7 +117,7 @@ class Session:
         self._core.start()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack(self), unpack_hook)
         self._hooks.__enter__()
-        self._mode = Mode(self)
+        self._mode = Mode(self, self._fast_dispatch)
         self._mode.__enter__()
         _active.session = self
         _sessions.add(self)
@@ -131,6 +131,10 @@ class Session:
         finally:
             self._hooks.__exit__(*exc)
             _exports.detach()
+            # The C++ half holds the mode's methods while the mode is active;
+            # dropping them here breaks the session -> core -> mode -> session
+            # cycle that Python's collector cannot see through C++.
+            self._core.set_dispatch_helpers(None, None, None)
         self._core.flush_deaths()
 
     def stats(self) -> dict:
