@@ -26,6 +26,22 @@ LiveSession* session_of(PyObject* self) {
   return holder ? holder->get() : nullptr;
 }
 
+// Runs `body` (returning a py::object) as a CPython function must: a new
+// reference, or nullptr with the Python error set; C++ errors
+// (OutOfMemoryError, logic errors) are mapped as pybind11 maps them.
+template <typename Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body().release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
 // record(func, args, kwargs, out, writes, flags, pin, cost, rng)
 PyObject* fast_record(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
   if (nargs != 9) {
@@ -38,32 +54,17 @@ PyObject* fast_record(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
   const long pin = PyLong_AsLong(argv[6]);
   const double cost = PyFloat_AsDouble(argv[7]);
   if (PyErr_Occurred()) return nullptr;
-  try {
+  return guarded([&] {
     s->record(argv[0], argv[1], argv[2], argv[3], argv[4], static_cast<std::uint32_t>(flags), static_cast<int>(pin),
               cost, argv[8]);
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (...) {
-    // Other C++ errors (OutOfMemoryError, logic errors) as pybind11 maps them.
-    py::detail::try_translate_exceptions();
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+    return py::none();
+  });
 }
 
 PyObject* fast_pack(PyObject* self, PyObject* tensor) {
   LiveSession* s = session_of(self);
   if (!s) return nullptr;
-  try {
-    return s->pack(tensor).release().ptr();
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (...) {
-    py::detail::try_translate_exceptions();
-    return nullptr;
-  }
+  return guarded([&] { return s->pack(tensor); });
 }
 
 // __torch_dispatch__(func, types, args, kwargs) of the session's mode, for
@@ -77,15 +78,7 @@ PyObject* fast_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs)
   }
   LiveSession* s = session_of(self);
   if (!s) return nullptr;
-  try {
-    return s->dispatch(argv[1], argv[2], argv[3], nargs == 5 ? argv[4] : Py_None).release().ptr();
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return nullptr;
-  } catch (...) {
-    py::detail::try_translate_exceptions();
-    return nullptr;
-  }
+  return guarded([&] { return s->dispatch(argv[1], argv[2], argv[3], nargs == 5 ? argv[4] : Py_None); });
 }
 
 PyMethodDef kDispatchDef = {

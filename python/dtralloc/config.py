@@ -26,6 +26,22 @@ def conf_text(conf: ConfLike) -> str:
     )
 
 
+def size_in_bytes(value, who: str, accepts: str = "bytes (an int) or a size such as '512M' or '20G'") -> int:
+    """A positive size given as an int (bytes) or a string with a unit
+    ("512M", "20G"); `who` names the caller in the error, `accepts` what it takes."""
+    if isinstance(value, str):
+        try:
+            return _core.parse_size(value)
+        except _core.ConfigError:
+            raise _core.ConfigError(f"{who}: bad budget {value!r}: expected a size with a unit such as "
+                                    f"'512M' or '20G', or bytes as an int") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{who}: budget must be positive, got {value}")
+        return value
+    raise TypeError(f"{who}: budget must be {accepts}, not {value!r} ({type(value).__name__})")
+
+
 def describe_config(conf: ConfLike = None) -> list[dict]:
     """Every option with its effective value, default, accepted values and doc.
 

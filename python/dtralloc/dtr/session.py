@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .. import _core
+from ..config import size_in_bytes
 from .mode import Mode, pack, unpack_hook
 from .runner import helpers
 
@@ -44,16 +45,7 @@ def _check_raw_refcount() -> bool:
 def _budget_bytes(budget) -> int:
     if budget is None:
         return 0
-    if isinstance(budget, bool) or isinstance(budget, float):
-        raise TypeError(f"dtralloc.dtr: budget must be bytes (an int) or a size such as '512M' or '20G', "
-                        f"not {budget!r}")
-    if isinstance(budget, str):
-        return _core.parse_size(budget)
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"dtralloc.dtr: budget must be positive, got {budget}")
-        return budget
-    raise TypeError(f"dtralloc.dtr: budget must be an int or a size string, not {type(budget).__name__}")
+    return size_in_bytes(budget, "dtralloc.dtr")
 
 
 def _device(device) -> tuple[bool, int, str]:

@@ -6,7 +6,7 @@ import math
 from typing import Callable, Optional, Union
 
 from .. import _core
-from ..config import ConfLike, conf_text
+from ..config import ConfLike, conf_text, size_in_bytes
 from ..trace import Trace, load
 from .result import POLICIES, ReplayResult
 
@@ -79,13 +79,7 @@ def _resolve_budget(budget, reference: int) -> int:
                 f"no-eviction peak reserved); got {budget}. Pass an int for bytes."
             )
         return max(1, int(budget * reference))
-    if isinstance(budget, str):
-        return _core.parse_size(budget)
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"dtralloc.replay: budget must be positive, got {budget}")
-        return budget
-    raise TypeError(f"dtralloc.replay: budget must be None, int, float or str, not {type(budget).__name__}")
+    return size_in_bytes(budget, "dtralloc.replay", "None, bytes (an int), a size such as '20G' or a fraction")
 
 
 def replay_columns(trace: Trace) -> _core.ReplayTrace:
