@@ -58,23 +58,27 @@
   }
 
   // ------------------------------------------------------------ decoding
-  const B64 = new Uint8Array(128);
-  "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".split("").forEach((c, i) => (B64[c.charCodeAt(0)] = i));
-  function b64decode(s) {
-    let len = s.length;
-    while (len > 0 && s.charCodeAt(len - 1) === 61) len--;  // '='
-    const out = new Uint8Array(Math.floor((len * 3) / 4));
-    let o = 0;
-    let i = 0;
-    for (; i + 4 <= len; i += 4) {
-      const n = (B64[s.charCodeAt(i)] << 18) | (B64[s.charCodeAt(i + 1)] << 12) | (B64[s.charCodeAt(i + 2)] << 6) | B64[s.charCodeAt(i + 3)];
-      out[o++] = n >> 16; out[o++] = (n >> 8) & 255; out[o++] = n & 255;
-    }
-    if (len - i === 2) {
-      out[o++] = ((B64[s.charCodeAt(i)] << 18) | (B64[s.charCodeAt(i + 1)] << 12)) >> 16;
-    } else if (len - i === 3) {
-      const n = (B64[s.charCodeAt(i)] << 18) | (B64[s.charCodeAt(i + 1)] << 12) | (B64[s.charCodeAt(i + 2)] << 6);
-      out[o++] = n >> 16; out[o++] = (n >> 8) & 255;
+  // The columns' gzip streams as text, 7 bits per character (page.py,
+  // text7): a character under U+0080 is one 7-bit value; U+0080 + 128 k + v
+  // is the value TEXT7_ILLEGAL[k] followed by v; U+0200 + k is
+  // TEXT7_ILLEGAL[k] at the very end. Values are big-endian bits of the bytes.
+  const TEXT7_ILLEGAL = [0, 13, 60];
+  function text7decode(s) {
+    const len = s.length;
+    let values = len;
+    for (let i = 0; i < len; i++) { const c = s.charCodeAt(i); if (c >= 128 && c < 512) values++; }
+    const out = new Uint8Array(Math.floor((values * 7) / 8));
+    let acc = 0, bits = 0, o = 0;
+    const push = (v) => {
+      acc = (acc << 7) | v;  // at most 7 + 7 bits are ever waiting
+      bits += 7;
+      if (bits >= 8) { bits -= 8; out[o++] = acc >> bits; acc &= (1 << bits) - 1; }
+    };
+    for (let i = 0; i < len; i++) {
+      const c = s.charCodeAt(i);
+      if (c < 128) push(c);
+      else if (c < 512) { const v = c - 128; push(TEXT7_ILLEGAL[v >> 7]); push(v & 127); }
+      else push(TEXT7_ILLEGAL[c - 512]);
     }
     return out;
   }
@@ -113,7 +117,7 @@
     walk(meta.runs);
     await Promise.all(refs.map(async (ref) => {
       const el = $("dtralloc-blob-" + ref.b);
-      ref.array = typed(ref, await gunzip(b64decode(el.textContent.trim())));
+      ref.array = typed(ref, await gunzip(text7decode(el.textContent)));
     }));
   }
   const col = (ref) => (ref ? ref.array : null);
@@ -158,6 +162,14 @@
     const L = B.start.length;
     B.size = h.unit < 512 ? new Float64Array(L) : new Uint32Array(L); B.waste = new Float64Array(L);  // from the table of (size, waste) pairs
     for (let i = 0; i < L; i++) { B.size[i] = B.kind_size[B.kind[i]]; B.waste[i] = B.kind_waste[B.kind[i]]; }
+    // Addresses from their references (page.py, address_refs): 2d = where
+    // block i - d starts, 2d + 1 = where it ends, 0 = the next raw address.
+    B.y = h.compact > 0xffffffff ? new Float64Array(L) : new Uint32Array(L);
+    for (let i = 0, r = 0; i < L; i++) {
+      const c = B.y_ref[i];
+      if (c === 0) B.y[i] = B.y_raw[r++];
+      else { const j = i - Math.floor(c / 2); B.y[i] = c % 2 ? B.y[j] + B.size[j] : B.y[j]; }
+    }
     // Absolute ends (the columns hold lifetimes).
     const req = new Int32Array(L), done = new Int32Array(L);
     for (let i = 0; i < L; i++) { req[i] = B.start[i] + B.req[i]; done[i] = req[i] + B.done[i]; }
@@ -1060,6 +1072,16 @@
     requestAnimationFrame(() => setTimeout(() => resolve(performance.now() - t), 0));
   });
   api.cursor = () => cursorOf(run());
+  // For the tests of the columns' coding (tests/test_dashboard_codec.py):
+  // the decoder, and run i's blocks as the views read them.
+  api.text7decode = (s) => Array.from(text7decode(s));
+  api.blocks = (i) => {
+    const H = state.runs[i].hist;
+    if (!H) return null;
+    const B = H.B, out = { unit: H.unit };
+    for (const k of ["start", "reqAt", "doneAt", "y", "size", "waste"]) out[k] = Array.from(B[k]);
+    return out;
+  };
   api.readout = () => {
     const out = {};
     document.querySelectorAll("#readout [data-key]").forEach((tr) => {
