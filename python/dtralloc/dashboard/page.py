@@ -9,8 +9,8 @@ gzipped. What the browser can rebuild is not stored: a block's address is
 mostly a back-reference (it starts where an earlier block started or ended),
 and the (block size, waste) pairs are a table indexed in order of frequency.
 The gzip streams travel as text inside <script type="application/octet-stream">
-elements, 7 bits per character (:func:`text7`: 8/7 of the bytes where base64
-takes 4/3). The page decodes them with the browser's own DecompressionStream.
+elements, 7 bits per ASCII character (:func:`text7`: 1.18 times the bytes
+where base64 takes 4/3). The page decodes them with the browser's own DecompressionStream.
 The drawing is hand-written canvas code in assets/dashboard.js; nothing is
 fetched.
 """
@@ -52,21 +52,30 @@ class Blobs:
 
     def add(self, values, delta: bool = False, kind: Optional[str] = None) -> dict:
         """Store an integer (or float) column; returns its reference for the
-        JSON: {"b": blob, "t": type, "n": length, "d": delta-coded}."""
+        JSON: {"b": blob, "t": type, "n": length, "d": delta-coded}; a
+        delta-coded integer column stores its steps in the type that holds
+        them ("t") and names the type of its values ("a"), which the page
+        sums them into: an ascending column of a 16M-event history (op
+        stamps, times, event indexes) is then one byte a value, not four,
+        for the browser to inflate."""
         a = np.asarray(values)
         if kind is None:
-            kind, a = _narrow(a, delta)
+            kind, a = _narrow(a)
         else:
             a = a.astype(dict(_INT_TYPES + (("f64", np.float64),))[kind])
+        ref = {"t": kind, "n": int(a.size), "d": int(delta)}
         if delta and a.size:
-            a = np.diff(a, prepend=a.dtype.type(0)) if kind == "f64" else \
-                np.diff(a.astype(np.int64), prepend=0).astype(a.dtype)
+            if kind == "f64":
+                a = np.diff(a, prepend=0.0)
+            else:
+                ref["t"], a = _narrow(np.diff(a.astype(np.int64), prepend=0))
+                ref["a"] = kind
         raw = np.ascontiguousarray(a)
         self.raw_bytes += raw.nbytes
         if raw.itemsize > 1:  # the byte shuffle
             raw = raw.view(np.uint8).reshape(-1, raw.itemsize).T
         self.items.append(self._pool.submit(_pack, np.ascontiguousarray(raw)))
-        return {"b": len(self.items) - 1, "t": kind, "n": int(a.size), "d": int(delta)}
+        return {"b": len(self.items) - 1, **ref}
 
     def texts(self) -> list[str]:
         out = [f.result() for f in self.items]
@@ -80,20 +89,22 @@ def _pack(raw: np.ndarray) -> str:
 
 # The 7-bit values a <script> element's text cannot hold as themselves: NUL
 # (the HTML parser makes it U+FFFD), CR (it becomes LF) and "<" (it could
-# end the element). The page's decoder (dashboard.js, text7decode) has the
-# same list.
-_TEXT7_ILLEGAL = (0, 13, 60)
+# end the element); and the escape itself. The page's decoder (dashboard.js,
+# text7decode) has the same list.
+_TEXT7_ESCAPE = 127
+_TEXT7_ESCAPED = (0, 13, 60, _TEXT7_ESCAPE)
 
 
 def text7(data: bytes) -> str:
-    """`data` as text for a <script> element, 7 bits per character.
+    """`data` as ASCII text for a <script> element, 7 bits per character.
 
-    The bytes are read as a stream of 7-bit values, each one character
-    (U+0000-U+007F: one byte of UTF-8). A value the element cannot hold
-    (_TEXT7_ILLEGAL[k]) and the value after it travel together as one
-    two-byte character, U+0080 + 128 k + next; an illegal last value as
-    U+0200 + k. On random bytes (a gzip stream) that is 8/7 of the bytes,
-    where base64 takes 4/3 (the idea of Kevin Albertson's base-122)."""
+    The bytes are read as a stream of 7-bit values (big-endian), each one
+    character, except the values the element cannot hold
+    (_TEXT7_ESCAPED[k]): those are DEL followed by the digit k. On random
+    bytes (a gzip stream) that is 8/7 * (1 + 4/128) = 1.18 of the bytes,
+    where base64 takes 4/3. Plain ASCII on purpose: two-byte characters
+    (base-122's way, 8/7 exactly) made Chromium's parser keep the page's
+    text as UTF-16 and took it 3 s longer to parse 33 MB."""
     b = np.frombuffer(data, np.uint8)
     n = b.size
     if n == 0:
@@ -102,29 +113,26 @@ def text7(data: bytes) -> str:
     padded = np.zeros(rows * 7, np.uint8)
     padded[:n] = b
     v = np.zeros(rows, np.uint64)
-    for k in range(7):  # 7 bytes = 56 bits = 8 values, big-endian
+    for k in range(7):  # 7 bytes = 56 bits = 8 values
         v |= padded[k::7].astype(np.uint64) << np.uint64(8 * (6 - k))
     shifts = np.arange(49, -1, -7, dtype=np.uint64)
-    values = ((v[:, None] >> shifts[None, :]) & np.uint64(127)).astype(np.uint16).reshape(-1)
+    values = ((v[:, None] >> shifts[None, :]) & np.uint64(127)).astype(np.uint8).reshape(-1)
     values = values[:-(-n * 8 // 7)]
-    illegal = np.isin(values, _TEXT7_ILLEGAL)
-    m = values.size
-    # An illegal value takes the value after it along, which then is not
-    # looked at on its own: in a run of illegal values every second one
-    # leads (counted from the run's start).
-    idx = np.arange(m)
-    run_start = np.maximum.accumulate(np.where(illegal & ~np.r_[False, illegal[:-1]], idx, 0))
-    leads = illegal & ((idx - run_start) % 2 == 0)
-    taken = np.r_[False, leads[:-1]]
-    k = np.searchsorted(np.array(_TEXT7_ILLEGAL), values).astype(np.uint16)
-    nxt = np.r_[values[1:], np.uint16(0)]
-    cps = np.where(leads, np.where(idx + 1 < m, 128 + 128 * k + nxt, 512 + k), values).astype(np.uint16)
-    return cps[~taken].tobytes().decode("utf-16-le")
+    escaped = np.isin(values, _TEXT7_ESCAPED)
+    if not escaped.any():
+        return values.tobytes().decode("ascii")
+    out = np.empty(values.size + int(escaped.sum()), np.uint8)
+    at = np.arange(values.size) + np.cumsum(escaped) - escaped  # each value's place, after the escapes before it
+    out[at] = values
+    out[at[escaped]] = _TEXT7_ESCAPE
+    digit = np.zeros(128, np.uint8)
+    digit[list(_TEXT7_ESCAPED)] = ord("0") + np.arange(len(_TEXT7_ESCAPED))
+    out[at[escaped] + 1] = digit[values[escaped]]
+    return out.tobytes().decode("ascii")
 
 
-def _narrow(a: np.ndarray, delta: bool) -> tuple[str, np.ndarray]:
-    """The smallest type that holds `a` (and, when delta-coded, its steps);
-    f64 when none does (exact up to 2**53)."""
+def _narrow(a: np.ndarray) -> tuple[str, np.ndarray]:
+    """The smallest type that holds `a`; f64 when none does (exact up to 2**53)."""
     if a.dtype.kind == "f":
         return "f64", a.astype(np.float64)
     if a.dtype.kind == "b":
@@ -132,10 +140,6 @@ def _narrow(a: np.ndarray, delta: bool) -> tuple[str, np.ndarray]:
     if a.size == 0:
         return "u8", a.astype(np.uint8)
     lo, hi = int(a.min()), int(a.max())
-    if delta:
-        steps = np.diff(a.astype(np.int64))
-        if steps.size:
-            lo, hi = min(lo, int(steps.min())), max(hi, int(steps.max()))
     for name, t in _INT_TYPES:
         info = np.iinfo(t)
         if info.min <= lo and hi <= info.max:
@@ -199,6 +203,24 @@ def address_refs(y: np.ndarray, end: np.ndarray) -> np.ndarray:
     return out
 
 
+def _add_runs(blobs: Blobs, values: np.ndarray) -> dict:
+    """A per-event column that seldom changes (the largest free block, op
+    stamps, times) as the events where it changes and its values from there
+    on: {"runs": {"at": ..., "v": ..., "t": type}, "n": length}; the page
+    expands it. Dense (delta-coded) when it changes at more than a quarter
+    of the events. What it saves is the browser's time, not the page's
+    bytes: gzip packs a column of zero steps well, but the page inflates
+    every step (16M events of largest-free steps: 64 MB, 0.7 s)."""
+    v = np.asarray(values)
+    if v.size == 0:
+        return blobs.add(v, delta=True)
+    at = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    if at.size * 4 > v.size:
+        return blobs.add(v, delta=True)
+    return {"runs": {"at": blobs.add(at, delta=True), "v": blobs.add(v[at], delta=True), "t": _narrow(v)[0]},
+            "n": int(v.size)}
+
+
 def _units(values: np.ndarray) -> tuple[np.ndarray, int]:
     """`values` in 512-byte units when all are multiples of 512, else bytes."""
     v = np.asarray(values).astype(np.int64)
@@ -248,7 +270,7 @@ def _history_payload(h: History, blobs: Blobs, event_x: Optional[np.ndarray]) ->
     largest, lunit = _units(m["largest_free"])
     out = {
         "n": n, "unit": unit, "blocks": blocks, "segments": segments,
-        "largest": blobs.add(largest, delta=True), "largest_unit": lunit,
+        "largest": _add_runs(blobs, largest), "largest_unit": lunit,
         "initial_largest": int(m["initial_largest_free"]),
         "ranges": [[hex(int(lo)), hex(int(hi)), int(off) // unit] for lo, hi, off in h.ranges.tolist()],
         "compact": h.compact_bytes // unit,
@@ -260,9 +282,9 @@ def _history_payload(h: History, blobs: Blobs, event_x: Optional[np.ndarray]) ->
     if n and np.any(h.cols["time_us"]):
         t = h.cols["time_us"].astype(np.int64)
         out["t0"] = int(t[0])
-        out["time"] = blobs.add(t - t[0], delta=True)
+        out["time"] = _add_runs(blobs, t - t[0])
     if n and np.any(h.cols["op"] >= 0):
-        out["op"] = blobs.add(h.cols["op"], delta=True)
+        out["op"] = _add_runs(blobs, h.cols["op"])
     if event_x is not None:
         out["x_event"] = blobs.add(event_x, delta=True)
     return out

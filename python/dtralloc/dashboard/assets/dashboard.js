@@ -58,29 +58,22 @@
   }
 
   // ------------------------------------------------------------ decoding
-  // The columns' gzip streams as text, 7 bits per character (page.py,
-  // text7): a character under U+0080 is one 7-bit value; U+0080 + 128 k + v
-  // is the value TEXT7_ILLEGAL[k] followed by v; U+0200 + k is
-  // TEXT7_ILLEGAL[k] at the very end. Values are big-endian bits of the bytes.
-  const TEXT7_ILLEGAL = [0, 13, 60];
+  // The columns' gzip streams as ASCII text, 7 bits per character (page.py,
+  // text7): each character one 7-bit value of the bytes (big-endian), but
+  // DEL followed by the digit k stands for the value TEXT7_ESCAPED[k].
+  const TEXT7_ESCAPED = [0, 13, 60, 127];
   function text7decode(s) {
     const len = s.length;
-    let values = len;
-    for (let i = 0; i < len; i++) { const c = s.charCodeAt(i); if (c >= 128 && c < 512) values++; }
-    const out = new Uint8Array(Math.floor((values * 7) / 8));
+    const out = new Uint8Array(Math.floor((len * 7) / 8));  // escapes make it a little less
     let acc = 0, bits = 0, o = 0;
-    const push = (v) => {
+    for (let i = 0; i < len; i++) {
+      let v = s.charCodeAt(i);
+      if (v === 127) v = TEXT7_ESCAPED[s.charCodeAt(++i) - 48];
       acc = (acc << 7) | v;  // at most 7 + 7 bits are ever waiting
       bits += 7;
       if (bits >= 8) { bits -= 8; out[o++] = acc >> bits; acc &= (1 << bits) - 1; }
-    };
-    for (let i = 0; i < len; i++) {
-      const c = s.charCodeAt(i);
-      if (c < 128) push(c);
-      else if (c < 512) { const v = c - 128; push(TEXT7_ILLEGAL[v >> 7]); push(v & 127); }
-      else push(TEXT7_ILLEGAL[c - 512]);
     }
-    return out;
+    return out.subarray(0, o);
   }
   async function gunzip(bytes) {
     const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
@@ -100,11 +93,11 @@
       }
     }
     const a = new Ctor(buf.buffer, buf.byteOffset, ref.n);
-    if (ref.d) {
-      if (ref.t === "i32") { for (let i = 1; i < a.length; i++) a[i] = (a[i - 1] + a[i]) | 0; }
-      else { for (let i = 1; i < a.length; i++) a[i] = a[i - 1] + a[i]; }
-    }
-    return a;
+    if (!ref.d) return a;
+    // Steps -> values, summed exactly (doubles) into the values' type.
+    const out = ref.a ? new TYPES[ref.a][0](ref.n) : a;
+    for (let i = 0, s = 0; i < a.length; i++) { s += a[i]; out[i] = s; }
+    return out;
   }
   async function decodeAll(meta) {
     const refs = [];
@@ -120,7 +113,17 @@
       ref.array = typed(ref, await gunzip(text7decode(el.textContent)));
     }));
   }
-  const col = (ref) => (ref ? ref.array : null);
+  // A column, or one stored as runs (page.py, _add_runs) expanded.
+  const col = (ref) => {
+    if (!ref) return null;
+    if (!ref.runs) return ref.array;
+    if (!ref.array) {
+      const at = ref.runs.at.array, v = ref.runs.v.array;
+      ref.array = new TYPES[ref.runs.t][0](ref.n);
+      for (let k = 0; k < at.length; k++) ref.array.fill(v[k], at[k], k + 1 < at.length ? at[k + 1] : ref.n);
+    }
+    return ref.array;
+  };
 
   // ------------------------------------------------------------ runs
   function prepareRun(m, index) {
@@ -1080,6 +1083,11 @@
     if (!H) return null;
     const B = H.B, out = { unit: H.unit };
     for (const k of ["start", "reqAt", "doneAt", "y", "size", "waste"]) out[k] = Array.from(B[k]);
+    const h = state.runs[i].meta.history, S = state.runs[i].S;
+    out.largest_free = Array.from(S.largest_free.a, (v) => v * S.largest_free.u);
+    out.op = H.op ? Array.from(H.op) : null;
+    out.time = H.time ? Array.from(H.time, (t) => t + H.t0) : null;
+    out.coding = { largest: h.largest.runs ? "runs" : "dense", op: h.op && (h.op.runs ? "runs" : "dense") };
     return out;
   };
   api.readout = () => {
