@@ -148,3 +148,22 @@ def test_notebook_iframe_decodes(browser, tmp_path):
     frame.evaluate("window.dtrallocDashboard.ready")
     assert frame.evaluate("document.body.dataset.ready") == "1"
     page.close()
+
+
+@pytest.mark.parametrize("high", [0, 1 << 62])
+def test_address_refs_name_the_nearest_earlier_block(high):
+    """Against a direct search; addresses near 2**64 take the stable-sort way."""
+    rng = np.random.default_rng(7)
+    size = rng.integers(1, 4, 3000).astype(np.uint64)
+    y = (rng.integers(0, 200, 3000).astype(np.uint64) + np.uint64(high))
+    refs = address_refs(y, y + size)
+    for i in range(y.size):
+        want = 0
+        for j in range(i - 1, -1, -1):
+            if y[j] == y[i]:
+                want = 2 * (i - j)
+                break
+            if y[j] + size[j] == y[i]:
+                want = 2 * (i - j) + 1
+                break
+        assert refs[i] == want, i

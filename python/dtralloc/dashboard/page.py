@@ -183,16 +183,25 @@ def address_refs(y: np.ndarray, end: np.ndarray) -> np.ndarray:
     if n == 0:
         return np.zeros(0, np.int64)
     # Entry 3i asks for block i's address; 3i + 1 and 3i + 2 offer its start
-    # and end to the blocks after it. A stable sort by address keeps each
-    # address's entries in block order, so the nearest earlier offer is the
-    # running maximum of offer positions within the address's group.
-    keys = np.empty(3 * n, np.uint64)
+    # and end to the blocks after it. Sorted by address, then by entry, each
+    # address's group lists its entries in block order, so the nearest
+    # earlier offer is the running maximum of offer positions in the group.
+    span = 3 * n
+    keys = np.empty(span, np.uint64)
     keys[0::3], keys[1::3], keys[2::3] = y, y, end
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
+    if int(keys.max()) < (1 << 64) // span:
+        # (address, entry) as one integer: a plain sort, half the time of a
+        # stable argsort of the addresses.
+        keys *= np.uint64(span)
+        keys += np.arange(span, dtype=np.uint64)
+        keys.sort()
+        order = (keys % np.uint64(span)).astype(np.int64)
+        k = keys // np.uint64(span)
+    else:
+        order = np.argsort(keys, kind="stable")
+        k = keys[order]
     new_group = np.r_[True, k[1:] != k[:-1]]
-    span = np.int64(3 * n + 1)
-    base = (np.cumsum(new_group) - 1) * span  # running maxima never cross a group
+    base = (np.cumsum(new_group) - 1) * np.int64(span + 1)  # running maxima never cross a group
     offer = np.where(order % 3 != 0, order + base, base - 1)
     nearest = np.maximum.accumulate(offer) - base  # -1: no offer yet in the group
     asks = order % 3 == 0
