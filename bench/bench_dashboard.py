@@ -156,7 +156,8 @@ def history_case(workload: str, events: int, cursor_moves: int, baseline: str | 
         rows.append(f"{'  ratio (this/base)':<22}{'':>11}{'':>8}{'':>9}{'':>8}{m['page_build_s'] / b['build_s']:>8.2f}"
                     f"{m['page_mb'] / b['page_mb']:>9.2f}{m['decode_s'] / b['decode_s']:>8.2f}"
                     f"{m['first_render_s'] / b['first_render_s']:>8.2f}"
-                    f"{m['redraw_median_ms'] / b['redraw_median_ms']:>9.2f}{m['redraw_max_ms'] / b['redraw_max_ms']:>8.2f}")
+                    f"{m['redraw_median_ms'] / b['redraw_median_ms']:>9.2f}"
+                    f"{m['redraw_max_ms'] / b['redraw_max_ms']:>8.2f}")
     return rows
 
 

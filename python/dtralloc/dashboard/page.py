@@ -10,9 +10,9 @@ mostly a back-reference (it starts where an earlier block started or ended),
 and the (block size, waste) pairs are a table indexed in order of frequency.
 The gzip streams travel as text inside <script type="application/octet-stream">
 elements, 7 bits per ASCII character (:func:`text7`: 1.18 times the bytes
-where base64 takes 4/3). The page decodes them with the browser's own DecompressionStream.
-The drawing is hand-written canvas code in assets/dashboard.js; nothing is
-fetched.
+where base64 takes 4/3). The page decodes them with the browser's own
+DecompressionStream. The drawing is hand-written canvas code in
+assets/dashboard.js; nothing is fetched.
 """
 from __future__ import annotations
 
@@ -40,15 +40,27 @@ _INT_TYPES = (("u8", np.uint8), ("i8", np.int8), ("u16", np.uint16), ("i16", np.
               ("u32", np.uint32), ("i32", np.int32))
 
 
+_compressor: Optional[ThreadPoolExecutor] = None
+
+
+def _compress_pool() -> ThreadPoolExecutor:
+    """Worker threads for the columns' compression (zlib lets go of the GIL),
+    one set for the process; 4 at most: a page has a few big columns."""
+    global _compressor
+    if _compressor is None:
+        _compressor = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                         thread_name_prefix="dtralloc-dashboard")
+    return _compressor
+
+
 class Blobs:
     """The binary columns of one page. Each column is compressed on a worker
-    thread as soon as it is added (zlib lets go of the GIL): the page's build
-    waits for the slowest column, not for their sum."""
+    thread as soon as it is added: the page's build waits for the slowest
+    column, not for their sum."""
 
     def __init__(self):
         self.items: list = []  # futures of the columns' text
         self.raw_bytes = 0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
 
     def add(self, values, delta: bool = False, kind: Optional[str] = None) -> dict:
         """Store an integer (or float) column; returns its reference for the
@@ -74,13 +86,11 @@ class Blobs:
         self.raw_bytes += raw.nbytes
         if raw.itemsize > 1:  # the byte shuffle
             raw = raw.view(np.uint8).reshape(-1, raw.itemsize).T
-        self.items.append(self._pool.submit(_pack, np.ascontiguousarray(raw)))
+        self.items.append(_compress_pool().submit(_pack, np.ascontiguousarray(raw)))
         return {"b": len(self.items) - 1, **ref}
 
     def texts(self) -> list[str]:
-        out = [f.result() for f in self.items]
-        self._pool.shutdown()
-        return out
+        return [f.result() for f in self.items]
 
 
 def _pack(raw: np.ndarray) -> str:
