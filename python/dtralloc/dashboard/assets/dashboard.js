@@ -58,25 +58,22 @@
   }
 
   // ------------------------------------------------------------ decoding
-  const B64 = new Uint8Array(128);
-  "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".split("").forEach((c, i) => (B64[c.charCodeAt(0)] = i));
-  function b64decode(s) {
-    let len = s.length;
-    while (len > 0 && s.charCodeAt(len - 1) === 61) len--;  // '='
-    const out = new Uint8Array(Math.floor((len * 3) / 4));
-    let o = 0;
-    let i = 0;
-    for (; i + 4 <= len; i += 4) {
-      const n = (B64[s.charCodeAt(i)] << 18) | (B64[s.charCodeAt(i + 1)] << 12) | (B64[s.charCodeAt(i + 2)] << 6) | B64[s.charCodeAt(i + 3)];
-      out[o++] = n >> 16; out[o++] = (n >> 8) & 255; out[o++] = n & 255;
+  // The columns' gzip streams as ASCII text, 7 bits per character (page.py,
+  // text7): each character one 7-bit value of the bytes (big-endian), but
+  // DEL followed by the digit k stands for the value TEXT7_ESCAPED[k].
+  const TEXT7_ESCAPED = [0, 13, 60, 127];
+  function text7decode(s) {
+    const len = s.length;
+    const out = new Uint8Array(Math.floor((len * 7) / 8));  // escapes make it a little less
+    let acc = 0, bits = 0, o = 0;
+    for (let i = 0; i < len; i++) {
+      let v = s.charCodeAt(i);
+      if (v === 127) v = TEXT7_ESCAPED[s.charCodeAt(++i) - 48];
+      acc = (acc << 7) | v;  // at most 7 + 7 bits are ever waiting
+      bits += 7;
+      if (bits >= 8) { bits -= 8; out[o++] = acc >> bits; acc &= (1 << bits) - 1; }
     }
-    if (len - i === 2) {
-      out[o++] = ((B64[s.charCodeAt(i)] << 18) | (B64[s.charCodeAt(i + 1)] << 12)) >> 16;
-    } else if (len - i === 3) {
-      const n = (B64[s.charCodeAt(i)] << 18) | (B64[s.charCodeAt(i + 1)] << 12) | (B64[s.charCodeAt(i + 2)] << 6);
-      out[o++] = n >> 16; out[o++] = (n >> 8) & 255;
-    }
-    return out;
+    return out.subarray(0, o);
   }
   async function gunzip(bytes) {
     const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
@@ -96,11 +93,11 @@
       }
     }
     const a = new Ctor(buf.buffer, buf.byteOffset, ref.n);
-    if (ref.d) {
-      if (ref.t === "i32") { for (let i = 1; i < a.length; i++) a[i] = (a[i - 1] + a[i]) | 0; }
-      else { for (let i = 1; i < a.length; i++) a[i] = a[i - 1] + a[i]; }
-    }
-    return a;
+    if (!ref.d) return a;
+    // Steps -> values, summed exactly (doubles) into the values' type.
+    const out = ref.a ? new TYPES[ref.a][0](ref.n) : a;
+    for (let i = 0, s = 0; i < a.length; i++) { s += a[i]; out[i] = s; }
+    return out;
   }
   async function decodeAll(meta) {
     const refs = [];
@@ -113,10 +110,20 @@
     walk(meta.runs);
     await Promise.all(refs.map(async (ref) => {
       const el = $("dtralloc-blob-" + ref.b);
-      ref.array = typed(ref, await gunzip(b64decode(el.textContent.trim())));
+      ref.array = typed(ref, await gunzip(text7decode(el.textContent)));
     }));
   }
-  const col = (ref) => (ref ? ref.array : null);
+  // A column, or one stored as runs (page.py, _add_runs) expanded.
+  const col = (ref) => {
+    if (!ref) return null;
+    if (!ref.runs) return ref.array;
+    if (!ref.array) {
+      const at = ref.runs.at.array, v = ref.runs.v.array;
+      ref.array = new TYPES[ref.runs.t][0](ref.n);
+      for (let k = 0; k < at.length; k++) ref.array.fill(v[k], at[k], k + 1 < at.length ? at[k + 1] : ref.n);
+    }
+    return ref.array;
+  };
 
   // ------------------------------------------------------------ runs
   function prepareRun(m, index) {
@@ -158,6 +165,14 @@
     const L = B.start.length;
     B.size = h.unit < 512 ? new Float64Array(L) : new Uint32Array(L); B.waste = new Float64Array(L);  // from the table of (size, waste) pairs
     for (let i = 0; i < L; i++) { B.size[i] = B.kind_size[B.kind[i]]; B.waste[i] = B.kind_waste[B.kind[i]]; }
+    // Addresses from their references (page.py, address_refs): 2d = where
+    // block i - d starts, 2d + 1 = where it ends, 0 = the next raw address.
+    B.y = h.compact > 0xffffffff ? new Float64Array(L) : new Uint32Array(L);
+    for (let i = 0, r = 0; i < L; i++) {
+      const c = B.y_ref[i];
+      if (c === 0) B.y[i] = B.y_raw[r++];
+      else { const j = i - Math.floor(c / 2); B.y[i] = c % 2 ? B.y[j] + B.size[j] : B.y[j]; }
+    }
     // Absolute ends (the columns hold lifetimes).
     const req = new Int32Array(L), done = new Int32Array(L);
     for (let i = 0; i < L; i++) { req[i] = B.start[i] + B.req[i]; done[i] = req[i] + B.done[i]; }
@@ -1060,6 +1075,21 @@
     requestAnimationFrame(() => setTimeout(() => resolve(performance.now() - t), 0));
   });
   api.cursor = () => cursorOf(run());
+  // For the tests of the columns' coding (tests/test_dashboard_codec.py):
+  // the decoder, and run i's blocks as the views read them.
+  api.text7decode = (s) => Array.from(text7decode(s));
+  api.blocks = (i) => {
+    const H = state.runs[i].hist;
+    if (!H) return null;
+    const B = H.B, out = { unit: H.unit };
+    for (const k of ["start", "reqAt", "doneAt", "y", "size", "waste"]) out[k] = Array.from(B[k]);
+    const h = state.runs[i].meta.history, S = state.runs[i].S;
+    out.largest_free = Array.from(S.largest_free.a, (v) => v * S.largest_free.u);
+    out.op = H.op ? Array.from(H.op) : null;
+    out.time = H.time ? Array.from(H.time, (t) => t + H.t0) : null;
+    out.coding = { largest: h.largest.runs ? "runs" : "dense", op: h.op && (h.op.runs ? "runs" : "dense") };
+    return out;
+  };
   api.readout = () => {
     const out = {};
     document.querySelectorAll("#readout [data-key]").forEach((tr) => {
