@@ -37,11 +37,11 @@ pytestmark = [
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_worker.py")
 
 
-def run_gpu_worker(*args: str) -> dict:
+def run_gpu_worker(*args: str, worker: str = WORKER) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS in both runs
     proc = subprocess.run(
-        [sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, worker, *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, f"{args} failed (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -74,7 +74,7 @@ class Mode(TorchDispatchMode):
                 pin = ops.PIN_NONDETERMINISTIC
             else:
                 rng = (generator, generator.get_state())
-        if info.bitwise_nondeterministic and _on_cuda(args) and not torch.are_deterministic_algorithms_enabled():
+        if info.bitwise_nondeterministic and _on_cuda(args) and not _deterministic():
             pin = ops.PIN_NONDETERMINISTIC
         writes = ops.written(func, info, args, kwargs)
         if writes:
@@ -105,6 +105,13 @@ def _classify_for_c(func):
     if info is None:
         info = _INFO[func] = ops.classify(func)
     return info.fast, info.flags, info.pin
+
+
+def _deterministic() -> bool:
+    """Whether CUDA kernels are bitwise deterministic now. With warn_only=True
+    torch only warns and still runs the nondeterministic kernels (flash
+    attention's backward, for one, is deterministic only without warn_only)."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 def _on_cuda(args) -> bool:

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one command, for a GPU machine lent for a
+# few minutes (one call of at most 10 minutes): build, the gpu-marked tests,
+# then the GPU benchmarks, each step under its own time limit so that one hang
+# does not lose the rest. Everything goes to $OUT (default ./gpu-out):
+#
+#   session.md              date, device, versions, and each step's command, exit status and time
+#   build.log               pip install --no-build-isolation -e .
+#   pytest-gpu.md           pytest -m gpu -q (header + output)
+#   gpu_budget-DATE.md/json bench/bench_gpu_budget.py (largest batch in a fixed memory)
+#   hot_path-DATE.md        bench/bench_hot_path.py --quick (its GPU part: torch.empty/del, native vs dtralloc)
+#   replay_fragmentation-DATE.md  bench/replay_fragmentation.py on torch-only models (its GPU part: native
+#                           max_memory_reserved vs replay of the step recorded on the GPU)
+#
+#   bash bench/gpu_session.sh                 # from the repository root
+#   GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh
+#   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,
+#                           # with the bench in --smoke --device cpu mode, no build, no other benches
+#
+# Copy what should be kept into bench/results/ and commit it (the reports carry
+# date, machine and command).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+# 540 s: the device tool allows 600 s a command; the rest is for its start and
+# for fetching $OUT.
+TOTAL="${GPU_SESSION_SECONDS:-540}"
+START=$(date +%s)
+DAY=$(date -u +%Y-%m-%d)
+PY="${PYTHON:-python}"
+SESSION="$OUT/session.md"
+REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
+BENCH_ARGS=""
+[ -n "$REHEARSAL" ] && BENCH_ARGS="--smoke --device cpu --in-process --models resnet50"
+
+left() { echo $((TOTAL - ($(date +%s) - START))); }
+
+device() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 \
+    || echo "no nvidia-smi"
+}
+
+header() {  # header TITLE COMMAND: the lines every report here starts with
+  printf '# %s\n\ndate: %s  \nmachine: %s, %s cores  \ndevice: %s  \ncommand: `%s`\n\n' \
+    "$1" "$(date -u '+%Y-%m-%d %H:%M UTC')" "$(hostname)" "$(nproc)" "$(device)" "$2"
+}
+
+# step NAME CAP_SECONDS RESERVE_SECONDS COMMAND: runs COMMAND (bash) for at
+# most CAP seconds, and never into the last RESERVE seconds (kept for the
+# steps after it); skipped when less than 20 s would be left for it.
+step() {
+  local name=$1 cap=$2 reserve=$3 cmd=$4
+  local limit=$(( $(left) - reserve ))
+  [ "$limit" -gt "$cap" ] && limit=$cap
+  if [ "$limit" -lt 20 ]; then
+    echo "| $name | skipped: ${limit}s left for it | - | \`$cmd\` |" >> "$SESSION"
+    return
+  fi
+  local t0=$(date +%s)
+  echo "[gpu_session] $name (limit ${limit}s): $cmd" >&2
+  timeout --kill-after=10 "$limit" bash -c "$cmd"
+  local rc=$?
+  local status="exit $rc"
+  [ "$rc" -eq 124 ] && status="timed out after ${limit}s"
+  echo "| $name | $status | $(( $(date +%s) - t0 ))s | \`$cmd\` |" >> "$SESSION"
+}
+
+{
+  header "dtralloc GPU session" "bash bench/gpu_session.sh"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l) files changed"
+  echo
+  $PY -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, GPU visible: {torch.cuda.is_available()}")' 2>&1
+  $PY -c 'import cupy; print(f"cupy {cupy.__version__}")' 2>/dev/null || echo "cupy: not installed"
+  $PY -c 'import transformers; print(f"transformers {transformers.__version__}")' 2>/dev/null \
+    || echo "transformers: not installed (GPT-2 runs as the bench's plain-torch layout)"
+  echo
+  echo "| step | status | time | command |"
+  echo "|---|---|---|---|"
+} > "$SESSION"
+
+# 1. Build (rebuilds _core and libdtralloc.so for this machine).
+[ -z "$REHEARSAL" ] && step build 200 400 "$PY -m pip install --no-build-isolation -e . > '$OUT/build.log' 2>&1"
+
+# 2. The budget benchmark first: it is the figure this machine is lent for,
+# and it bounds its own time (--time-limit; searches stop starting probes).
+# Its report is rewritten after every configuration: a kill keeps what was measured.
+bench_limit=$(( $(left) - 220 ))
+[ "$bench_limit" -gt 240 ] && bench_limit=240
+step gpu_budget $((bench_limit + 40)) 200 \
+  "$PY bench/bench_gpu_budget.py $BENCH_ARGS --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
+
+# 3. The gpu-marked tests (tests/test_dtr_gpu.py, tests/test_gpu.py).
+{ header "pytest -m gpu" "python -m pytest -m gpu -q"; echo '```'; } > "$OUT/pytest-gpu.md"
+step pytest_gpu 200 30 "$PY -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
+echo '```' >> "$OUT/pytest-gpu.md"
+
+# 4. The other benchmarks with a GPU part, while time is left.
+[ -n "$REHEARSAL" ] && TOTAL=0  # (their CPU parts alone take minutes)
+step hot_path 90 25 "$PY bench/bench_hot_path.py --quick --out '$OUT/hot_path-$DAY.md' > '$OUT/hot_path.log' 2>&1"
+step replay_fragmentation 120 5 \
+  "$PY bench/replay_fragmentation.py --traces resnet50 mlp --out '$OUT/replay_fragmentation-$DAY.md' > '$OUT/replay_fragmentation.log' 2>&1"
+
+echo >> "$SESSION"
+echo "total: $(( $(date +%s) - START ))s of ${TOTAL}s" >> "$SESSION"
+cat "$SESSION"

@@ -1,0 +1,300 @@
+"""Worker process for tests/test_dtr_gpu.py: live DTR (dtralloc.dtr) on a real GPU.
+
+Each scenario runs in a fresh process: dtralloc.install() must come before
+torch's first CUDA allocation. It prints one JSON line with what it measured;
+the test asserts on it.
+
+    python _dtr_gpu_worker.py dropout | generator | oom | device_thread
+    python _dtr_gpu_worker.py flash_dropout float16|bfloat16
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import sys
+import threading
+
+MiB = 1 << 20
+
+
+def _setup():
+    import dtralloc
+
+    dtralloc.install()
+    import torch
+
+    # Bit-exact comparisons need the same kernels in both runs: deterministic
+    # algorithms (flash attention's backward, cuBLAS with the workspace
+    # setting the test's environment carries), no TF32, no cuDNN autotuning.
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    return dtralloc, torch
+
+
+def _pool_ok(dtralloc) -> bool:
+    dtralloc._core.global_pool(0).check_invariants()
+    return True
+
+
+def _train(torch, model, batch, loss_fn, steps, session=None):
+    """`steps` AdamW steps; forward+backward inside a fresh `session()` when
+    given. Returns (losses, parameters, CUDA RNG state) and the last session."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, s = [], None
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if session is None:
+            loss = loss_fn(model, batch)
+            loss.backward()
+        else:
+            with session() as s:
+                loss = loss_fn(model, batch)
+                loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    torch.cuda.synchronize()
+    return (losses, [p.detach().clone() for p in model.parameters()], torch.cuda.get_rng_state()), s
+
+
+def _identical(torch, got, want) -> list:
+    """Names of what differs (empty: bit-exact)."""
+    diffs = []
+    for kind, a, b in zip(("loss", "parameter"), got[:2], want[:2]):
+        diffs += [f"{kind} {i}" for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+    if not torch.equal(got[2], want[2]):
+        diffs.append("CUDA RNG state")
+    return diffs
+
+
+def _plain_twice_and_live(torch, build, batch, loss_fn, steps, session):
+    """Plain, plain again (the control: are the kernels themselves
+    deterministic?) and under `session`, each from the same initial weights
+    and seed."""
+    model = build()
+    init = copy.deepcopy(model.state_dict())
+    results = []
+    for run_session in (None, None, session):
+        model.load_state_dict(init)
+        torch.manual_seed(7)
+        results.append(_train(torch, model, batch, loss_fn, steps, run_session))
+    (want, _), (again, _), (got, s) = results
+    return _identical(torch, again, want), _identical(torch, got, want), s
+
+
+def dropout() -> dict:
+    """nn.Dropout (and ReLU in place) on CUDA under chaos: every dropout mask
+    recomputed from the Philox seed and offset it first ran with."""
+    dtralloc, torch = _setup()
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(4):
+            layers += [nn.Linear(512, 512), nn.ReLU(inplace=True), nn.Dropout(0.3)]
+        return nn.Sequential(*layers).cuda()
+
+    x = torch.randn(256, 512, device="cuda")
+    control, diffs, s = _plain_twice_and_live(torch, build, x, lambda m, b: m(b).square().mean(), 2,
+                                              lambda: dtralloc.dtr(chaos=True, check_invariants=True))
+    return {"control": control, "diffs": diffs, "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
+
+
+def flash_dropout(dtype_name: str) -> dict:
+    """scaled_dot_product_attention with dropout on fp16/bf16 inputs, forced
+    onto flash attention; under chaos its output is recomputed with the same
+    Philox state, so backward sees the same dropout mask."""
+    dtralloc, torch = _setup()
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dtype = getattr(torch, dtype_name)
+
+    class Attention(nn.Module):
+        def __init__(self, d=512, heads=8):
+            super().__init__()
+            self.heads = heads
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # flash or an error, never a fallback
+                a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+            return x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(Attention(), nn.LayerNorm(512), Attention()).to("cuda", dtype)
+
+    x = torch.randn(4, 256, 512, device="cuda", dtype=dtype)
+    loss_fn = lambda m, b: m(b).float().square().mean()  # noqa: E731
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:  # which kernels plain runs pick
+        loss_fn(build(), x).backward()
+    control, diffs, s = _plain_twice_and_live(torch, build, x, loss_fn, 2,
+                                              lambda: dtralloc.dtr(chaos=True, check_invariants=True))
+    return {"ops": sorted(n for n in ops.names if "attention" in n), "control": control, "diffs": diffs,
+            "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
+
+
+def generator() -> dict:
+    """Random ops drawing from an explicit torch.Generator(device="cuda"):
+    replayed from that generator's state, which ends as in the plain run (and
+    the default generator is not touched)."""
+    dtralloc, torch = _setup()
+    gen = torch.Generator(device="cuda")
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+
+    def step():
+        noise = torch.randn(1024, 1024, generator=gen, device="cuda")
+        keep = torch.bernoulli(torch.full((1024, 1024), 0.7, device="cuda"), generator=gen)
+        return ((x * noise).sin() * keep).tanh().sum()
+
+    results = []
+    for session in (None, None, lambda: dtralloc.dtr(chaos=True, check_invariants=True)):
+        gen.manual_seed(3)
+        torch.manual_seed(5)
+        x.grad = None
+        if session is None:
+            step().backward()
+        else:
+            with session() as s:
+                step().backward()
+        torch.cuda.synchronize()
+        results.append((x.grad.clone(), gen.get_state(), torch.cuda.get_rng_state()))
+    want, again, got = results
+    same = lambda a, b: [torch.equal(u, v) for u, v in zip(a, b)]  # noqa: E731
+    return {"control": same(again, want), "same": same(got, want), "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
+
+
+def _hold_outputs_until_oom(dtralloc, torch, model, x, budget):
+    """Keeps every output: nothing can be evicted, so the budget cannot be
+    met. Returns the error's text, its type and the session's stats."""
+    kept = []
+    try:
+        with dtralloc.dtr(budget=budget) as s:
+            for i in range(len(model)):
+                kept.append(model[: i + 1](x))
+    except Exception as e:  # noqa: BLE001 - the type is what is measured
+        error = e
+    else:
+        raise AssertionError(f"no OOM under a budget of {budget}: {s.stats()}")
+    s.check_invariants()
+    stats = s.stats()
+    info = {"message": str(error), "type": type(error).__name__,
+            "is_dtralloc_oom": isinstance(error, dtralloc.OutOfMemoryError),
+            "is_runtime_error": isinstance(error, RuntimeError), "stats": stats}
+    del kept, error, s  # the session's budget holds until the session object goes
+    gc.collect()
+    return info
+
+
+def oom() -> dict:
+    """An unmeetable budget raises dtralloc.OutOfMemoryError whose text has
+    torch's "CUDA out of memory."; afterwards the same model and optimizer
+    train (a plain step, then a step under a session) exactly as a twin that
+    never saw the OOM."""
+    dtralloc, torch = _setup()
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.ReLU()) for _ in range(8)]).cuda()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin))
+    x = torch.randn(8192, 2048, device="cuda")  # 64 MiB per layer output
+    info = _hold_outputs_until_oom(dtralloc, torch, model, x, "320M")
+    torch.cuda.synchronize()
+    _pool_ok(dtralloc)
+
+    def train(m, o, sessions):
+        losses = []
+        for session in sessions:
+            o.zero_grad(set_to_none=True)
+            with session() if session else contextlib.nullcontext():
+                loss = m(x).square().mean()
+                loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        torch.cuda.synchronize()
+        return losses, [p.detach().clone() for p in m.parameters()], torch.cuda.get_rng_state()
+
+    torch.manual_seed(1)
+    want = train(twin, twin_opt, [None, None])
+    torch.manual_seed(1)
+    # 2G: both models' weights, gradients and AdamW state (about 1.3 GB) fit,
+    # not all of the step's activations (1 GB more) -- the session evicts.
+    got = train(model, opt, [None, lambda: dtralloc.dtr(budget="2G")])
+    info.update(diffs_after=_identical(torch, got, want), pool_ok=_pool_ok(dtralloc))
+    return info
+
+
+def device_thread() -> dict:
+    """Backward runs on autograd's CUDA device thread (without the GIL); under
+    a budget its allocations call the pool's eviction hook from there, which
+    must take the GIL, only free, and leave the gradients bit-exact."""
+    dtralloc, torch = _setup()
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Tanh()) for _ in range(12)]).cuda()
+    x = torch.randn(4096, 2048, device="cuda")  # 32 MiB per activation
+    main = threading.get_ident()
+
+    def forward_backward(budget=None):
+        model.zero_grad(set_to_none=True)
+        threads = []
+        with dtralloc.dtr(budget=budget) as s:
+            y = model(x)
+            y.register_hook(lambda g: threads.append(threading.get_ident()))
+            loss = y.square().mean()
+            before = s.stats()["evictions"]
+            loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()], s.stats(), before, threads
+
+    want, peak_stats, _, _ = forward_backward()
+    peak = peak_stats["peak_bytes"]
+    runs = []
+    for fraction in (0.75, 0.6, 0.45):
+        budget = int(peak * fraction)
+        try:
+            got, stats, before, threads = forward_backward(budget)
+        except dtralloc.OutOfMemoryError as e:
+            runs.append({"fraction": fraction, "oom": str(e).splitlines()[0]})
+            continue
+        gc.collect()
+        runs.append({"fraction": fraction, "budget": budget, "exact": all(torch.equal(a, b) for a, b in zip(got, want)),
+                     "evictions_in_forward": before, "evictions": stats["evictions"], "remats": stats["remats"],
+                     "peak_bytes": stats["peak_bytes"], "backward_off_main_thread": bool(threads) and
+                     all(t != main for t in threads)})
+    return {"peak": peak, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
+
+
+SCENARIOS = {
+    "dropout": dropout,
+    "flash_dropout": flash_dropout,
+    "generator": generator,
+    "oom": oom,
+    "device_thread": device_thread,
+}
+
+
+if __name__ == "__main__":
+    result = SCENARIOS[sys.argv[1]](*sys.argv[2:])
+    print(json.dumps(result, default=str), flush=True)

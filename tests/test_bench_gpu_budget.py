@@ -1,0 +1,47 @@
+"""bench/bench_gpu_budget.py and bench/gpu_session.sh work end to end without a
+GPU: the bench's smoke mode runs its whole logic (M measured, a batch search
+per configuration, the bit-exactness check, the report) on tiny models over
+CPU tensors, with dtr(device="cpu")'s virtual pool as the memory that is
+capped. The GPU figures themselves come from bench/gpu_session.sh on a GPU
+machine."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_run_on_cpu(tmp_path):
+    out = tmp_path / "budget.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_gpu_budget.py", "--smoke", "--device", "cpu", "--in-process",
+         "--models", "resnet50", "--time-limit", "60", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    (res,) = data["results"]
+    base, cap = res["base"], res["measure"]["cap_bytes"]
+    assert cap > 0
+    largest = {}
+    for config in ("plain", "checkpoint", "dtr"):
+        probes = [r for r in res["configs"][config] if r["event"] == "probe"]
+        assert probes and probes[0]["batch"] == base, (config, res["configs"][config])
+        assert probes[0]["ok"], f"{config} does not fit at B in plain's own peak: {probes[0]}"
+        fits = [r for r in probes if r["ok"]]
+        assert all(r["peak_bytes"] <= cap for r in fits), (config, fits)
+        assert any(not r["ok"] for r in probes), f"{config}: the search never found a batch that does not fit"
+        largest[config] = max(r["batch"] for r in fits)
+    assert largest["plain"] < 2 * base  # M is plain's peak at B: 2B cannot fit in it
+    assert largest["dtr"] >= largest["plain"]
+    (check,) = [r for r in res["configs"]["dtr"] if r["event"] == "check"]
+    assert check["plain_vs_plain"] and check["dtr_vs_plain"], check
+    report = out.read_text()
+    assert report.startswith("# Largest batch in a fixed memory") and "command: `python bench/bench_gpu_budget.py" in report
+    assert "| dtr |" in report and "bit-exact" in report
+
+
+def test_gpu_session_script_parses():
+    assert subprocess.run(["bash", "-n", "bench/gpu_session.sh"], cwd=ROOT).returncode == 0

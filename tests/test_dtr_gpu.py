@@ -1,0 +1,76 @@
+"""Live DTR (dtralloc.dtr) on a real GPU. Skipped without one.
+
+Every scenario runs tests/_dtr_gpu_worker.py in a fresh process (install()
+comes before torch's first CUDA allocation), with deterministic algorithms on,
+and compares against plain runs in the same process. Each scenario also runs
+plain twice: if the kernels themselves are not deterministic on this GPU the
+test says so instead of blaming the runtime.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_gpu import _cuda_available, run_gpu_worker
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU"),
+]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dtr_gpu_worker.py")
+
+
+def run(*args: str) -> dict:
+    return run_gpu_worker(*args, worker=WORKER)
+
+
+def test_cuda_dropout_is_bit_exact_under_chaos():
+    r = run("dropout")
+    assert r["control"] == [], f"plain differs from plain on this GPU: {r['control']}"
+    assert r["diffs"] == [], r
+    assert r["stats"]["evictions"] > 0 and r["stats"]["remats"] > 0
+    assert r["stats"]["rng_replays"] > 0, "no dropout mask was recomputed"
+    assert r["stats"]["device"] == "cuda:0"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_flash_attention_dropout_is_bit_exact_under_chaos(dtype):
+    r = run("flash_dropout", dtype)
+    assert "aten::_scaled_dot_product_flash_attention" in r["ops"], r["ops"]
+    assert r["control"] == [], f"plain differs from plain on this GPU: {r['control']}"
+    assert r["diffs"] == [], r
+    assert r["stats"]["rng_replays"] > 0, "flash attention was never recomputed"
+
+
+def test_an_explicit_cuda_generator_is_replayed():
+    r = run("generator")
+    assert all(r["control"]), r
+    grad, generator_state, default_state = r["same"]
+    assert grad, "gradient differs"
+    assert generator_state, "the explicit generator's state differs after the step"
+    assert default_state, "the default CUDA generator was disturbed"
+    assert r["stats"]["rng_replays"] > 0
+
+
+def test_an_unmeetable_budget_raises_cuda_oom_and_everything_stays_usable():
+    r = run("oom")
+    assert r["is_dtralloc_oom"] and r["is_runtime_error"], r["type"]
+    message = r["message"]
+    assert "CUDA out of memory." in message  # batch-size finders match torch's words
+    assert "budget of 320 MiB" in message and "largest free block" in message and "To fit" in message
+    assert r["diffs_after"] == [], f"training after the OOM differs from a twin that never saw it: {r['diffs_after']}"
+    assert r["pool_ok"]
+
+
+def test_backward_on_the_device_thread_evicts_and_stays_exact():
+    r = run("device_thread")
+    runs = [x for x in r["runs"] if "oom" not in x]
+    assert runs, r
+    for x in runs:
+        assert x["exact"], x
+        assert x["backward_off_main_thread"], x
+        assert x["peak_bytes"] <= x["budget"], x
+    assert any(x["evictions"] > x["evictions_in_forward"] for x in runs), \
+        f"no budget made backward (on the device thread) evict: {r}"
