@@ -76,12 +76,13 @@ def test_dtralloc_keeps_big_blocks_whole(traces):
 def test_dtralloc_fits_segments_to_their_tensors(traces):
     # segment_fit:auto is on under dtralloc with a budget: 1-10 MiB tensors get
     # segments of whole copies of themselves, so gpt2's 9 and 2.25 MiB weights,
-    # gradients and Adam state strand no 2 MiB tails. At 0.34 of the peak
-    # those tails are what the budget lacks.
+    # gradients and Adam state strand no 2 MiB tails. At 0.32 of the peak
+    # those tails are what the budget lacks (0.34 until the engine's hold
+    # order and retry made room elsewhere).
     # (small_in_large off in both: it also rescues this budget, see below.)
     trace = traces["gpt2"]
-    fit = dtralloc.replay(trace, budget=0.34, policy="dtralloc", conf="small_in_large:off")
-    torch_sizes = dtralloc.replay(trace, budget=0.34, policy="dtralloc", conf="segment_fit:off,small_in_large:off")
+    fit = dtralloc.replay(trace, budget=0.32, policy="dtralloc", conf="small_in_large:off")
+    torch_sizes = dtralloc.replay(trace, budget=0.32, policy="dtralloc", conf="segment_fit:off,small_in_large:off")
     assert fit.segment_fit and not torch_sizes.segment_fit
     assert not dtralloc.replay(trace, budget=0.9, policy="msps").segment_fit
     assert fit.feasible and not torch_sizes.feasible, torch_sizes.oom_message
@@ -103,9 +104,11 @@ def test_dtralloc_lets_small_tensors_into_the_large_pool_under_its_budget(traces
     mixed = dtralloc.replay(trace, budget=0.6, policy="dtralloc")
     apart = dtralloc.replay(trace, budget=0.6, policy="dtralloc", conf="small_in_large:off")
     assert mixed.feasible and not apart.feasible, apart.oom_message
-    # At GPU scale it saves recomputing: gpt2 at 0.34 of its peak.
-    mixed = dtralloc.replay(traces["gpt2"], budget=0.34, policy="dtralloc")
-    apart = dtralloc.replay(traces["gpt2"], budget=0.34, policy="dtralloc", conf="small_in_large:off")
+    # At GPU scale it can save recomputing: gpt2 at 0.33 of its peak (0.34
+    # until the engine's hold order and retry; there both now run at about
+    # 0.56, and at 0.325 they tie).
+    mixed = dtralloc.replay(traces["gpt2"], budget=0.33, policy="dtralloc")
+    apart = dtralloc.replay(traces["gpt2"], budget=0.33, policy="dtralloc", conf="small_in_large:off")
     assert mixed.feasible and apart.feasible
     assert mixed.compute_overhead < apart.compute_overhead / 2
 
