@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include "allocator.h"
 #include "event_log.h"
 
 namespace dtralloc {
@@ -122,6 +123,7 @@ void RematEngine::hold(const std::vector<int>& vs) {
     return;
   }
   in_hold_ = true;
+  retried_.clear();
   std::vector<Frame> stack;
   stack.push_back(Frame{});
   stack.back().vs = vs;
@@ -143,18 +145,50 @@ void RematEngine::hold(const std::vector<int>& vs) {
 }
 
 // One step of the hold frame on top: start recomputing the next missing
-// value, or, once the scan is through, lock the resident rest; the frame
-// ends when every value is held.
+// value, or, once the round is through, lock the resident rest; the frame
+// ends when every value is held. Each value recomputed comes back locked and
+// stays locked while the rest of the round runs, so a round takes its
+// missing values biggest recompute first: the one whose chain (the value and
+// its missing ancestors) must bring back the largest value, ties broken by
+// the chain's bytes. That chain then runs while the frame holds the least.
+// In list order, the gradient whose chain runs back through the loss (an
+// embedding's, written last in backward) came last in the optimizer's first
+// in-place write, with every other gradient locked, and a budget with room
+// for the step failed (feasibility holes on gpt2, unet, resnet50 and encdec,
+// bench/results/replay_policies-*.md). Sizes, not op costs: the order should
+// not flip with a recording's timings.
 void RematEngine::step_hold(std::vector<Frame>& stack) {
   Frame& f = stack.back();
-  while (f.next < f.vs.size()) {
-    const std::size_t i = f.next++;
+  if (f.next == 0) {
+    f.order.clear();
+    for (std::size_t i = 0; i < f.vs.size(); ++i)
+      if (!f.held[i] && values_[f.vs[i]].state != ValueState::kResident) f.order.push_back(static_cast<int>(i));
+    if (f.order.size() > 1) {
+      struct Key {
+        double largest, total;
+        int slot;
+      };
+      std::vector<Key> keyed;
+      keyed.reserve(f.order.size());
+      for (int i : f.order) {
+        double largest = 0;
+        const double total = chain_bytes(f.vs[i], &largest);
+        keyed.push_back({largest, total, i});
+      }
+      std::stable_sort(keyed.begin(), keyed.end(), [](const Key& a, const Key& b) {
+        return a.largest != b.largest ? a.largest > b.largest : a.total > b.total;
+      });
+      for (std::size_t k = 0; k < keyed.size(); ++k) f.order[k] = keyed[k].slot;
+    }
+  }
+  while (f.next < f.order.size()) {
+    const int i = f.order[f.next++];
     const int v = f.vs[i];
     if (f.held[i] || values_[v].state == ValueState::kResident) continue;
     Frame r;  // invalidates f
     r.remat = true;
     r.v = v;
-    r.parent_slot = static_cast<int>(i);
+    r.parent_slot = i;
     stack.push_back(std::move(r));
     return;
   }
@@ -194,7 +228,18 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   f.locked_self = true;
   const OpRecord& op = ops_[values_[v].producer];
   const std::size_t nbytes = values_[v].nbytes;
-  const std::uintptr_t addr = driver_.recompute(v, nbytes);  // may evict others; may throw
+  std::uintptr_t addr = 0;
+  try {
+    addr = driver_.recompute(v, nbytes);  // may evict others; may throw
+  } catch (const OutOfMemoryError&) {
+    // The last resort before the OOM: what the frames below have held so far
+    // is unlocked (it stays resident) and the recompute tried once more;
+    // once per value and hold(), so two recomputes evicting each other's
+    // values cannot loop.
+    if (std::find(retried_.begin(), retried_.end(), v) != retried_.end() || !unlock_held(stack)) throw;
+    retried_.push_back(v);
+    addr = driver_.recompute(v, nbytes);
+  }
   take_block(v, addr);
   Value& x = values_[v];
   ++x.recomputes;
@@ -211,6 +256,27 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   stack.pop_back();
   for (int r : recipe) unlock(r);
   stack.back().held[slot] = 1;  // v comes back locked
+}
+
+// Unlocks what the hold frames on the stack have brought back or locked so
+// far (they stay resident, now evictable; each frame holds them again at the
+// end of its round, recomputing what was evicted meanwhile). Values that
+// nothing needs would be released by the unlock and stay locked. Returns
+// whether anything was unlocked.
+bool RematEngine::unlock_held(std::vector<Frame>& stack) {
+  bool any = false;
+  for (Frame& f : stack) {
+    if (f.remat) continue;
+    for (std::size_t i = 0; i < f.vs.size(); ++i) {
+      if (!f.held[i]) continue;
+      const Value& x = values_[f.vs[i]];
+      if (!x.alive && x.needed_by <= 0) continue;
+      unlock(f.vs[i]);
+      f.held[i] = 0;
+      any = true;
+    }
+  }
+  return any;
 }
 
 // After an exception (OOM in the driver): every lock the frames took is
@@ -503,10 +569,10 @@ double RematEngine::estar_eq(int v) {
 // dependents, when `both_ways`) for which `counts` holds, visiting at most
 // `cap` values. Visited values are marked with a fresh epoch: no clearing,
 // no search.
-template <typename Counts>
-double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts) {
+template <typename Counts, typename Weigh>
+double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts, Weigh weigh) {
   const std::uint32_t epoch = next_epoch();
-  double total = values_[v].cost;
+  double total = weigh(v);
   walk_.assign(1, v);
   mark_[v] = epoch;
   int visited = 1;
@@ -518,7 +584,7 @@ double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts
       mark_[n] = epoch;
       ++visited;
       walk_.push_back(n);
-      total += values_[n].cost;
+      total += weigh(n);
     };
     // With every input resident the walk ends at x (most values, most of
     // the time): no need to look at a recipe of hundreds (foreach ops).
@@ -531,14 +597,23 @@ double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts
 }
 
 double RematEngine::estar_exact(int v, int cap) {
-  return reachable_cost(v, cap, true, [](ValueState s) {
-    return s == ValueState::kEvicted || s == ValueState::kDeadNeeded;
-  });
+  return reachable_cost(
+      v, cap, true, [](ValueState s) { return s == ValueState::kEvicted || s == ValueState::kDeadNeeded; },
+      [&](int n) { return values_[n].cost; });
 }
 
 double RematEngine::chain_cost(int v, int cap) {
   if (values_[v].missing == 0) return values_[v].cost;  // the common case: one op
-  return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; });
+  return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; },
+                        [&](int n) { return values_[n].cost; });
+}
+
+double RematEngine::chain_bytes(int v, double* largest, int cap) {
+  return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; }, [&](int n) {
+    const auto bytes = static_cast<double>(values_[n].nbytes);
+    *largest = std::max(*largest, bytes);
+    return bytes;
+  });
 }
 
 std::size_t RematEngine::unevictable_resident_bytes() const {

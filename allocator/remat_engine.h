@@ -236,12 +236,16 @@ class RematEngine {
     bool locked_self = false;    // remat: v is locked
     std::vector<int> vs;         // hold: the values; remat: the recipe
     std::vector<char> held;      // hold: vs[i] resident and locked by this frame
-    std::size_t next = 0;        // hold: where the scan for missing values resumes
+    std::vector<int> order;      // hold: this round's missing slots, biggest chain first
+    std::size_t next = 0;        // hold: where the scan of `order` resumes
   };
 
   // The walk behind estar_exact and chain_cost (remat_engine.cpp).
-  template <typename Counts>
-  double reachable_cost(int v, int cap, bool both_ways, Counts counts);
+  template <typename Counts, typename Weigh>
+  double reachable_cost(int v, int cap, bool both_ways, Counts counts, Weigh weigh);
+  // Bytes a recompute of missing `v` brings back (v and its missing
+  // ancestors, at most `cap` values); the largest of them into *largest.
+  double chain_bytes(int v, double* largest, int cap = 256);
   int new_value(std::size_t nbytes, int producer, double cost);
   void set_recipe(int v, int op, const std::vector<int>& not_read);
   std::uint32_t next_epoch();
@@ -252,6 +256,7 @@ class RematEngine {
   void step_hold(std::vector<Frame>& stack);
   void step_remat(std::vector<Frame>& stack);
   void unwind(std::vector<Frame>& stack);
+  bool unlock_held(std::vector<Frame>& stack);
   void prepare_write(int v);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
@@ -267,6 +272,7 @@ class RematEngine {
   RematDriver& driver_;
   EventLog* log_ = nullptr;
   bool in_hold_ = false;
+  std::vector<int> retried_;        // values recomputed again after unlock_held, this hold()
   std::vector<Value> values_;
   std::vector<OpRecord> ops_;
   std::vector<int> resident_;
