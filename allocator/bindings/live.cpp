@@ -142,6 +142,7 @@ void bind_live(py::module_& m) {
            py::arg("history_entries") = 0)
       .def("start", &LiveSession::start)
       .def("stop", &LiveSession::stop)
+      .def("end_block", &LiveSession::end_block)
       .def("before_write", &LiveSession::before_write, py::arg("writes"))
       .def("record", &LiveSession::record, py::arg("func"), py::arg("args"), py::arg("kwargs"), py::arg("out"),
            py::arg("writes"), py::arg("flags"), py::arg("pin"), py::arg("cost"), py::arg("rng"))

@@ -237,8 +237,12 @@ void LiveSession::stop() {
   started_ = false;
   if (pool_->eviction_hook() == hook_) pool_->set_eviction_hook(previous_hook_);
   if (options_.cuda && options_.budget_bytes) pool_->override_budget(0);
+  end_block();
+}
+
+void LiveSession::end_block() {
   publish_counts();
-  pool_->set_op_stamp(-1);
+  pool_->set_op_stamp(-1);  // nothing after the block is recorded
   if (mirror_) mirror_->publish(0, "");
 }
 
@@ -860,9 +864,9 @@ void LiveSession::exported(py::handle tensor) {
 // ---- eviction and reports ---------------------------------------------------------
 
 // One sample per recorded engine op: the replay's columns (op_series.h) plus
-// the op's phase and name. About 0.1 us: one pool lock for the counters and
-// the largest free block (O(streams x log blocks)), a walk of the resident
-// values for the evictable bytes, one call for the phase.
+// the op's phase and name: one pool lock for the counters and the largest
+// free block (O(streams x log blocks)), one call for the phase, and under a
+// budget a walk of the resident values for the evictable bytes.
 void LiveSession::sample_op(int op, py::handle func, std::uint32_t flags) {
   if (series_.size() >= options_.series_ops) {
     if (options_.series_ops) {  // full: the event log stops with the series
@@ -880,17 +884,27 @@ void LiveSession::sample_op(int op, py::handle func, std::uint32_t flags) {
   }
   series_name_.push_back(it->second);
   series_phase_.push_back(static_cast<std::uint8_t>(phase_of(flags)));
-  series_.add(op, pool_->sample(), engine_->evictable_resident_bytes());
+  // As the replay: evictable bytes only where something can be evicted (a
+  // budget, or chaos); the walk of the resident values is the sample's one
+  // cost that grows with the model.
+  const bool evicting = options_.chaos || pool_->budget_bytes() > 0;
+  series_.add(op, pool_->sample(), evicting ? engine_->evictable_resident_bytes() : 0);
 }
 
-// The phase of the op being recorded. What the session knows: whether
-// autograd's engine is running a backward on this thread (a graph task),
-// and grad mode. Inside a graph task: backward. Outside, with grad mode on:
-// forward (the next step's forward too). Outside with grad mode off: the
+// The phase of the op being recorded. What the session knows: grad mode,
+// and whether autograd's engine is running a backward on this thread (a
+// graph task). Grad mode on: forward (the next step's forward too). Grad
+// mode off inside a graph task: backward. Grad mode off outside one: the
 // optimizer once a backward has run since the last forward op (optimizer
 // steps run under no_grad), else forward (no_grad code before any backward,
-// such as evaluation or data preparation).
+// such as evaluation). The graph task is asked only with grad mode off (a
+// call per op saved in the forward), so a backward with create_graph=True,
+// which runs with grad mode on, counts as forward.
 Phase LiveSession::phase_of(std::uint32_t flags) {
+  if (flags & kGradEnabled) {
+    backward_seen_ = false;
+    return Phase::kForward;
+  }
   PyObject* r = PyObject_CallNoArgs(graph_task_id_.ptr());
   if (!r) throw py::error_already_set();
   const long task = PyLong_AsLong(r);
@@ -898,10 +912,6 @@ Phase LiveSession::phase_of(std::uint32_t flags) {
   if (task >= 0) {
     backward_seen_ = true;
     return Phase::kBackward;
-  }
-  if (flags & kGradEnabled) {
-    backward_seen_ = false;
-    return Phase::kForward;
   }
   return backward_seen_ ? Phase::kOptimizer : Phase::kForward;
 }

@@ -162,6 +162,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // Restores the pool's hook and budget (CUDA); the session itself lives on
   // while saved handles need it.
   void stop();
+  // The `with` block ended: the mirror stops publishing for `dtralloc top`,
+  // the pool's op stamps stop (recording stops with the block).
+  void end_block();
 
   // Before an op that writes `writes` (tensors) runs.
   void before_write(py::handle writes);

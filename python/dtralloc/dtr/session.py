@@ -142,6 +142,7 @@ class Session:
             # dropping them here breaks the session -> core -> mode -> session
             # cycle that Python's collector cannot see through C++.
             self._core.set_dispatch_helpers(None, None, None)
+            self._core.end_block()
         self._core.flush_deaths()
 
     def stats(self) -> dict:
