@@ -16,7 +16,7 @@ import numpy as np
 
 from .history import ACTION, History, build_history, event_columns
 
-from ..dtr import PHASES
+from ..dtr.recording import PHASES
 
 # The per-op series a replay and a live session record (ReplayResult.series,
 # Session.series()).

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import _core
-from . import HISTORY_EVENTS, PHASES, SERIES_OPS
+from .recording import HISTORY_EVENTS, SERIES_OPS
 from .mode import Mode, pack, unpack_hook
 from .runner import helpers
 
