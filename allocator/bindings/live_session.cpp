@@ -887,7 +887,7 @@ void LiveSession::sample_op(int op, py::handle func, std::uint32_t flags) {
   // As the replay: evictable bytes only where something can be evicted (a
   // budget, or chaos); the walk of the resident values is the sample's one
   // cost that grows with the model.
-  const bool evicting = options_.chaos || pool_->budget_bytes() > 0;
+  const bool evicting = options_.chaos || pool_->budget_bytes() < pool_->capacity_bytes();  // no budget: the capacity
   series_.add(op, pool_->sample(), evicting ? engine_->evictable_resident_bytes() : 0);
 }
 
