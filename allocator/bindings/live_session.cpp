@@ -220,16 +220,28 @@ void LiveSession::start() {
   // allocates its outputs before record() sees it).
   pool_->set_op_stamp(engine_->current_op() + 1);
   ooms_at_start_ = pool_->stats_report().stats.num_ooms;
-  // `dtralloc top PID` shows the mirror as it shows an installed pool (on
-  // CUDA the installed pool publishes already). A session that cannot
-  // publish still runs.
-  if (mirror_) {
-    try {
-      mirror_->publish(kDefaultPublishPeriodUs, "dtr cpu mirror");
-    } catch (const std::exception& e) {
-      PyErr_WarnEx(PyExc_RuntimeWarning, (std::string("dtralloc top will not see this dtr session: ") + e.what()).c_str(), 1);
-    }
+}
+
+// `dtralloc top PID` shows the mirror as it shows an installed pool (on CUDA
+// the installed pool publishes already). Started at the session's
+// kPublishAfterOps-th recorded op, not at start(): a publisher is a thread and a file, whose
+// start and stop cost a short session more than all its ops' bookkeeping,
+// and `top` could not see a session of a few milliseconds anyway. A session
+// that cannot publish still runs.
+// 256 ops: a few milliseconds of a small model, tens of a real one.
+constexpr std::size_t kPublishAfterOps = 256;
+
+void LiveSession::start_publishing() {
+  if (!mirror_ || publishing_) return;
+  publishing_ = true;
+  try {
+    mirror_->publish(kDefaultPublishPeriodUs, "dtr cpu mirror");
+  } catch (const std::exception& e) {
+    PyErr_WarnEx(PyExc_RuntimeWarning, (std::string("dtralloc top will not see this dtr session: ") + e.what()).c_str(), 1);
+    return;
   }
+  published_evictions_ = published_remats_ = 0;  // counts before now were dropped: send the totals
+  publish_counts();
 }
 
 void LiveSession::stop() {
@@ -243,7 +255,7 @@ void LiveSession::stop() {
 void LiveSession::end_block() {
   publish_counts();
   pool_->set_op_stamp(-1);  // nothing after the block is recorded
-  if (mirror_) mirror_->publish(0, "");
+  if (mirror_ && publishing_) mirror_->publish(0, "");
 }
 
 Slot& LiveSession::slot(int value) {
@@ -637,6 +649,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   if (!mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, pool_->usage().reserved);
   if (options_.chaos) evict_for_chaos();
   pool_->set_op_stamp(op + 1);
+  if (mirror_ && !publishing_ && op + 1 == static_cast<int>(kPublishAfterOps)) start_publishing();
   publish_counts();
   if (options_.check_invariants) check_invariants();
 }

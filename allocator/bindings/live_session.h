@@ -233,6 +233,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void sample_op(int op, py::handle func, std::uint32_t flags);
   Phase phase_of(std::uint32_t flags);
   void publish_counts();
+  void start_publishing();
   static PyObject* storage_died(PyObject* self, PyObject* weakref);
 
   Options options_;
@@ -291,6 +292,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   py::object graph_task_id_;            // torch._C._current_graph_task_id: >= 0 inside backward
   bool backward_seen_ = false;          // a backward op ran since the last grad-mode op outside it
   std::size_t published_evictions_ = 0, published_remats_ = 0;  // what `dtralloc top` has been told
+  bool publishing_ = false;             // the CPU mirror has started publishing (start_publishing)
   std::int64_t ooms_at_start_ = 0;      // the pool's OOM count when the session started
 };
 
