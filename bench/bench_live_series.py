@@ -5,7 +5,7 @@ short batches alternate dtr(device="cpu", series=0) and dtr(device="cpu")
 load from other processes on a shared machine cancels out better than with
 whole-workload rounds. No budget: what every session pays.
 
-    python bench/bench_live_series.py [--batches 300] [--out bench/results/live_series-DATE-cpu.md]
+    python bench/bench_live_series.py [--batches 150] [--out bench/results/live_series-DATE-cpu.md]
 """
 from __future__ import annotations
 
@@ -20,33 +20,18 @@ import torch
 
 from dtralloc.dtr import dtr
 
-
-def workloads():
-    a, b = torch.randn(8), torch.randn(8)
-
-    def adds():  # every op makes a storage: every op is sampled (the worst case)
-        for _ in range(200):
-            torch.add(a, b)
-
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(32)])
-    x = torch.randn(4, 16)
-
-    def mlp_step():
-        mlp.zero_grad(set_to_none=True)
-        mlp(x).sum().backward()
-
-    return {"add loop (200 x torch.add, 8 floats)": (adds, 200),
-            "MLP 32 x Linear(16)+Tanh, fwd+bwd": (mlp_step, 513)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_live_overhead import ops_of, workloads  # noqa: E402  the same three workloads
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--batches", type=int, default=150)
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args()
     rows = []
-    for name, (fn, ops) in workloads().items():
+    for name, fn in workloads().items():
+        ops = ops_of(fn)
         best = {"off": float("inf"), "on": float("inf")}
         for i in range(args.batches):
             for arm in (("off", "on") if i % 2 == 0 else ("on", "off")):
