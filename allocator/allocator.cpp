@@ -488,6 +488,14 @@ Allocator::Usage Allocator::usage() {
   return {reserved_bytes(), static_cast<std::size_t>(pool_.stats().allocated_bytes[kStatAll].current)};
 }
 
+Allocator::Sample Allocator::sample() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Stats& s = pool_.stats();
+  return {s.reserved_bytes[kStatAll].current, s.allocated_bytes[kStatAll].current,
+          static_cast<std::int64_t>(pool_.largest_free_block()), static_cast<std::int64_t>(pool_.free_bytes()),
+          history_recorded_, !history_.empty()};
+}
+
 StatsReport Allocator::stats_report() {
   std::lock_guard<std::mutex> lock(mutex_);
   StatsReport r;

@@ -217,6 +217,14 @@ class Allocator {
     std::size_t reserved, allocated;
   };
   Usage usage();
+  // What a per-op series samples (op_series.h), under one lock: cheaper than
+  // stats_report(), which copies every counter.
+  struct Sample {
+    std::int64_t reserved, allocated, largest_free, free;
+    std::uint64_t history_recorded;  // events recorded so far (history_recorded())
+    bool history;                    // the pool keeps a history
+  };
+  Sample sample();
   Snapshot snapshot();
   // Segments only; the history (same moment, same lock) goes to `history`
   // instead of Snapshot::trace.

@@ -280,18 +280,30 @@ Segment* BlockPool::segment_at(std::uintptr_t addr) const {
   return addr < seg->addr + seg->size ? seg : nullptr;
 }
 
+// The free sets are ordered (stream, size, address): each stream's largest
+// block is the last of its run. From the end, take it and jump below the
+// run's start: O(streams x log blocks), not a walk of every free block (a
+// live session samples this after every op).
 std::size_t BlockPool::largest_free_block() const {
   std::size_t best = 0;
-  for (const auto& set : free_)
-    for (const Block* b : set) best = std::max(best, b->size);
+  for (const auto& set : free_) {
+    auto it = set.end();
+    while (it != set.begin()) {
+      --it;
+      best = std::max(best, (*it)->size);
+      Block first_of_stream;
+      first_of_stream.stream = (*it)->stream;  // size 0, address 0: before every block of the stream
+      it = set.lower_bound(&first_of_stream);
+    }
+  }
   return best;
 }
 
+// Every block of a segment is allocated, pending (both counted as active) or
+// in a free set (I1, I3), so the free bytes are what the segments hold beyond
+// the active ones; I5 checks both counters against a walk.
 std::size_t BlockPool::free_bytes() const {
-  std::size_t total = 0;
-  for (const auto& set : free_)
-    for (const Block* b : set) total += b->size;
-  return total;
+  return static_cast<std::size_t>(stats_.reserved_bytes[kStatAll].current - stats_.active_bytes[kStatAll].current);
 }
 
 void BlockPool::check_invariants() const {
@@ -367,6 +379,14 @@ void BlockPool::check_invariants() const {
     if (c.inactive_split_bytes != stats_.inactive_split_bytes[idx].current)
       broken("I5: inactive_split_bytes" + where);
   }
+  std::size_t largest = 0, free_total = 0;
+  for (const auto& set : free_)
+    for (const Block* b : set) {
+      largest = std::max(largest, b->size);
+      free_total += b->size;
+    }
+  if (largest != largest_free_block()) broken("I5: largest free block differs from a walk of the free sets");
+  if (free_total != free_bytes()) broken("I5: free bytes differ from a walk of the free sets");
   if (oversize_allocations != stats_.oversize_allocations.current) broken("I5: oversize_allocations");
   if (oversize_segments != stats_.oversize_segments.current) broken("I5: oversize_segments");
 }

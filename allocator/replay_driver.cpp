@@ -74,18 +74,6 @@ void current_values(const std::vector<int>& offsets, const std::vector<int>& sid
   }
 }
 
-void sample(Allocator& allocator, const RematEngine& engine, bool evicting, int op,
-            ReplayResult::Series* series) {
-  const StatsReport report = allocator.stats_report();
-  series->op.push_back(op);
-  series->reserved.push_back(report.stats.reserved_bytes[kStatAll].current);
-  series->allocated.push_back(report.stats.allocated_bytes[kStatAll].current);
-  series->evictable.push_back(evicting ? static_cast<std::int64_t>(engine.evictable_resident_bytes()) : 0);
-  series->largest_free.push_back(static_cast<std::int64_t>(report.largest_free_bytes));
-  series->free.push_back(static_cast<std::int64_t>(report.free_cached_bytes));
-  if (allocator.history_entries()) series->event.push_back(static_cast<std::int64_t>(allocator.history_recorded()));
-}
-
 // The figures derived from the counters and the per-op samples, summed in op
 // order (the order Python's sum() would use).
 void derive(ReplayResult* out) {
@@ -164,7 +152,8 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
         const int sid = t.mutated[k];
         current[sid] = engine.write(op, current[sid]);
       }
-      if (options.series) sample(allocator, engine, evicting, static_cast<int>(i), &out.series);
+      if (options.series)
+        out.series.add(static_cast<std::int32_t>(i), allocator.sample(), evicting ? engine.evictable_resident_bytes() : 0);
       if (!evicting && options.measure_floor)
         out.resident_floor_bytes = std::max(out.resident_floor_bytes, engine.unevictable_resident_bytes());
       engine.end_op(op);

@@ -18,6 +18,7 @@
 #include "config.h"
 #include "event_log.h"
 #include "evictor.h"
+#include "op_series.h"
 
 namespace dtralloc {
 
@@ -107,13 +108,7 @@ struct ReplayResult {
   std::vector<double> free_share_per_call;
   // Per op, sampled after its outputs are allocated and before its frees
   // (ReplayOptions::series; ops after an OOM are absent).
-  struct Series {
-    std::vector<std::int32_t> op;
-    std::vector<std::int64_t> reserved, allocated, evictable, largest_free, free;
-    // With a history: how many history events precede the sample (the
-    // history's first event is 0); the dashboard's address views start there.
-    std::vector<std::int64_t> event;
-  } series;
+  OpSeries series;
   EventLog events;
   // The pool's event history, oldest first (ReplayOptions::history_entries);
   // op stamps: -1 for the storages alive before the step.

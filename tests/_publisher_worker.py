@@ -6,6 +6,9 @@ tests/test_publisher.py.
                                                 (run with DTRALLOC_CUDART=<fake runtime>)
     python _publisher_worker.py fork            publishes, forks; the child exits; prints
                                                 whether the file outlived the child
+    python _publisher_worker.py dtr             a CPU dtr() session under a budget that
+                                                evicts, waiting inside its block (prints
+                                                {"stats": session.stats()})
 
 It allocates a fixed mix, prints one JSON line {"path", "stats"}, then waits
 for a line on stdin ("exit" ends it; "spike" allocates and frees 1 GiB and
@@ -40,6 +43,8 @@ def main() -> int:
         pool.publish(0, "")
         print(json.dumps({"after_child_exit": survived, "after_parent_stops": os.path.exists(path)}))
         return 0
+    if kind == "dtr":
+        return dtr_session()
     if kind == "pool":
         pool = dtralloc.Pool("virtual", capacity="80G", conf="budget:20G")
         path = pool.publish(5.0, "pool virtual")
@@ -64,6 +69,27 @@ def main() -> int:
             print("done", flush=True)
         else:
             break
+    return 0
+
+
+def dtr_session() -> int:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh()) for _ in range(8)])
+    x = torch.randn(4096, 128)
+    for _ in range(2):  # kernels allocate more on their first call
+        model.zero_grad(set_to_none=True)
+        with dtralloc.dtr(device="cpu") as s:
+            model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    with dtralloc.dtr(budget=s.stats()["peak_bytes"] * 3 // 4, device="cpu") as s:
+        for _ in range(8):  # a session publishes from its 256th recorded op on (live_session.cpp)
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+        time.sleep(0.05)  # ten periods: the published frame holds the state above
+        print(json.dumps({"stats": s.stats()}), flush=True)
+        sys.stdin.readline()
     return 0
 
 

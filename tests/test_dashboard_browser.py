@@ -275,3 +275,43 @@ def test_snapshot_page_screenshot_for_the_readme(open_page, tmp_path):
         page.page.screenshot(path=os.path.join(os.path.dirname(__file__), "..", "docs", "img",
                                                "dashboard-snapshot.png"),
                              clip={"x": 0, "y": 0, "width": 1400, "height": 1250})
+
+
+def test_live_session_page_figures_equal_its_stats(open_page, tmp_path):
+    """A finished CPU dtr() session under a budget, with history: the page's
+    data-run figures are session.stats()'s, readouts at an op are its series'."""
+    import torch
+
+    from dtralloc.dtr import dtr
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh()) for _ in range(8)])
+    x = torch.randn(4096, 128)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with dtr(device="cpu") as s:
+            model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    with dtr(budget=s.stats()["peak_bytes"] * 3 // 4, device="cpu", history=True) as s:
+        model(x).sum().backward()
+    stats, series = s.stats(), s.series()
+    assert stats["evictions"] > 0
+    page = open_page(dtralloc.dashboard(s).save(tmp_path / "live.html"))
+    row = page.page.locator("tr.run-row[data-run]").first
+    assert row.get_attribute("data-kind") == "live" and row.get_attribute("data-policy") == stats["policy"]
+    assert int(row.get_attribute("data-budget-bytes")) == stats["budget_bytes"]
+    assert int(row.get_attribute("data-peak-reserved-bytes")) == stats["peak_bytes"]
+    assert int(row.get_attribute("data-peak-allocated-bytes")) == stats["peak_allocated_bytes"]
+    assert int(row.get_attribute("data-evictions")) == stats["evictions"]
+    assert int(row.get_attribute("data-remats")) == stats["remats"]
+    assert float(row.get_attribute("data-compute-overhead")) == stats["compute_overhead"]
+    n = len(series["op"])
+    for op in (0, n // 2, n - 1):
+        got = page.cursor(op)
+        for key in ("reserved", "allocated", "evictable", "largest_free", "free"):
+            assert got[key] == int(series[key][op]), (op, key)
+        assert got["map_reserved"] == got["reserved"] and got["map_allocated"] == got["allocated"]
+    phases = page.page.evaluate("window.dtrallocDashboard.meta.runs[0].phases.map((p) => p[2])")
+    assert phases == ["forward", "backward"]
+    for view in VIEWS:
+        assert page.pixels(view) > 1000, view

@@ -48,6 +48,27 @@ def test_once_json_prints_the_frame_of_a_process(publisher):
     assert frame["fragmentation"] == pytest.approx(1 - stats["fragmentation.largest_free_bytes"] / free)
 
 
+def test_once_json_shows_a_cpu_dtr_session():
+    """A process inside a dtr(device="cpu") block: its mirror pool publishes
+    as an installed allocator does, with the session's evictions and remats."""
+    proc = subprocess.Popen([sys.executable, WORKER, "dtr"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        stats = json.loads(proc.stdout.readline())["stats"]
+        out = subprocess.run(TOP + ["--once", "--json", str(proc.pid)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        frame = json.loads(out.stdout)
+        assert frame["pid"] == proc.pid and frame["label"] == "dtr cpu mirror"
+        assert stats["evictions"] > 0 and stats["remats"] > 0
+        assert (frame["evictions"], frame["remats"]) == (stats["evictions"], stats["remats"])
+        assert frame["budget_bytes"] == stats["budget_bytes"] > 0
+        assert frame["reserved_bytes"] == stats["reserved_bytes"]
+        assert frame["allocated_bytes"] == stats["allocated_bytes"]
+        assert frame["peak_reserved_bytes"] == stats["peak_bytes"]
+    finally:
+        proc.communicate("exit\n", timeout=30)
+    assert proc.returncode == 0
+
+
 def test_once_names_the_problem_when_nothing_publishes():
     out = subprocess.run(TOP + ["--once", "--json", str(os.getpid())], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "publishes no dtralloc counters" in out.stderr

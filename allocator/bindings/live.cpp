@@ -116,7 +116,8 @@ void bind_live(py::module_& m) {
   py::class_<LiveSession, std::shared_ptr<LiveSession>>(m, "LiveSession",
                                                         "The C++ half of a dtralloc.dtr() session.")
       .def(py::init([](bool cuda, int device, std::size_t budget_bytes, const std::string& conf,
-                       const std::string& policy, bool chaos, bool check_invariants, py::dict helpers) {
+                       const std::string& policy, bool chaos, bool check_invariants, py::dict helpers,
+                       std::size_t series_ops, std::size_t history_entries) {
              LiveSession::Options o;
              o.cuda = cuda;
              o.device = device;
@@ -125,12 +126,16 @@ void bind_live(py::module_& m) {
              o.policy = parse_policy(policy);
              o.chaos = chaos;
              o.check_invariants = check_invariants;
+             o.series_ops = series_ops;
+             o.history_entries = history_entries;
              return std::make_shared<LiveSession>(o, helpers);
            }),
            py::arg("cuda"), py::arg("device"), py::arg("budget_bytes"), py::arg("conf"), py::arg("policy"),
-           py::arg("chaos"), py::arg("check_invariants"), py::arg("helpers"))
+           py::arg("chaos"), py::arg("check_invariants"), py::arg("helpers"), py::arg("series_ops") = 0,
+           py::arg("history_entries") = 0)
       .def("start", &LiveSession::start)
       .def("stop", &LiveSession::stop)
+      .def("end_block", &LiveSession::end_block)
       .def("before_write", &LiveSession::before_write, py::arg("writes"))
       .def("record", &LiveSession::record, py::arg("func"), py::arg("args"), py::arg("kwargs"), py::arg("out"),
            py::arg("writes"), py::arg("flags"), py::arg("pin"), py::arg("cost"), py::arg("rng"))
@@ -141,6 +146,21 @@ void bind_live(py::module_& m) {
       .def("stats", &LiveSession::stats)
       .def("oom_report", &LiveSession::oom_report, py::arg("request_bytes") = 0)
       .def("check_invariants", &LiveSession::check_invariants)
+      .def("series", [](const LiveSession& s) {
+        py::dict d = series_columns(s.series(), py::handle());
+        d["phase"] = column(s.series_phase(), py::handle());
+        d["name_index"] = column(s.series_name(), py::handle());
+        py::list names;
+        for (const py::object& n : s.op_names()) names.append(n);
+        d["names"] = names;
+        return d;
+      }, "The per-op series (copies): the replay's columns (op, reserved, allocated, evictable, "
+         "largest_free, free, event with a history) plus phase (0 forward, 1 backward, 2 optimizer) "
+         "and name_index into names (the ops' names)")
+      .def("events", [](const LiveSession& s) { return event_columns(s.events(), py::handle()); },
+           "The evictor's calls, evictions and recomputes (copies), as ReplayResult.events")
+      .def("pool_snapshot", [](LiveSession& s) { return snapshot_dict(s.pool(), true); },
+           "The session's pool (the CPU mirror, or the device's) as Pool.snapshot(columns=True)")
       .def("use_raw_refcount", &LiveSession::use_raw_refcount, py::arg("on"))
       .def("fast_calls", &fast_calls,
            "(record, pack, dispatch) as plain CPython functions bound to this session (the per-op path)")

@@ -7,6 +7,7 @@
 
 #include "backend.h"
 #include "global.h"
+#include "publisher.h"
 
 namespace dtralloc::live {
 namespace {
@@ -166,6 +167,12 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   driver_ = std::make_unique<Driver>(*this);
   engine_ = std::make_unique<RematEngine>(*driver_);
   evictor_ = std::make_shared<Evictor>(*pool_, *engine_, options.policy, config);
+  if (options.series_ops) {
+    engine_->set_event_log(&events_);
+    evictor_->set_event_log(&events_);
+  }
+  if (mirror_ && options.history_entries) mirror_->set_history_entries(options.history_entries);
+  graph_task_id_ = py::module_::import("torch._C").attr("_current_graph_task_id");
   // One callback for every storage the session watches: it only queues the
   // value; flush_deaths() tells the engine at the next entry point. A plain
   // CPython function (one per op dies; a pybind11 function costs a
@@ -209,6 +216,32 @@ void LiveSession::start() {
   hook_ = std::make_shared<Hook>(weak_from_this(), previous_hook_);
   pool_->set_eviction_hook(hook_);
   if (options_.cuda && options_.budget_bytes) pool_->override_budget(options_.budget_bytes);
+  // Allocations until the next recorded op are that op's (on CUDA the op
+  // allocates its outputs before record() sees it).
+  pool_->set_op_stamp(engine_->current_op() + 1);
+  ooms_at_start_ = pool_->stats_report().stats.num_ooms;
+}
+
+// `dtralloc top PID` shows the mirror as it shows an installed pool (on CUDA
+// the installed pool publishes already). Started at the session's
+// kPublishAfterOps-th recorded op, not at start(): a publisher is a thread and a file, whose
+// start and stop cost a short session more than all its ops' bookkeeping,
+// and `top` could not see a session of a few milliseconds anyway. A session
+// that cannot publish still runs.
+// 256 ops: a few milliseconds of a small model, tens of a real one.
+constexpr std::size_t kPublishAfterOps = 256;
+
+void LiveSession::start_publishing() {
+  if (!mirror_ || publishing_) return;
+  publishing_ = true;
+  try {
+    mirror_->publish(kDefaultPublishPeriodUs, "dtr cpu mirror");
+  } catch (const std::exception& e) {
+    PyErr_WarnEx(PyExc_RuntimeWarning, (std::string("dtralloc top will not see this dtr session: ") + e.what()).c_str(), 1);
+    return;
+  }
+  published_evictions_ = published_remats_ = 0;  // counts before now were dropped: send the totals
+  publish_counts();
 }
 
 void LiveSession::stop() {
@@ -216,6 +249,13 @@ void LiveSession::stop() {
   started_ = false;
   if (pool_->eviction_hook() == hook_) pool_->set_eviction_hook(previous_hook_);
   if (options_.cuda && options_.budget_bytes) pool_->override_budget(0);
+  end_block();
+}
+
+void LiveSession::end_block() {
+  publish_counts();
+  pool_->set_op_stamp(-1);  // nothing after the block is recorded
+  if (mirror_ && publishing_) mirror_->publish(0, "");
 }
 
 Slot& LiveSession::slot(int value) {
@@ -571,6 +611,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     engine_->end_op(op, cost);  // the op's values unlocked; its outputs die with the exception
     throw;
   }
+  sample_op(op, func, flags);  // as the replay samples: outputs allocated, inputs still locked
   engine_->end_op(op, cost);
   for (int r : call.reads) own_for_recipes(r);
   // How often owned values are polled: often enough that memory the program
@@ -607,6 +648,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   }
   if (!mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, pool_->usage().reserved);
   if (options_.chaos) evict_for_chaos();
+  pool_->set_op_stamp(op + 1);
+  if (mirror_ && !publishing_ && op + 1 == static_cast<int>(kPublishAfterOps)) start_publishing();
+  publish_counts();
   if (options_.check_invariants) check_invariants();
 }
 
@@ -809,6 +853,7 @@ py::object LiveSession::unpack(const SavedValue& saved) {
     throw;
   }
   engine_->unacquire(value);
+  publish_counts();
   if (options_.check_invariants) check_invariants();
   return tensor;
 }
@@ -831,6 +876,70 @@ void LiveSession::exported(py::handle tensor) {
 
 // ---- eviction and reports ---------------------------------------------------------
 
+// One sample per recorded engine op: the replay's columns (op_series.h) plus
+// the op's phase and name: one pool lock for the counters and the largest
+// free block (O(streams x log blocks)), one call for the phase, and under a
+// budget a walk of the resident values for the evictable bytes.
+void LiveSession::sample_op(int op, py::handle func, std::uint32_t flags) {
+  if (series_.size() >= options_.series_ops) {
+    if (options_.series_ops) {  // full: the event log stops with the series
+      engine_->set_event_log(nullptr);
+      evictor_->set_event_log(nullptr);
+    }
+    ++stats_.series_dropped;
+    return;
+  }
+  auto it = name_index_.find(func.ptr());
+  if (it == name_index_.end()) {
+    name_funcs_.push_back(py::reinterpret_borrow<py::object>(func));
+    op_names_.push_back(py::str(func));
+    it = name_index_.emplace(func.ptr(), static_cast<std::int32_t>(op_names_.size() - 1)).first;
+  }
+  series_name_.push_back(it->second);
+  series_phase_.push_back(static_cast<std::uint8_t>(phase_of(flags)));
+  // As the replay: evictable bytes only where something can be evicted (a
+  // budget, or chaos); the walk of the resident values is the sample's one
+  // cost that grows with the model.
+  const bool evicting = options_.chaos || pool_->budget_bytes() < pool_->capacity_bytes();  // no budget: the capacity
+  series_.add(op, pool_->sample(), evicting ? engine_->evictable_resident_bytes() : 0);
+}
+
+// The phase of the op being recorded. What the session knows: grad mode,
+// and whether autograd's engine is running a backward on this thread (a
+// graph task). Grad mode on: forward (the next step's forward too). Grad
+// mode off inside a graph task: backward. Grad mode off outside one: the
+// optimizer once a backward has run since the last forward op (optimizer
+// steps run under no_grad), else forward (no_grad code before any backward,
+// such as evaluation). The graph task is asked only with grad mode off (a
+// call per op saved in the forward), so a backward with create_graph=True,
+// which runs with grad mode on, counts as forward.
+Phase LiveSession::phase_of(std::uint32_t flags) {
+  if (flags & kGradEnabled) {
+    backward_seen_ = false;
+    return Phase::kForward;
+  }
+  PyObject* r = PyObject_CallNoArgs(graph_task_id_.ptr());
+  if (!r) throw py::error_already_set();
+  const long task = PyLong_AsLong(r);
+  Py_DECREF(r);
+  if (task >= 0) {
+    backward_seen_ = true;
+    return Phase::kBackward;
+  }
+  return backward_seen_ ? Phase::kOptimizer : Phase::kForward;
+}
+
+// The evictions and remats since the last call reach `dtralloc top` (the
+// publisher adds them to its frames); nothing is done while none happened.
+void LiveSession::publish_counts() {
+  const EngineCounters& c = engine_->counters();
+  if (c.evictions == published_evictions_ && c.remats == published_remats_) return;
+  pool_->add_published_counts(static_cast<std::int64_t>(c.evictions - published_evictions_),
+                              static_cast<std::int64_t>(c.remats - published_remats_));
+  published_evictions_ = c.evictions;
+  published_remats_ = c.remats;
+}
+
 void LiveSession::evict_for_chaos() {
   const std::vector<int> resident = engine_->resident();
   for (int v : resident)
@@ -841,6 +950,7 @@ std::size_t LiveSession::evict_all() {
   flush_deaths();
   const std::size_t before = engine_->counters().evictions;
   evict_for_chaos();
+  publish_counts();
   return engine_->counters().evictions - before;
 }
 
@@ -911,6 +1021,10 @@ py::dict LiveSession::stats() {
   d["policy"] = policy_name(options_.policy);
   d["device"] = options_.cuda ? "cuda:" + std::to_string(options_.device) : std::string("cpu");
   d["chaos"] = options_.chaos;
+  d["ooms"] = r.stats.num_ooms - ooms_at_start_;
+  d["series_ops"] = series_.size();
+  d["series_dropped"] = stats_.series_dropped;
+  d["history_recorded"] = pool_->history_recorded();
   return d;
 }
 

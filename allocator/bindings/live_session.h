@@ -53,6 +53,7 @@
 #include "allocator.h"
 #include "event_log.h"
 #include "evictor.h"
+#include "op_series.h"
 #include "remat_engine.h"
 
 namespace dtralloc::live {
@@ -118,11 +119,16 @@ struct Slot {
   bool counted = false;         // counted in its producer's LiveOp::recipes
 };
 
+// Which part of a training step an op belongs to (the per-op series' phase
+// column; LiveSession::phase_of says how it is decided).
+enum class Phase : std::uint8_t { kForward = 0, kBackward = 1, kOptimizer = 2 };
+
 struct LiveStats {
   std::size_t ops = 0;              // ops recorded
   std::size_t saved = 0;            // handles handed to autograd
   std::size_t unpacked = 0;
   double recompute_seconds = 0;     // wall time in the runner
+  std::size_t series_dropped = 0;   // engine ops past Options::series_ops, not sampled
 };
 
 class LiveSession : public std::enable_shared_from_this<LiveSession> {
@@ -135,6 +141,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     Policy policy = Policy::kDtralloc;
     bool chaos = false;
     bool check_invariants = false;
+    // The per-op series and the event log keep the first `series_ops` ops
+    // (0: none recorded); past it they stop (LiveStats::series_dropped).
+    std::size_t series_ops = 0;
+    std::size_t history_entries = 0;  // CPU: the mirror's history ring (0: the conf's)
   };
   // `helpers`: the Python half's functions (dtr/runner.py): view(storage,
   // dtype, size, stride, offset) -> tensor; run(func, args, kwargs, rng, grad_enabled) ->
@@ -152,6 +162,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // Restores the pool's hook and budget (CUDA); the session itself lives on
   // while saved handles need it.
   void stop();
+  // The `with` block ended: the mirror stops publishing for `dtralloc top`,
+  // the pool's op stamps stop (recording stops with the block).
+  void end_block();
 
   // Before an op that writes `writes` (tensors) runs.
   void before_write(py::handle writes);
@@ -183,6 +196,15 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void check_invariants();
   bool use_raw_refcount(bool on);
   const Options& options() const { return options_; }
+  // What dashboards read: the pool (the CPU mirror or the device's), the
+  // per-op series with each op's phase and name (an index into op_names()),
+  // and the engine's and evictor's event log.
+  Allocator& pool() { return *pool_; }
+  const OpSeries& series() const { return series_; }
+  const std::vector<std::uint8_t>& series_phase() const { return series_phase_; }
+  const std::vector<std::int32_t>& series_name() const { return series_name_; }
+  const std::vector<py::object>& op_names() const { return op_names_; }
+  const EventLog& events() const { return events_; }
 
   // The driver side (LiveDriver forwards here).
   std::uintptr_t allocate_mirror(std::size_t bytes, int value);
@@ -208,6 +230,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
   void evict_for_chaos();
   void own_for_recipes(int value);
+  void sample_op(int op, py::handle func, std::uint32_t flags);
+  Phase phase_of(std::uint32_t flags);
+  void publish_counts();
+  void start_publishing();
   static PyObject* storage_died(PyObject* self, PyObject* weakref);
 
   Options options_;
@@ -253,6 +279,21 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
   std::size_t peak_reserved_bytes_ = 0;
+  // The per-op series (sample_op) and the event log the engine and the
+  // evictor write (the replay's columns), with per sample the op's phase and
+  // name (an index into op_names_, one entry per OpOverload met).
+  OpSeries series_;
+  std::vector<std::uint8_t> series_phase_;
+  std::vector<std::int32_t> series_name_;
+  std::vector<py::object> op_names_;
+  std::unordered_map<PyObject*, std::int32_t> name_index_;  // OpOverload -> op_names_ (kept alive by name_funcs_)
+  std::vector<py::object> name_funcs_;
+  EventLog events_;
+  py::object graph_task_id_;            // torch._C._current_graph_task_id: >= 0 inside backward
+  bool backward_seen_ = false;          // a backward op ran since the last grad-mode op outside it
+  std::size_t published_evictions_ = 0, published_remats_ = 0;  // what `dtralloc top` has been told
+  bool publishing_ = false;             // the CPU mirror has started publishing (start_publishing)
+  std::int64_t ooms_at_start_ = 0;      // the pool's OOM count when the session started
 };
 
 // A saved tensor as autograd holds it: the value and the view geometry.

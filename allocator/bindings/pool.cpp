@@ -118,6 +118,8 @@ py::list trace_list(const Snapshot& snap, int device) {
   return trace;
 }
 
+}  // namespace
+
 // One device's snapshot in torch's layout; device_traces has one list per
 // device index up to `device`. With `columns`, this device's entry is
 // history_columns() (numpy arrays) instead of a list of dicts: what big
@@ -134,6 +136,8 @@ py::dict snapshot_dict(Allocator& a, bool columns) {
   d["device_traces"] = traces;
   return d;
 }
+
+namespace {
 
 class PyEvictionHook : public EvictionHook {
  public:

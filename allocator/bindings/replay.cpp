@@ -14,28 +14,20 @@
 #include "replay_driver.h"
 
 namespace dtralloc::bindings {
-namespace {
 
-// A column of `owner` as a numpy array that keeps `owner` alive (no copy).
-template <typename T>
-py::array_t<T> column(const std::vector<T>& v, py::handle owner) {
-  return py::array_t<T>({static_cast<py::ssize_t>(v.size())}, {static_cast<py::ssize_t>(sizeof(T))},
-                        v.data(), owner);
-}
-
-py::dict series_dict(const ReplayResult& r, py::handle owner) {
+py::dict series_columns(const OpSeries& s, py::handle owner) {
   py::dict d;
-  d["op"] = column(r.series.op, owner);
-  d["reserved"] = column(r.series.reserved, owner);
-  d["allocated"] = column(r.series.allocated, owner);
-  d["evictable"] = column(r.series.evictable, owner);
-  d["largest_free"] = column(r.series.largest_free, owner);
-  d["free"] = column(r.series.free, owner);
-  if (!r.series.event.empty()) d["event"] = column(r.series.event, owner);
+  d["op"] = column(s.op, owner);
+  d["reserved"] = column(s.reserved, owner);
+  d["allocated"] = column(s.allocated, owner);
+  d["evictable"] = column(s.evictable, owner);
+  d["largest_free"] = column(s.largest_free, owner);
+  d["free"] = column(s.free, owner);
+  if (!s.event.empty()) d["event"] = column(s.event, owner);
   return d;
 }
 
-py::dict events_dict(const EventLog& e, py::handle owner) {
+py::dict event_columns(const EventLog& e, py::handle owner) {
   py::dict d;
   d["op"] = column(e.op, owner);
   d["kind"] = column(e.kind, owner);
@@ -48,6 +40,8 @@ py::dict events_dict(const EventLog& e, py::handle owner) {
   d["window_bytes"] = column(e.window_bytes, owner);
   return d;
 }
+
+namespace {
 
 // 1 - a / b per op (0 where b is 0), as an array.
 py::array_t<double> one_minus_ratio(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b) {
@@ -144,11 +138,11 @@ void bind_replay(py::module_& m) {
         return column(self.cast<const ReplayResult&>().free_share_per_call, self);
       })
       .def_property_readonly("series", [](py::object self) {
-        return series_dict(self.cast<const ReplayResult&>(), self);
+        return series_columns(self.cast<const ReplayResult&>().series, self);
       }, "per op, after its outputs are allocated: op, reserved, allocated, evictable, largest_free, free "
          "(numpy arrays); with history=True also event, the number of history events before the sample")
       .def_property_readonly("events", [](py::object self) {
-        return events_dict(self.cast<const ReplayResult&>().events, self);
+        return event_columns(self.cast<const ReplayResult&>().events, self);
       }, "the evictor's calls, evictions and recomputes: op, kind (0 room asked, 1 evicted, "
          "2 recomputed), value, bytes, addr, plan (0 none, 1 window, 2 segment release, 3 single), "
          "score, window_addr, window_bytes (numpy arrays)")

@@ -1,8 +1,8 @@
 """Fragmentation dashboards: one self-contained HTML page per run or snapshot.
 
 ``dtralloc.dashboard(x)`` (and ``dtralloc dashboard INPUT... -o report.html``)
-draws, for a trace replayed under budgets and policies or for a memory
-snapshot (torch's or dtralloc's): the headline figures, a timeline of
+draws, for a trace replayed under budgets and policies, for a live dtr()
+session, or for a memory snapshot (torch's or dtralloc's): the headline figures, a timeline of
 allocated / evictable / cached-free bytes under the budget with the
 forward/backward/optimizer bands, fragmentation (largest free block, total
 free, 1 - largest/free), markers for evictions, remats, segment events and
@@ -34,6 +34,9 @@ def dashboard(*inputs, budgets: Optional[Sequence] = None, policies: Optional[Se
       * a ``dtralloc.Pool`` (its segments and event history now);
       * a replay result from ``dtralloc.replay(trace, ..., history=True)``
         (pass ``trace=`` for op names and phases);
+      * a ``dtralloc.dtr()`` session (finished or not): its per-op series
+        with phases and op names, its evictions and remats, and its pool's
+        history for the address views (``dtr(..., history=True)`` on CPU);
       * nothing: the process-wide allocators (``dtralloc.snapshot()``).
 
     ``budgets``: fractions of the no-eviction peak (0.5), bytes (6 << 30),

@@ -4,11 +4,12 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import sys
 from typing import Optional
 
 from .result import DEFAULT_BUDGETS, DEFAULT_POLICIES, SWEEP_FRACTIONS, Dashboard
 from .page import DATA_ATTRIBUTES, build_page
-from .runs import Run, replay_run, snapshot_run, snapshot_runs
+from .runs import Run, live_run, replay_run, snapshot_run, snapshot_runs
 from .history import build_history
 
 
@@ -22,6 +23,12 @@ def _is_trace(x) -> bool:
     from ..trace import Trace
 
     return isinstance(x, Trace)
+
+
+def _is_live_session(x) -> bool:
+    # Without dtralloc.dtr.session imported (it imports torch) x cannot be one.
+    module = sys.modules.get("dtralloc.dtr.session")
+    return module is not None and isinstance(x, module.Session)
 
 
 def _load_path(path: str):
@@ -140,6 +147,11 @@ def build(inputs: list, budgets=None, policies=None, conf=None, sweep: bool = Tr
                 raise ValueError("dtralloc.dashboard: a replay result needs its trace for op names and phases: "
                                  "dashboard(result, trace=trace)")
             runs.append(replay_run(trace, x, f"{x.name} · {x.policy} · {_budget_label(x.budget_bytes)}"))
+        elif _is_live_session(x):
+            stats = x.stats()
+            label = f"dtr session · {stats['device']} · {stats['policy']} · {_budget_label(stats['budget_bytes'] or None)}"
+            runs.append(live_run(x, label))
+            names.append("dtr session")
         elif isinstance(x, Pool) or isinstance(x, _core.Pool):
             snap = x.snapshot(columns=True)
             label = f"pool ({x.backend})"
@@ -151,8 +163,8 @@ def build(inputs: list, budgets=None, policies=None, conf=None, sweep: bool = Tr
             names.append("snapshot")
         else:
             raise TypeError(f"dtralloc.dashboard: cannot draw a {type(x).__name__}; pass a trace, a .dtrace "
-                            "path or bundled name, a memory snapshot (dict or pickle path), a Pool, or a "
-                            "replay result")
+                            "path or bundled name, a memory snapshot (dict or pickle path), a Pool, a "
+                            "replay result, or a dtralloc.dtr() session")
     page, facts = build_page(runs, title or "dtralloc · " + ", ".join(dict.fromkeys(names)), sweeps,
                              source=", ".join(dict.fromkeys(names)))
     figures = [{key: r.figures.get(key) for _, key in DATA_ATTRIBUTES} | {"label": r.label, "kind": r.kind}

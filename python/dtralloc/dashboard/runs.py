@@ -1,10 +1,11 @@
 """Runs: what one dashboard page compares.
 
 A run is one allocator timeline: a replay of a trace under one policy and
-budget (x axis: the trace's ops), or one device of a memory snapshot (x axis:
-its events). Every run carries its headline figures; replays also carry the
-per-op series and the eviction log the replay driver records, snapshots their
-event history (history.py).
+budget (x axis: the trace's ops), a finished live dtr() session (x axis: the
+ops it recorded), or one device of a memory snapshot (x axis: its events).
+Every run carries its headline figures; replays and live sessions also carry
+the per-op series and the eviction log the engine records (the same columns),
+snapshots their event history (history.py).
 """
 from __future__ import annotations
 
@@ -15,24 +16,26 @@ import numpy as np
 
 from .history import ACTION, History, build_history, event_columns
 
-# The per-op series a replay records (dtralloc.replay(..., history=True).series).
+from ..dtr.recording import PHASES
+
+# The per-op series a replay and a live session record (ReplayResult.series,
+# Session.series()).
 SERIES = ("reserved", "allocated", "evictable", "largest_free", "free")
-# The eviction log's columns (ReplayResult.events).
+# The eviction log's columns (ReplayResult.events, Session.events()).
 EVLOG = ("op", "kind", "value", "bytes", "addr", "plan", "score", "window_addr", "window_bytes")
-PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass
 class Run:
     label: str
-    kind: str                          # "replay" | "snapshot"
+    kind: str                          # "replay" | "live" | "snapshot"
     x_kind: str                        # "op" | "event"
     n_x: int
     domain: str                        # runs of one domain share the cursor's x
     figures: dict = field(default_factory=dict)
-    series: dict = field(default_factory=dict)     # per x (replays): SERIES, numpy int64
+    series: dict = field(default_factory=dict)     # per x (replays, live): SERIES, numpy int64
     phases: list = field(default_factory=list)     # (first x, end x, phase name)
-    op_names: Optional[list] = None                # per op (replays)
+    op_names: Optional[list] = None                # per op (replays, live)
     history: Optional[History] = None
     x_event: Optional[np.ndarray] = None           # per x: events done at its sample point
     evlog: Optional[dict] = None
@@ -51,6 +54,72 @@ def trace_phases(trace) -> list:
     last = n - 1 - flags[::-1].index(True)
     bands = [(0, first, "forward"), (first, last + 1, "backward"), (last + 1, n, "optimizer")]
     return [b for b in bands if b[1] > b[0]]
+
+
+def phase_bands(phase: np.ndarray) -> list:
+    """(first x, end x, name) for each run of equal phase codes (PHASES)."""
+    phase = np.asarray(phase)
+    if phase.size == 0:
+        return []
+    starts = np.flatnonzero(np.diff(phase.astype(np.int64), prepend=-1))
+    ends = np.append(starts[1:], phase.size)
+    return [(int(a), int(b), PHASES[int(phase[a])]) for a, b in zip(starts, ends)]
+
+
+def live_run(session, label: str) -> Run:
+    """A run from a dtr() session: its per-op series, its event log, and the
+    history of its pool (the CPU mirror's with dtr(history=True); on CUDA the
+    installed pool's, when it records one)."""
+    stats = session.stats()
+    s = session.series()
+    op = np.asarray(s["op"], np.int64)
+    # x is the engine's op index (the events' and the history's op stamps).
+    # An op that ran out of memory has no sample: it shows its predecessor's.
+    n = int(op[-1]) + 1 if op.size else 0
+    at = np.maximum(np.searchsorted(op, np.arange(n), side="right") - 1, 0)
+    names = np.where(op[at] == np.arange(n), s["name"][at], "") if n else s["name"]
+    figures = live_figures(stats)
+    run = Run(label, "live", "op", max(n, 1), f"live:{id(session)}", figures,
+              {k: np.asarray(s[k], np.int64)[at] for k in SERIES}, phase_bands(np.asarray(s["phase"])[at]),
+              [str(x) for x in names])
+    run.evlog = {k: np.asarray(v) for k, v in session.events().items()}
+    if stats["series_dropped"]:
+        run.notes.append(f"The series holds the first {n} recorded ops; {stats['series_dropped']} later ones "
+                         "were not sampled (dtr(series=N) keeps more).")
+    snap = session.pool_snapshot()
+    cols = snap["device_traces"][-1]
+    events = len(cols["op"]) if isinstance(cols, dict) else 0
+    if "event" in s and events:
+        run.history = build_history(cols, snap["segments"])
+        # A ring that wrapped lost its oldest events: the samples count from
+        # the session's first event, the history from its oldest kept one.
+        lost = max(int(stats["history_recorded"]) - events, 0)
+        run.x_event = np.clip(np.asarray(s["event"], np.int64)[at] - lost, 0, events)
+        if lost > 0:
+            run.notes.append(f"The pool's history ring dropped its {lost} oldest events (dtr(history=N) keeps "
+                             "more); the address views start after them.")
+    else:
+        run.notes.append("No allocator history: the address map, the address x time map and the tensor list are "
+                         "empty. Run the session with dtralloc.dtr(..., history=True) (device='cpu'), or record "
+                         "the CUDA pool's history (dtralloc.record_memory_history()).")
+    return run
+
+
+def live_figures(stats: dict) -> dict:
+    """The figures of a live session, exactly as Session.stats() reports them."""
+    return {
+        "policy": stats["policy"],
+        "budget_bytes": stats["budget_bytes"] or None,
+        "peak_reserved_bytes": int(stats["peak_bytes"]),
+        "peak_allocated_bytes": int(stats["peak_allocated_bytes"]),
+        "evictions": int(stats["evictions"]),
+        "remats": int(stats["remats"]),
+        "compute_overhead": float(stats["compute_overhead"]),
+        "feasible": stats["ooms"] == 0,
+        "oom_op": None,
+        "ooms": int(stats["ooms"]),
+        "no_eviction_peak_reserved_bytes": 0,
+    }
 
 
 def sample_events(op_column: np.ndarray, action: np.ndarray, n_ops: int) -> np.ndarray:

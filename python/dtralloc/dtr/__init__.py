@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+from .recording import HISTORY_EVENTS, PHASES, SERIES_OPS
+
 
 def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, device=None, chaos: bool = False,
-        check_invariants: bool = False):
+        check_invariants: bool = False, series: int = SERIES_OPS, history: Union[bool, int] = False):
     """Live DTR: what is made inside the block may be evicted and recomputed.
 
     Args:
@@ -32,6 +34,13 @@ def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, devi
         chaos: evict every evictable value at every op: run it once to check
             that a model is safe to rematerialize (slow).
         check_invariants: check the engine, pool and registry after every op.
+        series: how many ops the per-op series and the event log keep
+            (``Session.series()`` / ``events()``; the first ones); 0: none.
+        history: device="cpu": keep the mirror pool's alloc/free history
+            (True: HISTORY_EVENTS events, or a number), each event stamped
+            with its op, for the address views of ``dtralloc.dashboard(s)``.
+            On CUDA the installed pool's own history is used
+            (``dtralloc.record_memory_history()`` / DTRALLOC_CONF).
 
     Returns a :class:`~dtralloc.dtr.session.Session`, a context manager whose
     ``stats()`` report evictions, remats, rng_replays, peak_bytes,
@@ -39,7 +48,7 @@ def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, devi
     """
     from .session import Session
 
-    return Session(budget, policy, device, chaos, check_invariants)
+    return Session(budget, policy, device, chaos, check_invariants, series, history)
 
 
 def __getattr__(name):
@@ -50,4 +59,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'dtralloc.dtr' has no attribute {name!r}")
 
 
-__all__ = ["Session", "dtr"]
+__all__ = ["HISTORY_EVENTS", "PHASES", "SERIES_OPS", "Session", "dtr"]

@@ -13,10 +13,12 @@ import threading
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .. import _core
 from ..config import size_in_bytes
+from .recording import HISTORY_EVENTS, SERIES_OPS
 from .mode import Mode, pack, unpack_hook
 from .runner import helpers
 
@@ -86,14 +88,19 @@ class Session:
     as long as a saved value needs it)."""
 
     def __init__(self, budget=None, policy: Optional[str] = None, device=None, chaos: bool = False,
-                 check_invariants: bool = False):
+                 check_invariants: bool = False, series: int = SERIES_OPS, history=False):
         cuda, index, name = _device(device)
+        if isinstance(series, bool) or not isinstance(series, int) or series < 0:
+            raise TypeError(f"dtralloc.dtr: series is a number of ops (0: none), not {series!r}")
+        history_events = HISTORY_EVENTS if history is True else int(history or 0)
+        if history_events < 0:
+            raise ValueError(f"dtralloc.dtr: history is True, False or a number of events, not {history!r}")
         self.device = name
         self.budget_bytes = _budget_bytes(budget)
         self.policy = _policy(policy)
         self.chaos = chaos
         self._core = _core.LiveSession(cuda, index, self.budget_bytes, _core.config_text(), self.policy, chaos,
-                                       check_invariants, helpers(name))
+                                       check_invariants, helpers(name), series, history_events)
         self._core.use_raw_refcount(_check_raw_refcount())
         self._record, self._pack, self._fast_dispatch = self._core.fast_calls()
         self._mode: Optional[Mode] = None
@@ -127,11 +134,39 @@ class Session:
             # dropping them here breaks the session -> core -> mode -> session
             # cycle that Python's collector cannot see through C++.
             self._core.set_dispatch_helpers(None, None, None)
+            self._core.end_block()
         self._core.flush_deaths()
 
     def stats(self) -> dict:
         """evictions, remats, rng_replays, peak_bytes, budget_bytes, recompute_seconds, ..."""
         return self._core.stats()
+
+    def series(self) -> dict:
+        """The pool sampled after each recorded op, as numpy columns with
+        ReplayResult.series's names and meanings: op (the engine's op index,
+        the events' and the history's op stamps), reserved, allocated,
+        evictable, largest_free, free (bytes), event (with a history: events
+        recorded before the sample); and phase (codes into
+        ``dtralloc.dtr.PHASES``: forward, backward, optimizer) and name (the
+        ATen op). Only ops that make or write a storage are recorded (views
+        change no memory); the first ``dtr(series=N)`` of them."""
+        d = self._core.series()
+        names = np.asarray(d.pop("names") or [""], dtype=str)
+        d["name"] = names[d.pop("name_index")]
+        return d
+
+    def events(self) -> dict:
+        """The evictor's calls, the evictions and the recomputes, as numpy
+        columns named as ReplayResult.events: op, kind (0 room asked, 1
+        evicted, 2 recomputed), value, bytes, addr, plan (0 none, 1 window, 2
+        segment release, 3 single), score, window_addr, window_bytes."""
+        return self._core.events()
+
+    def pool_snapshot(self) -> dict:
+        """The session's pool now (the CPU mirror, or the installed CUDA
+        pool) as ``Pool.snapshot(columns=True)``: its segments, and its
+        history as columns, each event stamped with the op it happened in."""
+        return self._core.pool_snapshot()
 
     def evict_all(self) -> int:
         """Evict every value that can be evicted now; returns how many."""

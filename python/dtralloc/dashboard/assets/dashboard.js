@@ -128,6 +128,7 @@
   // ------------------------------------------------------------ runs
   function prepareRun(m, index) {
     const run = { index, meta: m, label: m.label, kind: m.kind, n: m.n_x, domain: m.domain, figures: m.figures };
+    run.byOp = m.x_kind === "op";  // a replay or a live session: x is an op, with names and phases
     run.phases = m.phases || [];
     if (m.op_names) {
       const idx = col(m.op_names.idx);
@@ -343,7 +344,7 @@
       ctx.fillText(fmtInt(x), xToPx(box, v, x), box.b + 12 * DPR);
     }
     ctx.textAlign = "left";
-    ctx.fillText(r.kind === "replay" ? "op" : "event", box.r + 6 * DPR, box.b + 12 * DPR);
+    ctx.fillText(r.byOp ? "op" : "event", box.r + 6 * DPR, box.b + 12 * DPR);
   }
   function drawPhases(ctx, box, v, r) {
     ctx.font = `${10 * DPR}px system-ui, sans-serif`;
@@ -486,7 +487,7 @@
     const phaseColor = {};
     for (const k in COLORS.phaseBlock) phaseColor[k] = rgba(COLORS.phaseBlock[k], 255);
     const plain = rgba([59, 111, 216], 255);
-    const byPhase = r.kind === "replay" && H.op;
+    const byPhase = r.byOp && H.op;
     for (let i = 0; i < B.start.length; i++) {
       if (B.X2[i] <= v.x0 || B.X0[i] >= v.x1) continue;
       let color = plain;
@@ -698,7 +699,7 @@
     const s = B.start[i];
     if (s < 0) return "before the history";
     if (B.label && H.labels.length && B.label[i]) return H.labels[B.label[i]];
-    if (H.op && r.kind === "replay") {
+    if (H.op && r.byOp) {
       const op = H.op[s];
       return op < 0 ? "before the first op" : `op ${op} ${r.opName(op)} (${r.phaseAt(op)})`;
     }
@@ -742,7 +743,7 @@
       const i = live[n], B = H.B, size = B.size[i] * H.unit, waste = B.waste[i];
       const cells = tr.cells;
       const text = [String(n + 1), addressOf(H, B.y[i]), fmtBytes(size - waste), fmtBytes(size), fmtBytes(waste),
-                    madeBy(r, i), (r.kind === "replay" ? "op " : "event ") + fmtInt(B.X0[i])];
+                    madeBy(r, i), (r.byOp ? "op " : "event ") + fmtInt(B.X0[i])];
       for (let c = 0; c < 7; c++) if (cells[c].textContent !== text[c]) cells[c].textContent = text[c];
       tr.hidden = false;
       tr.dataset.block = i;
@@ -760,7 +761,7 @@
     const largest = r.val("largest_free", x), pending = r.val("pending", x), evictable = r.val("evictable", x);
     const top = fmtParts(reserved, [allocated, pending, free]);
     let rows = "";
-    const where = r.kind === "replay"
+    const where = r.byOp
       ? `op ${fmtInt(x)} / ${fmtInt(r.n)} · ${esc(r.opName(x))} · ${r.phaseAt(x)}`
       : `event ${fmtInt(x)} / ${fmtInt(r.n)}` + (r.hist && r.hist.time ? ` · t = ${((r.hist.time[x]) / 1000).toFixed(1)} ms` : "") +
         (r.hist && r.hist.op && r.hist.op[x] >= 0 ? ` · op ${r.hist.op[x]}` : "");
@@ -850,7 +851,7 @@
       const result = f.feasible ? "ok" : `<span class="bad">OOM${f.oom_op !== null && f.oom_op !== undefined ? " at op " + f.oom_op : ""}${f.ooms > 1 ? " ×" + f.ooms : ""}</span>`;
       tr.innerHTML = `<td class="run-label">${esc(r.label)}</td><td>${f.policy || "–"}</td><td>${budget ? fmtBytes(budget) + frac : "none"}</td>` +
         `<td>${fmtBytes(f.peak_reserved_bytes)}</td><td>${fmtBytes(f.peak_allocated_bytes)}</td><td>${fmtInt(f.evictions)}</td>` +
-        `<td>${fmtInt(f.remats)}</td><td>${r.kind === "replay" ? fmtPct(f.compute_overhead) : "–"}</td><td>${result}</td>` +
+        `<td>${fmtInt(f.remats)}</td><td>${r.byOp ? fmtPct(f.compute_overhead) : "–"}</td><td>${result}</td>` +
         `<td class="mini"><canvas data-run="${r.index}"></canvas><div class="cursor-line"></div></td>`;
       tr.addEventListener("click", () => select(r.index));
     });
@@ -862,7 +863,7 @@
   function drawHeadline() {
     const r = run(), f = r.figures;
     const budget = budgetOf(r);
-    let h = card("peak reserved", fmtBytes(f.peak_reserved_bytes), r.kind === "replay" ? "" : "over the history") +
+    let h = card("peak reserved", fmtBytes(f.peak_reserved_bytes), r.byOp ? "" : "over the history") +
       card("peak allocated", fmtBytes(f.peak_allocated_bytes), f.peak_reserved_bytes ? `${((100 * f.peak_allocated_bytes) / f.peak_reserved_bytes).toFixed(1)}% of reserved` : "") +
       card("budget", budget ? fmtBytes(budget) : "none", budget && f.no_eviction_peak_reserved_bytes ? `${(budget / f.no_eviction_peak_reserved_bytes).toFixed(2)} of the no-eviction peak` : "");
     if (r.kind === "replay") {
@@ -871,7 +872,7 @@
                 mfb && f.no_eviction_peak_reserved_bytes ? fmtBytes(mfb * f.no_eviction_peak_reserved_bytes) + " for " + f.policy : "of the no-eviction peak");
     }
     h += card("OOMs", fmtInt(f.ooms), f.oom_op !== null && f.oom_op !== undefined ? `at op ${f.oom_op}` : "", f.ooms > 0);
-    if (r.kind === "replay") {
+    if (r.byOp) {
       h += card("evictions", fmtInt(f.evictions), "") + card("remats", fmtInt(f.remats), "") +
         card("compute overhead", fmtPct(f.compute_overhead), "recompute / one pass");
     } else h += card("events", fmtInt(f.events), f.anomalies ? `${f.anomalies} do not add up` : "");
@@ -1010,7 +1011,7 @@
     const r = run(), base = $(id), box = plotBox(base), rect = base.getBoundingClientRect();
     const x = Math.floor(pxToX(box, viewOf(r), (ev.clientX - rect.left) * DPR));
     if (x < 0 || x >= r.n) { $("tooltip").hidden = true; return; }
-    let text = (r.kind === "replay" ? `op ${x} ${r.opName(x)} (${r.phaseAt(x)})` : `event ${fmtInt(x)}`) +
+    let text = (r.byOp ? `op ${x} ${r.opName(x)} (${r.phaseAt(x)})` : `event ${fmtInt(x)}`) +
       `\nreserved ${fmtBytes(r.val("reserved", x))}\nallocated ${fmtBytes(r.val("allocated", x))}` +
       (r.S.evictable ? `\nevictable ${fmtBytes(r.val("evictable", x))}` : "") +
       `\ncached free ${fmtBytes(r.val("free", x))}, largest ${fmtBytes(r.val("largest_free", x))}`;
@@ -1020,7 +1021,7 @@
       for (let i = 0; i < B.start.length; i++) {
         if (B.X0[i] <= x && x < B.X2[i] && B.y[i] <= y && y < B.y[i] + B.size[i]) {
           text = `${addressOf(H, B.y[i])}: ${fmtBytes(B.size[i] * H.unit - B.waste[i])} (block ${fmtBytes(B.size[i] * H.unit)})\nmade by ${madeBy(r, i)}\n` +
-            `alive ${r.kind === "replay" ? "ops" : "events"} ${fmtInt(B.X0[i])}–${fmtInt(B.X2[i])}` + (x >= B.X1[i] ? " (pending free)" : "");
+            `alive ${r.byOp ? "ops" : "events"} ${fmtInt(B.X0[i])}–${fmtInt(B.X2[i])}` + (x >= B.X1[i] ? " (pending free)" : "");
           break;
         }
       }
