@@ -9,7 +9,7 @@ recompute a storage: the op that made it and that op's inputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import _core
 from . import fileformat
@@ -45,6 +45,16 @@ class Trace:
         timeline = self.live_bytes_timeline()
         start = sum(s.nbytes for s in self.storages if s.initial)
         return max(timeline + [start])
+
+    def session_view(self) -> "Trace":
+        """This step as a CPU ``dtr(device="cpu")`` session's mirror pool sees
+        it: storages alive before the step (parameters, optimizer state, the
+        batch) were made outside the session, take no memory there and are
+        pinned (docs/live.md), so here they keep their ids and lose their
+        bytes. Replaying the result at a budget in bytes is the replay of that
+        session's budget; the full trace counts them, as a GPU pool does."""
+        storages = [replace(s, nbytes=0) if s.initial else s for s in self.storages]
+        return Trace(storages, self.ops, self.frees_before, {**self.meta, "view": "session"})
 
     def total_duration_ns(self) -> int:
         return sum(op.duration_ns for op in self.ops)
