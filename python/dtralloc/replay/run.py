@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Optional, Union
 
 from .. import _core
 from ..config import ConfLike, conf_text, size_in_bytes
 from ..trace import Trace, load
+from ..traces import bundled_path, list_bundled
 from .result import POLICIES, ReplayResult
 
 
@@ -23,7 +25,7 @@ def replay(
     """Run `trace` through a fresh pool and measure it.
 
     Args:
-        trace: a Trace, or a path to a saved one.
+        trace: a Trace, a path to a saved one, or a bundled trace's name ("gpt2").
         budget: None (no cap), bytes (int or "6G"), or a float in (0, 1]: that
             fraction of the no-eviction peak reserved (measured by a first
             replay without a budget).
@@ -35,8 +37,7 @@ def replay(
             with its op (``result.history``, numpy columns; what the
             dashboard's address views draw).
     """
-    if isinstance(trace, str):
-        trace = load(trace)
+    trace = _as_trace(trace)
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
     text = _pool_conf(conf)
@@ -58,6 +59,19 @@ def replay(
 
 
 _POLICY_ROW = [o["name"] for o in _core.describe_config("")].index("policy")
+
+
+def _as_trace(trace: Union[Trace, str]) -> Trace:
+    """A Trace, a .dtrace path, or the name of a bundled trace ("gpt2")."""
+    if not isinstance(trace, str):
+        return trace
+    if not os.path.exists(trace):
+        names = list_bundled()
+        if trace in names:
+            return load(bundled_path(trace))
+        raise FileNotFoundError(f"dtralloc: no trace file {trace!r}, and no bundled trace of that name "
+                                f"(bundled: {', '.join(names)})")
+    return load(trace)
 
 
 def _pool_conf(conf: ConfLike) -> str:
@@ -132,16 +146,14 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
     step, as a fraction of the no-eviction peak reserved, bounds every
     policy's ``min_feasible_budget`` from below (the pool's fragmentation
     comes on top)."""
-    if isinstance(trace, str):
-        trace = load(trace)
+    trace = _as_trace(trace)
     r = _run(replay_columns(trace), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
     return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
 
 
 def _feasibility(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str):
     """(trace, feasible(fraction) -> bool) for the budget searches, arguments checked."""
-    if isinstance(trace, str):
-        trace = load(trace)
+    trace = _as_trace(trace)
     if policy == "none":
         raise ValueError(f"dtralloc.{caller}: needs an eviction policy, not 'none'")
     if policy not in POLICIES:
