@@ -426,3 +426,12 @@ def test_history_is_stamped_with_ops_and_agrees_with_the_series():
         e = s["event"][i] - 1
         live = (model["block_start"] <= e) & (e < model["block_free_requested"])
         assert int(model["block_size"][live].sum()) == s["allocated"][i], i
+
+
+def test_replay_takes_a_bundled_traces_name():
+    from dtralloc.traces import load_bundled
+
+    by_name = dtralloc.replay("mlp")
+    assert by_name.peak_reserved_bytes == dtralloc.replay(load_bundled("mlp")).peak_reserved_bytes
+    with pytest.raises(FileNotFoundError, match="no bundled trace of that name.*gpt2"):
+        dtralloc.replay("no-such-trace")
