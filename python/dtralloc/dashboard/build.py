@@ -77,11 +77,14 @@ def _trace_runs(trace, budgets, policies, conf, min_budget: bool) -> list[Run]:
         for b in budgets:
             if (p, b) not in combos:
                 combos.append((p, b))
-    mins = {}
+    # Each policy's bisection replays the step about seven times, and a
+    # single-tensor policy near its boundary thrashes for seconds a replay:
+    # the policies' searches run side by side (the replay releases the GIL
+    # and each builds its own pool).
+    searched = [p for p in dict.fromkeys(p for p, _ in combos) if p != "none"] if min_budget else []
+    mins = dict(zip(searched, _parallel(lambda p: min_feasible_budget(trace, p, conf=conf), searched)))
     runs = []
     for policy, budget in combos:
-        if min_budget and policy != "none" and policy not in mins:
-            mins[policy] = min_feasible_budget(trace, policy, conf=conf)
         result = replay(trace, budget=budget, policy=policy, conf=conf, **extra)
         label = f"{name} · {policy if policy != 'none' else 'no eviction'} · {_budget_label(budget)}"
         runs.append(replay_run(trace, result, label, mins.get(policy)))
@@ -102,13 +105,23 @@ def _sweep(trace, policies, budgets, conf, mins: dict) -> dict:
         low = mins.get(policy)
         fractions = grid if low is None else [f for f in grid if f >= low - 0.1]
         points = []
-        for f in fractions:
-            r = replay(trace, budget=f, policy=policy, conf=conf)
+        for f, r in zip(fractions, _parallel(lambda f: replay(trace, budget=f, policy=policy, conf=conf), fractions)):
             out["no_eviction_peak_reserved_bytes"] = int(r.no_eviction_peak_reserved_bytes)
             points.append({"fraction": f, "budget_bytes": int(r.budget_bytes), "compute_overhead": float(r.compute_overhead),
                            "feasible": bool(r.feasible), "evictions": int(r.evictions)})
         out["policies"][policy] = points
     return out
+
+
+def _parallel(fn, items: list) -> list:
+    """[fn(x) for x in items], on as many threads as there are cores (for
+    replays, which release the GIL), in order."""
+    if len(items) < 2 or (os.cpu_count() or 1) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, items))
 
 
 def build(inputs: list, budgets=None, policies=None, conf=None, sweep: bool = True, min_budget: bool = True,
