@@ -20,5 +20,6 @@ def emit(report: str, out_path: str | None) -> None:
     """Print the report, and write it to `out_path` when given."""
     print(report)
     if out_path:
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:
             f.write(report)

@@ -15,9 +15,7 @@ load). Reported: microseconds per ATen op over plain eager.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 
@@ -25,6 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtralloc.dtr import dtr
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import emit, header  # noqa: E402
 
 
 class NoopMode(TorchDispatchMode):
@@ -102,10 +103,9 @@ def measure(rounds: int):
 
 
 def report(rows, rounds, command) -> str:
-    lines = [f"# Live DTR per-op bookkeeping, no eviction ({datetime.date.today()}, CPU)", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads; Python {platform.python_version()}.", "",
-             f"Command: `{command}` (minimum of {rounds} alternating rounds).", "",
+    lines = [header("Live DTR per-op bookkeeping, no eviction (CPU)", command),
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads; minimum of {rounds} alternating rounds.",
+             "",
              "| workload | ATen ops | plain µs/op | noop mode µs/op | dtr µs/op | dtr over plain, µs/op | "
              "dtr over noop mode, µs/op |", "|---|---|---|---|---|---|---|"]
     for name, n, us in rows:
@@ -124,11 +124,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = measure(args.rounds)
     text = report(rows, args.rounds, "python bench/bench_live_overhead.py " + " ".join(argv or sys.argv[1:]))
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(text, args.out)
     return 0
 
 

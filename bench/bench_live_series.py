@@ -10,9 +10,7 @@ whole-workload rounds. No budget: what every session pays.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 
@@ -21,6 +19,7 @@ import torch
 from dtralloc.dtr import dtr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import emit, header  # noqa: E402
 from bench_live_overhead import ops_of, workloads  # noqa: E402  the same three workloads
 
 
@@ -44,17 +43,12 @@ def main() -> int:
         rows.append(f"| {name} | {ops} | {off:.3f} | {on:.3f} | {on - off:+.3f} |")
     cmd = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     report = "\n".join([
-        f"# Live session recording cost, per ATen op ({datetime.date.today().isoformat()}, CPU)", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; Python {platform.python_version()}.", "",
-        f"Command: `{cmd}` (minimum over {args.batches} alternating batches per arm).", "",
+        header("Live session recording cost, per ATen op (CPU)", cmd),
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; minimum over {args.batches} "
+        f"alternating batches per arm.", "",
         "| workload | ATen ops | recording off µs/op | recording on µs/op | added µs/op |",
         "|---|---|---|---|---|", *rows, ""])
-    print(report)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit(report, args.out)
     return 0
 
 
