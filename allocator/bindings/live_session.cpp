@@ -471,16 +471,26 @@ void LiveSession::set_dispatch_helpers(py::object classify, py::object slow, py:
   grad_enabled_ = py::module_::import("torch").attr("is_grad_enabled");
 }
 
+LiveSession::FuncInfo& LiveSession::func_info(PyObject* func) {
+  auto it = funcs_.find(func);
+  if (it == funcs_.end()) {
+    func_refs_.push_back(py::reinterpret_borrow<py::object>(func));
+    it = funcs_.emplace(func, FuncInfo{}).first;
+  }
+  return it->second;  // a node of the map: stays valid as the map grows
+}
+
 py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs) {
   if (!slow_ || slow_.is_none()) throw std::logic_error("dtralloc: the dtr() session's dispatch mode ran after the session closed");
-  auto it = fast_info_.find(func);
-  if (it == fast_info_.end()) {
-    py::tuple info = classify_(py::handle(func));
-    fast_funcs_.push_back(py::reinterpret_borrow<py::object>(func));
-    it = fast_info_.emplace(func, FastInfo{info[0].cast<bool>(), info[1].cast<std::uint32_t>(), info[2].cast<int>()})
-             .first;
+  FuncInfo& known = func_info(func);
+  if (!known.classified) {
+    py::tuple answer = classify_(py::handle(func));
+    known.fast = answer[0].cast<bool>();
+    known.flags = answer[1].cast<std::uint32_t>();
+    known.pin = answer[2].cast<int>();
+    known.classified = true;
   }
-  const FastInfo info = it->second;
+  const FuncInfo info = known;
   if (!info.fast) return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
   const bool has_kwargs = kwargs != Py_None && PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) > 0;
   const auto start = std::chrono::steady_clock::now();
@@ -889,13 +899,12 @@ void LiveSession::sample_op(int op, py::handle func, std::uint32_t flags) {
     ++stats_.series_dropped;
     return;
   }
-  auto it = name_index_.find(func.ptr());
-  if (it == name_index_.end()) {
-    name_funcs_.push_back(py::reinterpret_borrow<py::object>(func));
+  FuncInfo& known = func_info(func.ptr());
+  if (known.name < 0) {
     op_names_.push_back(py::str(func));
-    it = name_index_.emplace(func.ptr(), static_cast<std::int32_t>(op_names_.size() - 1)).first;
+    known.name = static_cast<std::int32_t>(op_names_.size() - 1);
   }
-  series_name_.push_back(it->second);
+  series_name_.push_back(known.name);
   series_phase_.push_back(static_cast<std::uint8_t>(phase_of(flags)));
   // As the replay: evictable bytes only where something can be evicted (a
   // budget, or chaos); the walk of the resident values is the sample's one

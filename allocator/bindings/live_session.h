@@ -268,13 +268,18 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::vector<Seen> scratch_inputs_, scratch_written_;
   std::vector<Made> scratch_made_;
   OpCall scratch_call_;
-  struct FastInfo {
-    bool fast;
-    std::uint32_t flags;
-    int pin;
+  // What the session knows of each OpOverload it met: the classifier's
+  // answer (dispatch) and its name's index in op_names_ (the series).
+  struct FuncInfo {
+    bool classified = false;
+    bool fast = false;
+    std::uint32_t flags = 0;
+    int pin = 0;
+    std::int32_t name = -1;
   };
-  std::unordered_map<PyObject*, FastInfo> fast_info_;  // per OpOverload (kept alive by fast_funcs_)
-  std::vector<py::object> fast_funcs_;
+  FuncInfo& func_info(PyObject* func);
+  std::unordered_map<PyObject*, FuncInfo> funcs_;  // kept alive by func_refs_
+  std::vector<py::object> func_refs_;
   py::object classify_, slow_, on_error_, grad_enabled_;
   std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
@@ -286,8 +291,6 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::vector<std::uint8_t> series_phase_;
   std::vector<std::int32_t> series_name_;
   std::vector<py::object> op_names_;
-  std::unordered_map<PyObject*, std::int32_t> name_index_;  // OpOverload -> op_names_ (kept alive by name_funcs_)
-  std::vector<py::object> name_funcs_;
   EventLog events_;
   py::object graph_task_id_;            // torch._C._current_graph_task_id: >= 0 inside backward
   bool backward_seen_ = false;          // a backward op ran since the last grad-mode op outside it
