@@ -1,8 +1,10 @@
 """Per-op bookkeeping of live DTR (dtralloc.dtr) with no eviction, on small ops,
 side by side with plain eager in the same run.
 
-Three workloads of small ops (where per-op costs show; on real models the
-ops' own time dwarfs them): a loop of torch.add on 8-element tensors; a
+Four workloads of small ops (where per-op costs show; on real models the
+ops' own time dwarfs them): a loop of torch.add on the same two 8-element
+tensors (made before the session: a recipe keeps them, not their geometry);
+a chain x = x + b (each op reads the one before's output); a
 forward + backward of a 32-layer MLP of width 16 (batch 4); the same with
 dropout (random ops save their generator state). Each runs plainly, under a
 TorchDispatchMode that does nothing (the floor any dispatch-based runtime
@@ -50,6 +52,11 @@ def workloads():
         for _ in range(2000):
             torch.add(a, b)
 
+    def chain():  # each input is the session's own output: its geometry is read per op
+        x = a
+        for _ in range(2000):
+            x = torch.add(x, b)
+
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(32)])
     x = torch.randn(4, 16)
@@ -66,6 +73,7 @@ def workloads():
         drop(x).sum().backward()
 
     return {"add loop (2000 x torch.add, 8 floats)": adds,
+            "add chain (x = x + b, 2000 times, 8 floats)": chain,
             "MLP 32 x Linear(16)+Tanh, fwd+bwd": mlp_step,
             "MLP 32 x Linear(16)+ReLU+Dropout, fwd+bwd": dropout_step}
 

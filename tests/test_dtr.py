@@ -217,6 +217,35 @@ def test_misuse_gives_the_same_error_as_plain_eager(misuse):
     assert live == plain
 
 
+def test_a_recompute_reads_external_inputs_as_they_were_or_raises():
+    # A recipe keeps an external tensor it read directly (no geometry copied):
+    # the recompute must see the same data, and an in-place change made
+    # outside the session must raise torch's version error, not be read.
+    def step(change_outside):
+        torch.manual_seed(0)
+        x = torch.randn(64, 64)
+        b = torch.randn(64)
+        w = torch.randn(64, requires_grad=True)
+        with dtr(device="cpu", chaos=True) as s:
+            # addcmul reads b, x and w themselves; sin saves its output,
+            # which nothing else holds: chaos evicts it at once.
+            loss = torch.addcmul(b, x, w).sin().sum()
+        if change_outside:
+            with torch.no_grad():
+                x.mul_(2)  # not seen by the session: only x's version tells
+        loss.backward()
+        return w.grad, s.stats()
+
+    torch.manual_seed(0)
+    x, b, w = torch.randn(64, 64), torch.randn(64), torch.randn(64, requires_grad=True)
+    torch.addcmul(b, x, w).sin().sum().backward()
+    grad, stats = step(False)
+    assert torch.equal(grad, w.grad)
+    assert stats["remats"] > 0
+    with pytest.raises(RuntimeError, match="modified in place outside the dtr session"):
+        step(True)
+
+
 def test_an_unmeetable_budget_raises_and_everything_stays_usable():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(6)])

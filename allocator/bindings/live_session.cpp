@@ -26,6 +26,9 @@ struct Accessors {
   PyObject* dtype = nullptr;            // getset descriptors
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
+  PyObject* device = nullptr;
+  PyObject* grad_fn = nullptr;
+  PyObject* output_nr = nullptr;
 };
 Accessors& names() {
   static Accessors a;
@@ -48,6 +51,9 @@ void load_accessors(py::dict d) {
   a.dtype = take("dtype");
   a.version = take("_version");
   a.cdata = take("_cdata");
+  a.device = take("device");
+  a.grad_fn = take("grad_fn");
+  a.output_nr = take("output_nr");
 }
 
 // A method descriptor called on `o` (no arguments).
@@ -67,6 +73,27 @@ std::int64_t as_int(const py::object& o) {
   const long long v = PyLong_AsLongLong(o.ptr());
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
+}
+
+std::vector<std::int64_t> int_vector(const py::object& sequence) {
+  PyObject* o = sequence.ptr();
+  if (!PyTuple_Check(o)) throw std::logic_error("dtralloc live session: a tensor's size or stride is not a tuple");
+  const Py_ssize_t n = PyTuple_GET_SIZE(o);
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    v[static_cast<std::size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(o, i));
+    if (v[static_cast<std::size_t>(i)] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  return v;
+}
+py::tuple int_tuple(const std::vector<std::int64_t>& v) {
+  py::tuple t(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    PyObject* x = PyLong_FromLongLong(v[i]);
+    if (!x) throw py::error_already_set();
+    PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(i), x);
+  }
+  return t;
 }
 
 // The placeholder a template holds where a tensor was; the tensors are
@@ -143,13 +170,27 @@ class LiveSession::Hook : public EvictionHook {
   std::shared_ptr<EvictionHook> previous_;
 };
 
+Geometry Geometry::of(py::handle tensor) {
+  Geometry g;
+  g.dtype = get_attr(tensor, names().dtype);
+  g.size = int_vector(call_method(tensor, names().size));
+  g.stride = int_vector(call_method(tensor, names().stride));
+  g.offset = as_int(call_method(tensor, names().storage_offset));
+  return g;
+}
+
+py::object Geometry::view(const py::object& view_fn, const py::object& storage) const {
+  return view_fn(storage, dtype, int_tuple(size), int_tuple(stride), offset);
+}
+
 LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(options) {
   view_ = helpers["view"];
+  detached_ = helpers["detached"];
+  empty_kwargs_ = py::dict();
   run_ = helpers["run"];
   new_storage_ = helpers["new_storage"];
   use_count_fn_ = helpers["use_count"];
   version_error_ = helpers["version_error"];
-  what_of_ = helpers["what_of"];
   tensor_type_ = helpers["tensor_type"];
   load_accessors(helpers["accessors"]);
   device_ = helpers["device"];
@@ -488,13 +529,16 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
     known.fast = answer[0].cast<bool>();
     known.flags = answer[1].cast<std::uint32_t>();
     known.pin = answer[2].cast<int>();
+    known.call = answer[3];
     known.classified = true;
   }
-  const FuncInfo info = known;
-  if (!info.fast) return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
+  if (!known.fast) return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
+  const std::uint32_t info_flags = known.flags;
+  const int info_pin = known.pin;
+  const py::object call = known.call;  // a reference of its own: the op may classify others (funcs_ grows)
   const bool has_kwargs = kwargs != Py_None && PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) > 0;
   const auto start = std::chrono::steady_clock::now();
-  PyObject* out = PyObject_Call(func, args, has_kwargs ? kwargs : nullptr);
+  PyObject* out = PyObject_Call(call.ptr(), args, has_kwargs ? kwargs : nullptr);
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
   if (!out) {
     py::error_already_set error;  // takes the op's exception
@@ -505,9 +549,9 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   py::object result = py::reinterpret_steal<py::object>(out);
   PyObject* grad = PyObject_CallNoArgs(grad_enabled_.ptr());
   if (!grad) throw py::error_already_set();
-  const std::uint32_t flags = info.flags | (grad == Py_True ? kGradEnabled : 0);
+  const std::uint32_t flags = info_flags | (grad == Py_True ? kGradEnabled : 0);
   Py_DECREF(grad);
-  record(func, args, has_kwargs ? kwargs : Py_None, result, py::tuple(), flags, info.pin, cost, py::none());
+  record(func, args, has_kwargs ? kwargs : Py_None, result, py::tuple(), flags, info_pin, cost, py::none());
   return result;
 }
 
@@ -570,7 +614,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
   const auto reason = static_cast<PinReason>(pin);
-  std::vector<int> recomputable;
+  std::vector<int>& recomputable = scratch_recomputable_;
+  recomputable.clear();
   try {
     for (const Made& m : made) {
       std::uintptr_t addr = 0;
@@ -637,14 +682,20 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     rec->flags = flags;
     rec->rng = py::reinterpret_borrow<py::object>(rng);
     rec->recipes = static_cast<int>(recomputable.size());
+    rec->refs.reserve(inputs.size());
     for (const Seen& s : inputs) {
       ArgRef r;
       r.value = s.value;
       py::handle t(s.tensor);
-      r.dtype = get_attr(t, names().dtype);
-      r.size = call_method(t, names().size);
-      r.stride = call_method(t, names().stride);
-      r.offset = as_int(call_method(t, names().storage_offset));
+      const Slot& slot = slots_[s.value];
+      const bool is_written = std::any_of(written.begin(), written.end(), [&](const Seen& w) { return w.value == s.value; });
+      if (slot.external.ptr() == s.tensor && !is_written) {  // held by the slot: the same object at recompute
+        r.external = slot.external;
+        r.version = as_int(get_attr(t, names().version));
+        rec->refs.push_back(std::move(r));
+        continue;
+      }
+      r.geometry = Geometry::of(t);
       if (slots_[s.value].pin == PinReason::kExternal) r.version = as_int(get_attr(t, names().version));
       rec->refs.push_back(std::move(r));
     }
@@ -652,7 +703,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       for (std::size_t k = 0; k < inputs.size(); ++k)
         if (inputs[k].tensor == w.tensor || inputs[k].value == w.value) rec->written.push_back(static_cast<int>(k));
     rec->args = template_of(args);
-    rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : py::object(py::dict());
+    rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : empty_kwargs_;
     if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);
     ops_[op] = std::move(rec);
   }
@@ -750,8 +801,8 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
       storage = new_storage_(engine_->value(r.value).nbytes, like, copy, device_);
       if (static_cast<int>(k) == target.write_ref) made_storage = storage;
     } else {
-      storage = storage_of(r.value);
       const Slot& s = slots_[r.value];
+      if (!r.external) storage = storage_of(r.value);
       if (s.external) {
         const std::int64_t now = as_int(get_attr(s.external, names().version));
         if (now != r.version)
@@ -760,7 +811,7 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
                         now, r.version);
       }
     }
-    tensors[k] = view_(storage, r.dtype, r.size, r.stride, r.offset);
+    tensors[k] = r.external ? detached_(r.external) : r.geometry.view(view_, storage);
   }
   std::size_t next = 0;
   py::object args = fill(op->args, tensors, &next);
@@ -813,13 +864,25 @@ py::object LiveSession::pack(py::handle tensor) {
   auto handle = std::make_unique<SavedValue>();
   handle->session = shared_from_this();
   handle->value = v;
-  handle->dtype = get_attr(tensor, names().dtype);
-  handle->size = call_method(tensor, names().size);
-  handle->stride = call_method(tensor, names().stride);
-  handle->offset = as_int(call_method(tensor, names().storage_offset));
+  handle->geometry = Geometry::of(tensor);
   handle->version = as_int(get_attr(tensor, names().version));
-  handle->what = what_of_(tensor);
+  // What torch's version error would name (built only if it is raised).
+  handle->device = get_attr(tensor, names().device);
+  handle->output_nr = as_int(get_attr(tensor, names().output_nr));
+  py::object grad_fn = get_attr(tensor, names().grad_fn);
+  if (!grad_fn.is_none()) handle->grad_fn_name = grad_fn_name(grad_fn);
   return py::cast(std::move(handle));
+}
+
+// A backward node's name() is its class's: asked once per class.
+py::object LiveSession::grad_fn_name(const py::object& grad_fn) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(grad_fn.ptr()));
+  auto it = grad_fn_names_.find(type);
+  if (it == grad_fn_names_.end()) {
+    grad_fn_types_.push_back(py::reinterpret_borrow<py::object>(type));
+    it = grad_fn_names_.emplace(type, grad_fn.attr("name")()).first;
+  }
+  return it->second;
 }
 
 void LiveSession::drop_handle(int value) {
@@ -841,7 +904,12 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   ++stats_.unpacked;
   const int value = saved.value;
   auto check_version = [&](std::int64_t now) {
-    if (now != saved.version) version_error(saved.what, now, saved.version);
+    if (now != saved.version) {
+      py::object grad_fn = saved.grad_fn_name ? saved.grad_fn_name : py::object(py::none());
+      version_error(py::make_tuple(saved.geometry.dtype, saved.device, int_tuple(saved.geometry.size),
+                                   saved.output_nr, grad_fn),
+                    now, saved.version);
+    }
   };
   const Slot& s = slots_[value];
   if (s.overwritten) {
@@ -857,7 +925,7 @@ py::object LiveSession::unpack(const SavedValue& saved) {
       PyObject* fam = PyWeakref_GetObject(after.family.ptr());
       if (fam && fam != Py_None) check_version(as_int(get_attr(fam, names().version)));
     }
-    tensor = view_(storage_of(value), saved.dtype, saved.size, saved.stride, saved.offset);
+    tensor = saved.geometry.view(view_, storage_of(value));
   } catch (...) {
     engine_->unacquire(value);
     throw;

@@ -88,10 +88,24 @@ enum OpFlag : std::uint32_t {
   kGradEnabled = 8,     // grad mode was on when it ran (some kernels differ: RNN workspaces)
 };
 
+// A tensor's dtype and place on its storage. Sizes and strides are kept in
+// C++, not as the Python tuples torch returns: a recipe lives as long as its
+// outputs, and thousands of tuples kept per step would make every full
+// collection of Python's garbage collector walk them.
+struct Geometry {
+  py::object dtype;             // a torch.dtype: a singleton, nothing allocated
+  std::vector<std::int64_t> size, stride;
+  std::int64_t offset = 0;
+  static Geometry of(py::handle tensor);
+  // A tensor with this geometry on `storage`, made by the runner's view().
+  py::object view(const py::object& view_fn, const py::object& storage) const;
+};
+
 struct ArgRef {                 // how an op saw one tensor argument
   int value = -1;               // the storage's value then
-  py::object dtype, size, stride;
-  std::int64_t offset = 0;
+  py::object external;          // the external value's own tensor, when the op read that very tensor
+                                // (then no geometry is read: the tensor keeps it, its version guards it)
+  Geometry geometry;
   std::int64_t version = 0;     // the tensor's _version (checked for external values)
 };
 
@@ -237,7 +251,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   static PyObject* storage_died(PyObject* self, PyObject* weakref);
 
   Options options_;
-  py::object view_, run_, new_storage_, use_count_fn_, version_error_, what_of_, tensor_type_, device_,
+  py::object view_, detached_, empty_kwargs_, run_, new_storage_, use_count_fn_, version_error_, tensor_type_, device_,
       watch_callback_;
   std::unique_ptr<Allocator> mirror_;   // CPU: the virtual pool mirroring the session's storages
   Allocator* pool_ = nullptr;           // the pool the evictor walks (the mirror, or the device's)
@@ -267,6 +281,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   };
   std::vector<Seen> scratch_inputs_, scratch_written_;
   std::vector<Made> scratch_made_;
+  std::vector<int> scratch_recomputable_;
   OpCall scratch_call_;
   // What the session knows of each OpOverload it met: the classifier's
   // answer (dispatch) and its name's index in op_names_ (the series).
@@ -276,8 +291,12 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     std::uint32_t flags = 0;
     int pin = 0;
     std::int32_t name = -1;
+    py::object call;  // what runs the op: OpOverload._op where __call__ only forwards to it (no Python frame)
   };
   FuncInfo& func_info(PyObject* func);
+  py::object grad_fn_name(const py::object& grad_fn);
+  std::unordered_map<PyObject*, py::object> grad_fn_names_;  // by node class, kept alive by grad_fn_types_
+  std::vector<py::object> grad_fn_types_;
   std::unordered_map<PyObject*, FuncInfo> funcs_;  // kept alive by func_refs_
   std::vector<py::object> func_refs_;
   py::object classify_, slow_, on_error_, grad_enabled_;
@@ -303,10 +322,11 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
 struct SavedValue {
   std::shared_ptr<LiveSession> session;
   int value;
-  py::object dtype, size, stride;
-  std::int64_t offset;
+  Geometry geometry;
   std::int64_t version;
-  py::object what;   // (dtype, size, output_nr, grad_fn name): torch's version error names them
+  // What torch's version error names, with the geometry's dtype and size:
+  py::object device, grad_fn_name;  // grad_fn_name unset for a leaf
+  std::int64_t output_nr = 0;
   ~SavedValue();
 };
 

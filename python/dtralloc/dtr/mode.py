@@ -104,7 +104,9 @@ def _classify_for_c(func):
     info = _INFO.get(func)
     if info is None:
         info = _INFO[func] = ops.classify(func)
-    return info.fast, info.flags, info.pin
+    # OpOverload.__call__ only forwards to ._op: calling that saves a Python frame per op.
+    call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
+    return info.fast, info.flags, info.pin, call
 
 
 def _deterministic() -> bool:

@@ -19,6 +19,13 @@ def view(storage, dtype, size, stride, offset):
         return t.set_(storage, offset, size, stride)
 
 
+def detached(t):
+    """An external input as a recompute reads it: the same tensor, outside
+    autograd (so rerunning the op builds no graph)."""
+    with _no_dispatch():
+        return t.detach()
+
+
 @contextlib.contextmanager
 def _autocast_off(devices):
     with contextlib.ExitStack() as stack:
@@ -63,7 +70,8 @@ def use_count(cdata: int) -> int:
 
 
 def what_of(t: torch.Tensor):
-    """What torch's version error names about a saved tensor (pack time)."""
+    """What torch's version error names about a saved tensor (the live session
+    reads the same from C++ at pack time: LiveSession::pack)."""
     grad_fn = t.grad_fn
     return (t.dtype, t.device, tuple(t.shape), t.output_nr, grad_fn.name() if grad_fn is not None else None)
 
@@ -110,11 +118,12 @@ def _accessors() -> dict:
     tensor, storage = torch._C.TensorBase, torch._C.StorageBase
     return {"untyped_storage": tensor.untyped_storage, "size": tensor.size, "stride": tensor.stride,
             "storage_offset": tensor.storage_offset, "dtype": tensor.__dict__["dtype"],
-            "_version": tensor.__dict__["_version"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
+            "_version": tensor.__dict__["_version"], "device": tensor.__dict__["device"],
+            "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"]}
 
 
 def helpers(device: str) -> dict:
-    return {"view": view, "run": run, "new_storage": new_storage, "use_count": use_count,
-            "version_error": version_error, "what_of": what_of, "tensor_type": torch.Tensor,
+    return {"view": view, "detached": detached, "run": run, "new_storage": new_storage, "use_count": use_count,
+            "version_error": version_error, "tensor_type": torch.Tensor,
             "device": device, "accessors": _accessors()}
