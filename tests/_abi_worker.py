@@ -1091,6 +1091,52 @@ def scenario_install_after_dtralloc_use():
     check(dtralloc.installed() and standin.state.current is not None, "installed with the conf in force")
 
 
+def scenario_live_sessions_end_in_any_order():
+    """dtr() sessions on the CUDA pool (dtralloc/dtr/session.py makes them
+    this way) end in any order: a training loop's `with dtralloc.dtr(...) as s:`
+    drops the previous step's session only after the next one has started.
+    The pool's budget is the newest live session's that sets one, the pool's
+    own once none is left, and ended sessions leave nothing behind."""
+    from dtralloc.dtr.runner import helpers
+
+    FakeCudaRuntime()
+    own = stats()["budget_bytes"]
+
+    def started(budget):
+        s = _core.LiveSession(True, 0, budget, _core.config_text(), "dtralloc", False, False, helpers("cuda:0"))
+        s.start()
+        return s
+
+    s = None
+    for step in range(1000):  # the loop's order: start the next, then drop the previous
+        budget = (64 + step % 3) * MiB
+        previous = s
+        s = started(budget)
+        del previous
+        if step % 100 == 0:
+            gc.collect()
+        eq(stats()["budget_bytes"], budget, f"budget at step {step}")
+        eq(_core.live_sessions_on_device(0), 1, f"live sessions at step {step}")
+    del s
+    eq(stats()["budget_bytes"], own, "the pool's own budget after the loop")
+    eq(_core.live_sessions_on_device(0), 0, "no live session after the loop")
+
+    # Older sessions still alive (a backward after the block needs them).
+    a = started(64 * MiB)
+    b = started(0)  # sets no budget: a's stays
+    eq(stats()["budget_bytes"], 64 * MiB, "a session without a budget keeps the older one's")
+    c = started(32 * MiB)
+    eq(stats()["budget_bytes"], 32 * MiB, "the newest budget")
+    del a
+    eq(stats()["budget_bytes"], 32 * MiB, "an older session ending leaves the newest budget")
+    del c
+    eq(stats()["budget_bytes"], own, "the last session with a budget ended: the pool's own")
+    eq(_core.live_sessions_on_device(0), 1, "b is live")
+    b.stop()
+    eq(_core.live_sessions_on_device(0), 0, "b stopped")
+    del b
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 

@@ -49,6 +49,10 @@ def test_absolute_budget_turns_into_null_and_a_clear_oom():
     assert "raise DTRALLOC_CONF=budget" in proc.stderr
 
 
+def test_live_sessions_on_the_pool_end_in_any_order():
+    run_worker("live_sessions_end_in_any_order", conf="budget:512M")
+
+
 def test_fractional_budget_uses_the_device_capacity():
     proc = run_worker("budget_fraction", conf="budget:0.5")
     assert "Budget 128 MiB" in proc.stderr

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "global.h"
 #include "live_session.h"
 #include "policies.h"
 
@@ -166,8 +167,15 @@ void bind_live(py::module_& m) {
            "(record, pack, dispatch) as plain CPython functions bound to this session (the per-op path)")
       .def("set_dispatch_helpers", &LiveSession::set_dispatch_helpers, py::arg("classify"), py::arg("slow"),
            py::arg("on_error"),
-           "classify(func) -> (fast, flags, pin); slow(func, types, args, kwargs): the mode's Python path; "
+           "classify(func) -> (fast, flags, pin, call); slow(func, types, args, kwargs): the mode's Python path; "
            "on_error(exception): may replace an error the op raised");
+
+  m.def("live_sessions_on_device", [](int device) {
+    Allocator* pool = global::existing(device);
+    return pool ? LiveSession::live_sessions_on(pool) : std::size_t{0};
+  }, py::arg("device"),
+        "How many dtr() sessions are live on the installed pool of `device` (the newest one's budget is the "
+        "pool's); 0 when that pool does not exist yet.");
 
   // The strong count of a StorageImpl as LiveSession reads it without torch
   // (the low 32 bits after the vtable pointer); dtr/ compares it with

@@ -148,26 +148,49 @@ class LiveSession::Driver : public RematDriver {
   LiveSession& s_;
 };
 
+// The live sessions on one pool, oldest first. On CUDA one pool serves every
+// session of the process, and sessions end in any order: in a training loop,
+// `with dtralloc.dtr() as s:` drops the previous step's session only after
+// the next one has started. So the pool's budget is the newest live
+// session's that sets one, and the pool's eviction hook asks every live
+// session (newest first), then the hook the pool had before any. Changed and
+// read only with the GIL held.
+struct LiveSession::OnPool {
+  std::shared_ptr<EvictionHook> before;        // the pool's hook before the first session
+  std::vector<std::weak_ptr<LiveSession>> sessions;
+  std::shared_ptr<EvictionHook> hook;          // the Hook below, while it is the pool's
+  bool overridden = false;                     // a session set the pool's budget
+};
+
+namespace {
+std::unordered_map<Allocator*, std::shared_ptr<LiveSession::OnPool>>& sessions_by_pool() {
+  static auto* m = new std::unordered_map<Allocator*, std::shared_ptr<LiveSession::OnPool>>();
+  return *m;
+}
+}  // namespace
+
 // The pool's eviction hook. It takes the GIL first: on CUDA it is called from
-// whichever thread allocates, with or without the GIL. A session that is gone
-// (or makes no room) hands the request to the hook that was there before.
+// whichever thread allocates, with or without the GIL.
 class LiveSession::Hook : public EvictionHook {
  public:
-  Hook(std::weak_ptr<LiveSession> s, std::shared_ptr<EvictionHook> previous)
-      : session_(std::move(s)), previous_(std::move(previous)) {}
+  explicit Hook(std::weak_ptr<OnPool> on_pool) : on_pool_(std::move(on_pool)) {}
   bool make_room(std::size_t bytes, Stream stream) override {
+    std::shared_ptr<EvictionHook> before;
     {
       py::gil_scoped_acquire gil;
-      if (auto s = session_.lock())
-        if (s->make_room(bytes, stream)) return true;
+      auto on_pool = on_pool_.lock();
+      if (!on_pool) return false;
+      const std::vector<std::weak_ptr<LiveSession>> live = on_pool->sessions;  // a session may end meanwhile
+      for (auto it = live.rbegin(); it != live.rend(); ++it)
+        if (auto s = it->lock())
+          if (s->make_room(bytes, stream)) return true;
+      before = on_pool->before;
     }
-    return previous_ && previous_->make_room(bytes, stream);
+    return before && before->make_room(bytes, stream);
   }
-  std::shared_ptr<EvictionHook> previous() const { return previous_; }
 
  private:
-  std::weak_ptr<LiveSession> session_;
-  std::shared_ptr<EvictionHook> previous_;
+  std::weak_ptr<OnPool> on_pool_;
 };
 
 Geometry Geometry::of(py::handle tensor) {
@@ -253,10 +276,16 @@ LiveSession::~LiveSession() {
 void LiveSession::start() {
   if (started_) return;
   started_ = true;
-  previous_hook_ = options_.cuda ? pool_->eviction_hook() : nullptr;
-  hook_ = std::make_shared<Hook>(weak_from_this(), previous_hook_);
-  pool_->set_eviction_hook(hook_);
-  if (options_.cuda && options_.budget_bytes) pool_->override_budget(options_.budget_bytes);
+  std::shared_ptr<OnPool>& on_pool = sessions_by_pool()[pool_];
+  if (!on_pool) {
+    on_pool = std::make_shared<OnPool>();
+    on_pool->before = options_.cuda ? pool_->eviction_hook() : nullptr;
+    on_pool->hook = std::make_shared<Hook>(on_pool);
+    pool_->set_eviction_hook(on_pool->hook);
+  }
+  on_pool->sessions.push_back(weak_from_this());
+  on_pool_ = on_pool;
+  apply_budget(*on_pool);
   // Allocations until the next recorded op are that op's (on CUDA the op
   // allocates its outputs before record() sees it).
   pool_->set_op_stamp(engine_->current_op() + 1);
@@ -288,9 +317,51 @@ void LiveSession::start_publishing() {
 void LiveSession::stop() {
   if (!started_) return;
   started_ = false;
-  if (pool_->eviction_hook() == hook_) pool_->set_eviction_hook(previous_hook_);
-  if (options_.cuda && options_.budget_bytes) pool_->override_budget(0);
+  if (on_pool_) {
+    // Called from the destructor too, where this session's weak pointers
+    // have expired already: expired entries go, this one among them.
+    auto& live = on_pool_->sessions;
+    live.erase(std::remove_if(live.begin(), live.end(),
+                              [&](const std::weak_ptr<LiveSession>& w) {
+                                auto s = w.lock();
+                                return !s || s.get() == this;
+                              }),
+               live.end());
+    apply_budget(*on_pool_);
+    if (live.empty()) {
+      // Another hook set after ours stays (it may chain to ours, which then finds no session).
+      if (pool_->eviction_hook() == on_pool_->hook) pool_->set_eviction_hook(on_pool_->before);
+      auto it = sessions_by_pool().find(pool_);
+      if (it != sessions_by_pool().end() && it->second == on_pool_) sessions_by_pool().erase(it);
+    }
+    on_pool_.reset();
+  }
   end_block();
+}
+
+// The pool's budget: the newest live session's that sets one; when none
+// does any more, the pool's own again. On the CPU mirror the session's budget
+// is the mirror's configuration: nothing to override.
+void LiveSession::apply_budget(OnPool& on_pool) {
+  if (!options_.cuda) return;
+  for (auto it = on_pool.sessions.rbegin(); it != on_pool.sessions.rend(); ++it) {
+    auto s = it->lock();
+    if (s && s->options_.budget_bytes) {
+      pool_->override_budget(s->options_.budget_bytes);
+      on_pool.overridden = true;
+      return;
+    }
+  }
+  if (on_pool.overridden) pool_->override_budget(0);
+  on_pool.overridden = false;
+}
+
+std::size_t LiveSession::live_sessions_on(Allocator* pool) {
+  auto it = sessions_by_pool().find(pool);
+  if (it == sessions_by_pool().end()) return 0;
+  std::size_t n = 0;
+  for (const auto& w : it->second->sessions) n += !w.expired();
+  return n;
 }
 
 void LiveSession::end_block() {
@@ -817,7 +888,17 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
   py::object args = fill(op->args, tensors, &next);
   py::object kwargs = fill(op->kwargs, tensors, &next);
   if (next != tensors.size()) throw std::logic_error("dtralloc live session: a recipe's template lost a tensor");
-  py::object out = run_(op->func, args, kwargs, op->rng, (op->flags & kGradEnabled) != 0);
+  py::object out;
+  try {
+    out = run_(op->func, args, kwargs, op->rng, (op->flags & kGradEnabled) != 0);
+  } catch (py::error_already_set& e) {
+    // On CUDA the op's allocation fails inside torch, which raises the pool's
+    // OOM text as a RuntimeError: the engine's retry (held values unlocked)
+    // and its OOM handling expect the pool's own exception.
+    const std::string text = options_.cuda && e.matches(PyExc_RuntimeError) ? std::string(py::str(e.value())) : "";
+    if (text.find("out of memory") == std::string::npos || text.find("dtralloc") == std::string::npos) throw;
+    throw OutOfMemoryError(text + "\n(bringing back an evicted value) " + oom_report(0));
+  }
   int leaves = 0;
   if (target.out_index >= 0) {
     for_each_tensor(out.ptr(), tensor_type_.ptr(), [&](PyObject* t) {

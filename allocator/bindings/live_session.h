@@ -164,18 +164,24 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // dtype, size, stride, offset) -> tensor; run(func, args, kwargs, rng, grad_enabled) ->
   // out; new_storage(nbytes, like_storage_or_None, copy, device) -> storage;
   // use_count(cdata) -> int; version_error(what, now, expected) raises;
-  // what_of(tensor) -> what a version error names (pack time);
-  // tensor_type (torch.Tensor); device (the session's device string).
+  // detached(tensor) -> the tensor outside autograd (an external input a
+  // recompute reads); tensor_type (torch.Tensor); device (the session's
+  // device string); accessors (the tensor and storage descriptors read per op).
   LiveSession(const Options& options, py::dict helpers);
   ~LiveSession();
   LiveSession(const LiveSession&) = delete;
   LiveSession& operator=(const LiveSession&) = delete;
 
-  // Installs the evictor as the pool's eviction hook (CUDA) and the budget.
+  // Joins the pool's live sessions (OnPool): its evictor answers the pool's
+  // eviction hook, and on CUDA its budget becomes the pool's.
   void start();
-  // Restores the pool's hook and budget (CUDA); the session itself lives on
-  // while saved handles need it.
+  // Leaves them (the destructor calls it): the pool's budget is the newest
+  // remaining session's, or the pool's own once none is left, and the hook
+  // the pool had before goes back. Sessions may stop in any order.
   void stop();
+  struct OnPool;
+  // How many live sessions `pool` has now (tests; `dtralloc.dtr` docs).
+  static std::size_t live_sessions_on(Allocator* pool);
   // The `with` block ended: the mirror stops publishing for `dtralloc top`,
   // the pool's op stamps stop (recording stops with the block).
   void end_block();
@@ -258,8 +264,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unique_ptr<Driver> driver_;
   std::unique_ptr<RematEngine> engine_;
   std::shared_ptr<Evictor> evictor_;
-  std::shared_ptr<Hook> hook_;
-  std::shared_ptr<EvictionHook> previous_hook_;
+  void apply_budget(struct OnPool& on_pool);
+  std::shared_ptr<OnPool> on_pool_;  // while started
   bool started_ = false;
   bool raw_refcount_ = false;
   std::vector<Slot> slots_;
