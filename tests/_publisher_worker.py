@@ -84,7 +84,7 @@ def dtr_session() -> int:
             model(x).sum().backward()
     model.zero_grad(set_to_none=True)
     with dtralloc.dtr(budget=s.stats()["peak_bytes"] * 3 // 4, device="cpu") as s:
-        for _ in range(8):  # a session publishes from its 256th recorded op on (live_session.cpp)
+        for _ in range(8):  # a session publishes from its 256th recorded op on (allocator/bindings/live_session.cpp)
             model.zero_grad(set_to_none=True)
             model(x).sum().backward()
         time.sleep(0.05)  # ten periods: the published frame holds the state above

@@ -1,0 +1,125 @@
+// How the live session reaches Python objects on its hot path (internal to
+// allocator/bindings/live_*.cpp).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+namespace dtralloc::live {
+
+namespace py = pybind11;
+
+// Python objects are reached through the C API on the hot path. Tensor and
+// storage attributes go straight to their descriptors (torch._C.TensorBase's
+// and StorageBase's, looked up once): a lookup by name walks the type's MRO
+// and costs more than the call itself.
+struct Accessors {
+  PyObject* untyped_storage = nullptr;  // method descriptors
+  PyObject* size = nullptr;
+  PyObject* stride = nullptr;
+  PyObject* storage_offset = nullptr;
+  PyObject* nbytes = nullptr;
+  PyObject* data_ptr = nullptr;
+  PyObject* dtype = nullptr;            // getset descriptors
+  PyObject* version = nullptr;
+  PyObject* cdata = nullptr;
+  PyObject* device = nullptr;
+  PyObject* grad_fn = nullptr;
+  PyObject* output_nr = nullptr;
+};
+inline Accessors& names() {
+  static Accessors a;
+  return a;
+}
+inline void load_accessors(py::dict d) {
+  Accessors& a = names();
+  if (a.untyped_storage) return;
+  auto take = [&](const char* key) {
+    PyObject* o = d[key].ptr();
+    Py_INCREF(o);  // kept for the process's life, as the functions they describe
+    return o;
+  };
+  a.untyped_storage = take("untyped_storage");
+  a.size = take("size");
+  a.stride = take("stride");
+  a.storage_offset = take("storage_offset");
+  a.nbytes = take("nbytes");
+  a.data_ptr = take("data_ptr");
+  a.dtype = take("dtype");
+  a.version = take("_version");
+  a.cdata = take("_cdata");
+  a.device = take("device");
+  a.grad_fn = take("grad_fn");
+  a.output_nr = take("output_nr");
+}
+
+// A method descriptor called on `o` (no arguments).
+inline py::object call_method(py::handle o, PyObject* descr) {
+  PyObject* self = o.ptr();
+  PyObject* r = PyObject_Vectorcall(descr, &self, 1, nullptr);
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+// A getset descriptor read on `o`.
+inline py::object get_attr(py::handle o, PyObject* descr) {
+  PyObject* r = Py_TYPE(descr)->tp_descr_get(descr, o.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(o.ptr())));
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+inline std::int64_t as_int(const py::object& o) {
+  const long long v = PyLong_AsLongLong(o.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+inline std::vector<std::int64_t> int_vector(const py::object& sequence) {
+  PyObject* o = sequence.ptr();
+  if (!PyTuple_Check(o)) throw std::logic_error("dtralloc live session: a tensor's size or stride is not a tuple");
+  const Py_ssize_t n = PyTuple_GET_SIZE(o);
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    v[static_cast<std::size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(o, i));
+    if (v[static_cast<std::size_t>(i)] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  return v;
+}
+inline py::tuple int_tuple(const std::vector<std::int64_t>& v) {
+  py::tuple t(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    PyObject* x = PyLong_FromLongLong(v[i]);
+    if (!x) throw py::error_already_set();
+    PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(i), x);
+  }
+  return t;
+}
+
+// The placeholder a template holds where a tensor was; the tensors are
+// filled back in the order record() met them (for_each_tensor's order).
+inline py::object& marker() {
+  static py::object* m = new py::object(py::reinterpret_steal<py::object>(PyObject_CallNoArgs(
+      reinterpret_cast<PyObject*>(&PyBaseObject_Type))));
+  return *m;
+}
+
+// Tensor leaves of an op's arguments or outputs, in a fixed order (tuples,
+// lists and dict values, depth first): record() and the recompute agree on it.
+template <typename Fn>
+void for_each_tensor(PyObject* o, PyObject* tensor_type, Fn&& fn, int depth = 0) {
+  if (depth > 8) return;  // ATen arguments nest a list in a tuple at most
+  if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type))) {
+    fn(o);
+  } else if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    for (Py_ssize_t i = 0; i < n; ++i) for_each_tensor(items[i], tensor_type, fn, depth + 1);
+  } else if (PyDict_CheckExact(o)) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) for_each_tensor(value, tensor_type, fn, depth + 1);
+  }
+}
+
+}  // namespace dtralloc::live

@@ -1,0 +1,166 @@
+// LiveSession's recomputes: an op's recipe (a template of its arguments and
+// each tensor argument's geometry) rerun on the registry's storages
+// (live_session.h).
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "live_python.h"
+#include "live_session.h"
+
+namespace dtralloc::live {
+
+Geometry Geometry::of(py::handle tensor) {
+  Geometry g;
+  g.dtype = get_attr(tensor, names().dtype);
+  g.size = int_vector(call_method(tensor, names().size));
+  g.stride = int_vector(call_method(tensor, names().stride));
+  g.offset = as_int(call_method(tensor, names().storage_offset));
+  return g;
+}
+
+py::object Geometry::view(const py::object& view_fn, const py::object& storage) const {
+  return view_fn(storage, dtype, int_tuple(size), int_tuple(stride), offset);
+}
+
+// `x` with every tensor replaced by the marker; containers without tensors
+// are kept as they are.
+py::object LiveSession::template_of(py::handle x) const {
+  PyObject* o = x.ptr();
+  if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(tensor_type_.ptr()))) return marker();
+  if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const bool tuple = PyTuple_CheckExact(o);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    py::object copy;  // made at the first tensor found; until then `o` itself will do
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      py::object part = template_of(items[i]);
+      if (!copy && part.ptr() == items[i]) continue;
+      if (!copy) {
+        copy = py::reinterpret_steal<py::object>(tuple ? PyTuple_New(n) : PyList_New(n));
+        if (!copy) throw py::error_already_set();
+        for (Py_ssize_t j = 0; j < i; ++j) {
+          Py_INCREF(items[j]);
+          tuple ? PyTuple_SET_ITEM(copy.ptr(), j, items[j]) : PyList_SET_ITEM(copy.ptr(), j, items[j]);
+        }
+      }
+      PyObject* p = part.release().ptr();
+      tuple ? PyTuple_SET_ITEM(copy.ptr(), i, p) : PyList_SET_ITEM(copy.ptr(), i, p);
+    }
+    return copy ? copy : py::reinterpret_borrow<py::object>(o);
+  }
+  if (PyDict_CheckExact(o)) {
+    py::dict d;
+    bool changed = false;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) {
+      py::object part = template_of(value);
+      changed |= part.ptr() != value;
+      d[key] = part;
+    }
+    return changed ? py::object(d) : py::reinterpret_borrow<py::object>(o);
+  }
+  return py::reinterpret_borrow<py::object>(o);
+}
+
+py::object LiveSession::fill(py::handle x, const py::list& tensors, std::size_t* next) const {
+  PyObject* o = x.ptr();
+  if (o == marker().ptr()) return tensors[(*next)++];
+  if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    py::list parts(n);
+    for (Py_ssize_t i = 0; i < n; ++i) parts[i] = fill(items[i], tensors, next);
+    return PyTuple_CheckExact(o) ? py::object(py::tuple(parts)) : py::object(parts);
+  }
+  if (PyDict_CheckExact(o)) {
+    py::dict d;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &key, &value)) d[key] = fill(value, tensors, next);
+    return d;
+  }
+  return py::reinterpret_borrow<py::object>(o);
+}
+
+// ---- recompute -----------------------------------------------------------------
+
+std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  const Value& x = engine_->value(value);
+  const LiveOp* op = static_cast<std::size_t>(x.producer) < ops_.size() ? ops_[x.producer].get() : nullptr;
+  if (!op) throw std::logic_error("dtralloc live session: no recipe for value " + std::to_string(value));
+  const Slot& target = slots_[value];
+  auto in_recipe = [&](int v) { return std::find(x.recipe.begin(), x.recipe.end(), v) != x.recipe.end(); };
+  py::list tensors(op->refs.size());
+  py::object made_storage;  // the written storage a write-made value is recomputed into
+  for (std::size_t k = 0; k < op->refs.size(); ++k) {
+    const ArgRef& r = op->refs[k];
+    const bool is_written = std::find(op->written.begin(), op->written.end(), static_cast<int>(k)) != op->written.end();
+    py::object storage;
+    if (is_written) {
+      // Never the live storage: the op writes what it gets. The value being
+      // recomputed gets a copy of the old version (or fresh memory, if the op
+      // overwrites it whole); other written arguments get scratch copies.
+      const bool resident = engine_->value(r.value).state == ValueState::kResident;
+      const bool copy = resident && (static_cast<int>(k) != target.write_ref || in_recipe(r.value));
+      py::object like = resident ? storage_of(r.value) : py::object(py::none());
+      storage = new_storage_(engine_->value(r.value).nbytes, like, copy, device_);
+      if (static_cast<int>(k) == target.write_ref) made_storage = storage;
+    } else {
+      const Slot& s = slots_[r.value];
+      if (!r.external) storage = storage_of(r.value);
+      if (s.external) {
+        const std::int64_t now = as_int(get_attr(s.external, names().version));
+        if (now != r.version)
+          version_error(py::str("an input of a recomputed op (" + std::string(py::str(op->func)) +
+                                ") was modified in place outside the dtr session"),
+                        now, r.version);
+      }
+    }
+    tensors[k] = r.external ? detached_(r.external) : r.geometry.view(view_, storage);
+  }
+  std::size_t next = 0;
+  py::object args = fill(op->args, tensors, &next);
+  py::object kwargs = fill(op->kwargs, tensors, &next);
+  if (next != tensors.size()) throw std::logic_error("dtralloc live session: a recipe's template lost a tensor");
+  py::object out;
+  try {
+    out = run_(op->func, args, kwargs, op->rng, (op->flags & kGradEnabled) != 0);
+  } catch (py::error_already_set& e) {
+    // On CUDA the op's allocation fails inside torch, which raises the pool's
+    // OOM text as a RuntimeError: the engine's retry (held values unlocked)
+    // and its OOM handling expect the pool's own exception.
+    const std::string text = options_.cuda && e.matches(PyExc_RuntimeError) ? std::string(py::str(e.value())) : "";
+    if (text.find("out of memory") == std::string::npos || text.find("dtralloc") == std::string::npos) throw;
+    throw OutOfMemoryError(text + "\n(bringing back an evicted value) " + oom_report(0));
+  }
+  int leaves = 0;
+  if (target.out_index >= 0) {
+    for_each_tensor(out.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
+      if (leaves++ == target.out_index) made_storage = call_method(t, names().untyped_storage);
+    });
+  }
+  if (!made_storage)
+    throw std::logic_error("dtralloc live session: recomputing value " + std::to_string(value) + " (output " +
+                           std::to_string(target.out_index) + " of " + std::string(py::str(op->func)) +
+                           ", which gave " + std::to_string(leaves) + " tensors) made no storage for it");
+  out = py::object();
+  const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(made_storage, names().cdata)));
+  std::uintptr_t addr = 0;
+  if (mirror_)
+    addr = bytes ? allocate_mirror(bytes, value) : 0;  // may evict others
+  else if (bytes)
+    addr = static_cast<std::uintptr_t>(as_int(call_method(made_storage, names().data_ptr)));
+  Slot& s = slot(value);
+  s.storage = made_storage;  // owned: nobody else has it
+  s.family = py::object();
+  watch(value, made_storage, cdata);
+  stats_.recompute_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return addr;
+}
+
+}  // namespace dtralloc::live

@@ -1,0 +1,123 @@
+// LiveSession's saved tensors: autograd's pack and unpack hooks, handles,
+// torch's version error (live_session.h).
+#include <stdexcept>
+#include <string>
+
+#include "live_python.h"
+#include "live_session.h"
+
+namespace dtralloc::live {
+
+// ---- saved tensors ------------------------------------------------------------
+
+py::object LiveSession::pack(py::handle tensor) {
+  flush_deaths();
+  py::object storage = call_method(tensor, names().untyped_storage);
+  const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+  const int v = value_of(storage, cdata);
+  if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
+  Slot& s = slots_[v];
+  if (!s.storage) s.storage = storage;  // the registry owns it now
+  if (!s.family) {  // the saved tensor's version counter: a change outside the session shows there
+    PyObject* fam = PyWeakref_NewRef(tensor.ptr(), nullptr);
+    if (!fam) throw py::error_already_set();
+    s.family = py::reinterpret_steal<py::object>(fam);
+  }
+  ++s.handles;
+  ++stats_.saved;
+  auto handle = std::make_unique<SavedValue>();
+  handle->session = shared_from_this();
+  handle->value = v;
+  handle->geometry = Geometry::of(tensor);
+  handle->version = as_int(get_attr(tensor, names().version));
+  // What torch's version error would name (built only if it is raised).
+  handle->device = get_attr(tensor, names().device);
+  handle->output_nr = as_int(get_attr(tensor, names().output_nr));
+  py::object grad_fn = get_attr(tensor, names().grad_fn);
+  if (!grad_fn.is_none()) handle->grad_fn_name = grad_fn_name(grad_fn);
+  return py::cast(std::move(handle));
+}
+
+// A backward node's name() is its class's: asked once per class.
+py::object LiveSession::grad_fn_name(const py::object& grad_fn) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(grad_fn.ptr()));
+  auto it = grad_fn_names_.find(type);
+  if (it == grad_fn_names_.end()) {
+    grad_fn_types_.push_back(py::reinterpret_borrow<py::object>(type));
+    it = grad_fn_names_.emplace(type, grad_fn.attr("name")()).first;
+  }
+  return it->second;
+}
+
+void LiveSession::drop_handle(int value) {
+  Slot& s = slots_[value];
+  if (--s.handles > 0) return;
+  const Value& x = engine_->value(value);
+  if (x.state == ValueState::kEvicted) {
+    engine_->kill(value);  // nobody can read it any more
+  } else if (x.state == ValueState::kResident && x.alive && x.pinned && x.needed_by > 0) {
+    polled_.push_back(value);  // a recipe still needs its data: keep it, and poll it
+  } else if (x.state == ValueState::kResident && x.alive && x.locks == 0) {
+    // The program may still hold it; if not, it dies now and its watch says so.
+    py::object storage = std::move(s.storage);
+  }
+}
+
+py::object LiveSession::unpack(const SavedValue& saved) {
+  flush_deaths();
+  ++stats_.unpacked;
+  const int value = saved.value;
+  auto check_version = [&](std::int64_t now) {
+    if (now != saved.version) {
+      py::object grad_fn = saved.grad_fn_name ? saved.grad_fn_name : py::object(py::none());
+      version_error(py::make_tuple(saved.geometry.dtype, saved.device, int_tuple(saved.geometry.size),
+                                   saved.output_nr, grad_fn),
+                    now, saved.version);
+    }
+  };
+  const Slot& s = slots_[value];
+  if (s.overwritten) {
+    // A recorded in-place op wrote the storage after autograd saved it.
+    PyObject* fam = s.family ? PyWeakref_GetObject(s.family.ptr()) : nullptr;
+    check_version(fam && fam != Py_None ? as_int(get_attr(fam, names().version)) : saved.version + 1);
+  }
+  engine_->acquire(value);
+  py::object tensor;
+  try {
+    const Slot& after = slots_[value];
+    if (after.family) {  // an untracked in-place write (outside the session) shows in the version
+      PyObject* fam = PyWeakref_GetObject(after.family.ptr());
+      if (fam && fam != Py_None) check_version(as_int(get_attr(fam, names().version)));
+    }
+    tensor = saved.geometry.view(view_, storage_of(value));
+  } catch (...) {
+    engine_->unacquire(value);
+    throw;
+  }
+  engine_->unacquire(value);
+  publish_counts();
+  if (options_.check_invariants) check_invariants();
+  return tensor;
+}
+
+void LiveSession::version_error(py::handle what, std::int64_t now, std::int64_t expected) {
+  version_error_(what, now, expected);
+  throw std::logic_error("dtralloc live session: version_error helper returned");
+}
+
+void LiveSession::exported(py::handle tensor) {
+  py::object storage = call_method(tensor, names().untyped_storage);
+  const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+  if (v < 0) return;
+  Slot& s = slots_[v];
+  if (engine_->value(v).pinned || engine_->value(v).state != ValueState::kResident) return;
+  engine_->pin(v);
+  s.pin = PinReason::kExported;
+  own_for_recipes(v);
+}
+
+SavedValue::~SavedValue() {
+  if (session) session->drop_handle(value);
+}
+
+}  // namespace dtralloc::live
