@@ -481,6 +481,7 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
     known.flags = answer[1].cast<std::uint32_t>();
     known.pin = answer[2].cast<int>();
     known.call = answer[3];
+    known.view = answer[4].cast<bool>();
     known.classified = true;
   }
   if (!known.fast) return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
@@ -488,6 +489,16 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   const int info_pin = known.pin;
   const py::object call = known.call;  // a reference of its own: the op may classify others (funcs_ grows)
   const bool has_kwargs = kwargs != Py_None && PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) > 0;
+  if (known.view) {  // makes and writes no storage: nothing for the engine (autograd's unpack detaches this way)
+    ++stats_.ops;
+    PyObject* out = PyObject_Call(call.ptr(), args, has_kwargs ? kwargs : nullptr);
+    if (!out) {
+      py::error_already_set error;
+      on_error_(error.value());
+      throw error;
+    }
+    return py::reinterpret_steal<py::object>(out);
+  }
   const auto start = std::chrono::steady_clock::now();
   PyObject* out = PyObject_Call(call.ptr(), args, has_kwargs ? kwargs : nullptr);
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();

@@ -138,7 +138,7 @@ struct Slot {
 enum class Phase : std::uint8_t { kForward = 0, kBackward = 1, kOptimizer = 2 };
 
 struct LiveStats {
-  std::size_t ops = 0;              // ops recorded
+  std::size_t ops = 0;              // ops run inside the session (views included)
   std::size_t saved = 0;            // handles handed to autograd
   std::size_t unpacked = 0;
   double recompute_seconds = 0;     // wall time in the runner
@@ -294,6 +294,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   struct FuncInfo {
     bool classified = false;
     bool fast = false;
+    bool view = false;  // every output aliases an input: run, counted, not recorded
     std::uint32_t flags = 0;
     int pin = 0;
     std::int32_t name = -1;

@@ -106,7 +106,7 @@ def _classify_for_c(func):
         info = _INFO[func] = ops.classify(func)
     # OpOverload.__call__ only forwards to ._op: calling that saves a Python frame per op.
     call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
-    return info.fast, info.flags, info.pin, call
+    return info.fast, info.flags, info.pin, call, info.view
 
 
 def _deterministic() -> bool:

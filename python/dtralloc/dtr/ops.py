@@ -52,6 +52,7 @@ _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd
 
 class OpInfo(NamedTuple):
     fast: bool                    # nothing to decide per call: record(flags, pin) as they are
+    view: bool                    # fast, and every output aliases an input: nothing to record
     flags: int
     pin: int
     write_pos: tuple              # positional indices of written arguments
@@ -97,7 +98,11 @@ def classify(func) -> OpInfo:
     bitwise = _BITWISE is not None and _BITWISE in tags
     rebinds = name in _REBINDING
     fast = not (write_pos or undeclared or random or bitwise or rebinds)
-    return OpInfo(fast, flags, pin, write_pos, write_kw, undeclared, dropout_pos, generator_pos, overwrites,
+    # t, detach, expand, view, select, split...: no storage made or written. A
+    # pinned alias (lift_fresh: Python data) is still recorded, for its pin.
+    view = (fast and pin == PIN_NONE and bool(schema.returns)
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+    return OpInfo(fast, view, flags, pin, write_pos, write_kw, undeclared, dropout_pos, generator_pos, overwrites,
                   bitwise, rebinds)
 
 
