@@ -246,6 +246,26 @@ def test_a_recompute_reads_external_inputs_as_they_were_or_raises():
         step(True)
 
 
+def test_views_are_not_recorded_but_composite_aliases_that_copy_are():
+    # Views make no storage: the session runs them without a record. A
+    # composite op whose schema says alias (contiguous, reshape) reaches the
+    # mode as itself under inference_mode, and there it may copy: that copy
+    # is the session's like any op's output.
+    x = torch.randn(64, 64)
+    with dtr(device="cpu") as s:
+        with torch.inference_mode():
+            before = s.stats()["allocated_bytes"]
+            v = x.t()
+            assert s.stats()["allocated_bytes"] == before
+            c = v.contiguous()  # a copy: x.t() is not contiguous
+            assert c.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+            assert s.stats()["allocated_bytes"] == before + 64 * 64 * 4
+            r = v.reshape(-1)  # a copy too
+            assert s.stats()["allocated_bytes"] == before + 2 * 64 * 64 * 4
+    s.check_invariants()
+    del c, r
+
+
 def test_an_unmeetable_budget_raises_and_everything_stays_usable():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(6)])

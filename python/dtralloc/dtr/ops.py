@@ -99,9 +99,12 @@ def classify(func) -> OpInfo:
     rebinds = name in _REBINDING
     fast = not (write_pos or undeclared or random or bitwise or rebinds)
     # t, detach, expand, view, select, split...: no storage made or written. A
-    # pinned alias (lift_fresh: Python data) is still recorded, for its pin.
+    # pinned alias (lift_fresh: Python data) is still recorded, for its pin,
+    # and so is a composite op: its schema says alias, but reached as itself
+    # (under inference_mode the mode sees contiguous, reshape, to) it may copy.
     view = (fast and pin == PIN_NONE and bool(schema.returns)
-            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
     return OpInfo(fast, view, flags, pin, write_pos, write_kw, undeclared, dropout_pos, generator_pos, overwrites,
                   bitwise, rebinds)
 
