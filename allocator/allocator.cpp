@@ -165,13 +165,14 @@ void Allocator::refuse_capture(std::size_t size, Stream stream) {
 Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {
   std::size_t bytes = pool_.segment_size(rounded);
   const std::size_t reserved = reserved_bytes();
-  if (reserved + bytes > budget_bytes_) {
+  const std::size_t own = kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  const bool large = BlockPool::pool_for(rounded) == kLargePool;
+  if (reserved + bytes > budget_bytes_ || (large && own < bytes && tight_segments_)) {
     // Under a tight budget a large-pool request gets a segment of its own
     // (2 MiB-rounded) size rather than failing for want of a whole 20 MiB
     // segment: the budget, not the segment granularity, should be the limit.
-    const std::size_t own = kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
-    if (BlockPool::pool_for(rounded) != kLargePool || own >= bytes || reserved + own > budget_bytes_)
-      return nullptr;
+    // So does every one under tight placement (set_tight_segments).
+    if (!large || own >= bytes || reserved + own > budget_bytes_) return nullptr;
     bytes = own;
   }
   void* ptr = backend_->allocate(bytes);

@@ -7,8 +7,9 @@
 //   2. a new segment from the backend, if reserved stays within the budget
 //      (first releasing least recently used cached segments when
 //      garbage_collection_threshold is passed); when the standard segment
-//      (block_pool.h) would pass the budget, a large-pool request gets a
-//      segment of its own 2 MiB-rounded size instead
+//      (block_pool.h) would pass the budget, or under tight placement
+//      (set_tight_segments), a large-pool request gets a segment of its own
+//      2 MiB-rounded size instead
 //   3. release cached oversize segments (max_split_size_mb) and retry 2
 //   4. wait for all record_stream events, release every cached segment that
 //      is entirely free, and retry 2 (counted in num_alloc_retries); then,
@@ -170,6 +171,12 @@ class Allocator {
 
   void set_eviction_hook(std::shared_ptr<EvictionHook> hook);
   std::shared_ptr<EvictionHook> eviction_hook();
+  // While on, every new large-pool segment is the request's own 2 MiB-rounded
+  // size, as under a tight budget (step 2): the remat engine's last resort
+  // before an OOM (RematDriver::tight_placement), so that a value it locks
+  // strands no standard segment. Called without the lock by the thread that
+  // allocates: no lock of its own.
+  void set_tight_segments(bool on) { tight_segments_ = on; }
   // A live DTR session's budget (bytes, at most the capacity) in place of the
   // configured one while it runs; 0 restores the configured budget.
   void override_budget(std::size_t bytes);
@@ -281,6 +288,7 @@ class Allocator {
   // reads it without the lock while set_memory_fraction may run: atomic.
   std::atomic<std::size_t> budget_bytes_;
   std::shared_ptr<EvictionHook> hook_;
+  std::atomic<bool> tight_segments_{false};  // set_tight_segments
   std::uint64_t tick_ = 0;            // advances on every free; GC age
 
   std::vector<PendingEvent> pending_events_;

@@ -123,25 +123,80 @@ void RematEngine::hold(const std::vector<int>& vs) {
     return;
   }
   in_hold_ = true;
-  retried_.clear();
+  attempt_ = 0;
   std::vector<Frame> stack;
-  stack.push_back(Frame{});
-  stack.back().vs = vs;
-  stack.back().held.assign(vs.size(), 0);
-  try {
-    while (!stack.empty()) {
-      if (stack.size() > kMaxFrames) broken(stack.back().v, "recompute chain too deep (a cycle?)");
-      if (stack.back().remat)
-        step_remat(stack);
-      else
-        step_hold(stack);
+  for (;;) {
+    retried_.clear();
+    stack.clear();
+    stack.push_back(Frame{});
+    stack.back().vs = vs;
+    stack.back().held.assign(vs.size(), 0);
+    try {
+      while (!stack.empty()) {
+        if (stack.size() > kMaxFrames) broken(stack.back().v, "recompute chain too deep (a cycle?)");
+        if (stack.back().remat)
+          step_remat(stack);
+        else
+          step_hold(stack);
+      }
+    } catch (const OutOfMemoryError&) {
+      unwind(stack);
+      if (attempt_ + 1 < kHoldAttempts &&
+          std::none_of(vs.begin(), vs.end(), [&](int v) { return values_[v].state == ValueState::kReleased; })) {
+        restart_hold();
+        continue;
+      }
+      end_hold();
+      throw;
+    } catch (...) {
+      unwind(stack);
+      end_hold();
+      throw;
     }
-  } catch (...) {
-    unwind(stack);
-    in_hold_ = false;
-    throw;
+    break;
   }
+  end_hold();
+}
+
+// The fallbacks before a hold's OOM leaves. Whatever the hold placed sat
+// where free memory happened to be when it came back, and a value locked
+// there for a recompute (a recipe's input) can split the only room a large
+// value has, while the same values placed in another order, or elsewhere,
+// fit: lstm-compact's backward failed from 0.595 to 0.62 of its peak and ran
+// at 0.58, a 1.5 MiB input of the 22.8 MiB workspace's recompute sitting in
+// the one segment the workspace could take. So every evictable value goes,
+// and the hold starts over in that emptiest pool the budget allows, in the
+// order that suits a fresh start (step_hold); on the second restart new
+// segments are also cut to the request's own size (RematDriver::
+// tight_placement), so no value the hold locks can strand a standard
+// segment. Two kinds of placement because neither covers the other: own-size
+// segments of 1-10 MiB values waste up to 2 MiB each, and resnet50 at 0.235
+// fits with fitted segments only. Only a hold that would fail gets here: a
+// step that runs without them runs exactly as before. A restarted hold that
+// recomputes more than kRestartRematsPerValue per value the engine knows is
+// thrashing (each eviction it makes evicts what it needs next) and gives up:
+// lru on bert at 0.7 recomputed 2.2 million values in one such hold (1100
+// per value, 17 s), resnet50's optimizer step at 0.235, which then fits,
+// 1.5 per value.
+void RematEngine::restart_hold() {
+  ++attempt_;
+  ++counters_.hold_restarts;
+  evict_all();
+  driver_.tight_placement(attempt_ >= 2);
+  restart_remats_ = counters_.remats;
+}
+
+void RematEngine::end_hold() {
+  if (attempt_ >= 2) driver_.tight_placement(false);
+  attempt_ = 0;
   in_hold_ = false;
+}
+
+void RematEngine::evict_all() {
+  // A copy: evicting reorders resident_.
+  const std::vector<int> resident = resident_;
+  for (int v : resident)
+    if (evictable(v)) evict(v);
 }
 
 // One step of the hold frame on top: start recomputing the next missing
@@ -157,6 +212,17 @@ void RematEngine::hold(const std::vector<int>& vs) {
 // for the step failed (feasibility holes on gpt2, unet, resnet50 and encdec,
 // bench/results/replay_policies-*.md). Sizes, not op costs: the order should
 // not flip with a recording's timings.
+//
+// A hold started over from an emptied pool (restart_hold) first takes the
+// value whose recompute needs the most memory beyond what it leaves locked:
+// the chain's peak (the most any of its values and their missing inputs need
+// at once) less the value's own bytes, the rule that orders the evaluation
+// of independent subtrees for the least peak (Sethi-Ullman). After a flush
+// every chain is long and that peak is what decides: in lstm-compact's
+// backward the 22.8 MiB workspace came back first (the largest value) and a
+// 1.5 MiB input whose chain runs three 7.8 MiB values at once no longer fit
+// beside it. It is not the first try's order: there it moved vit's and
+// encdec's minimum budgets and raised unet's overhead at 0.4 (2.73 -> 3.29).
 void RematEngine::step_hold(std::vector<Frame>& stack) {
   Frame& f = stack.back();
   if (f.next == 0) {
@@ -165,17 +231,19 @@ void RematEngine::step_hold(std::vector<Frame>& stack) {
       if (!f.held[i] && values_[f.vs[i]].state != ValueState::kResident) f.order.push_back(static_cast<int>(i));
     if (f.order.size() > 1) {
       struct Key {
-        double largest, total;
+        double transient, largest, total;
         int slot;
       };
       std::vector<Key> keyed;
       keyed.reserve(f.order.size());
       for (int i : f.order) {
-        double largest = 0;
-        const double total = chain_bytes(f.vs[i], &largest);
-        keyed.push_back({largest, total, i});
+        double largest = 0, peak = 0;
+        const double total = chain_bytes(f.vs[i], &largest, &peak);
+        keyed.push_back({peak - static_cast<double>(values_[f.vs[i]].nbytes), largest, total, i});
       }
-      std::stable_sort(keyed.begin(), keyed.end(), [](const Key& a, const Key& b) {
+      const bool fresh = attempt_ > 0;
+      std::stable_sort(keyed.begin(), keyed.end(), [fresh](const Key& a, const Key& b) {
+        if (fresh && a.transient != b.transient) return a.transient > b.transient;
         return a.largest != b.largest ? a.largest > b.largest : a.total > b.total;
       });
       for (std::size_t k = 0; k < keyed.size(); ++k) f.order[k] = keyed[k].slot;
@@ -228,6 +296,12 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   f.locked_self = true;
   const OpRecord& op = ops_[values_[v].producer];
   const std::size_t nbytes = values_[v].nbytes;
+  if (attempt_ > 0 && static_cast<double>(counters_.remats - restart_remats_) >
+                          kRestartRematsPerValue * static_cast<double>(values_.size()))
+    throw OutOfMemoryError("dtralloc: out of memory: bringing back what an op needs took more than " +
+                           std::to_string(static_cast<int>(kRestartRematsPerValue)) +
+                           " recomputes per value even after every evictable value was evicted "
+                           "(thrashing): raise the budget, or try another eviction policy");
   std::uintptr_t addr = 0;
   try {
     addr = driver_.recompute(v, nbytes);  // may evict others; may throw
@@ -608,10 +682,18 @@ double RematEngine::chain_cost(int v, int cap) {
                         [&](int n) { return values_[n].cost; });
 }
 
-double RematEngine::chain_bytes(int v, double* largest, int cap) {
+double RematEngine::chain_bytes(int v, double* largest, double* peak, int cap) {
   return reachable_cost(v, cap, false, [](ValueState s) { return s != ValueState::kResident; }, [&](int n) {
-    const auto bytes = static_cast<double>(values_[n].nbytes);
+    const Value& x = values_[n];
+    const auto bytes = static_cast<double>(x.nbytes);
     *largest = std::max(*largest, bytes);
+    // When n runs, its missing inputs have been brought back and are locked
+    // beside it (most values: none missing, no recipe to read).
+    double at_n = bytes;
+    if (x.missing > 0)
+      for (int r : x.recipe)
+        if (values_[r].state != ValueState::kResident) at_n += static_cast<double>(values_[r].nbytes);
+    *peak = std::max(*peak, at_n);
     return bytes;
   });
 }

@@ -92,6 +92,11 @@ class RematDriver {
   // `value` is released for good: nothing will ever read or recompute it
   // (after release(), if it had memory). The live driver drops its recipe.
   virtual void forget(int /*value*/) {}
+  // While on, memory for new values comes in segments of its own size (no
+  // standard segment with room for more), so that a value locked in one
+  // blocks no more than itself; the engine's last resort before an OOM
+  // (RematEngine::restart_hold). A driver without a pool of its own ignores it.
+  virtual void tight_placement(bool /*on*/) {}
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
@@ -140,6 +145,7 @@ struct EngineCounters {
   std::size_t fake_deletions = 0;
   std::size_t releases = 0;
   std::size_t refused_locked = 0;     // evict() calls on locked values (3.7)
+  std::size_t hold_restarts = 0;      // holds that ran out of memory and started over (hold())
   double base_cost = 0;               // cost of every op once
   double remat_cost = 0;              // extra cost of recomputes
 };
@@ -244,8 +250,9 @@ class RematEngine {
   template <typename Counts, typename Weigh>
   double reachable_cost(int v, int cap, bool both_ways, Counts counts, Weigh weigh);
   // Bytes a recompute of missing `v` brings back (v and its missing
-  // ancestors, at most `cap` values); the largest of them into *largest.
-  double chain_bytes(int v, double* largest, int cap = 256);
+  // ancestors, at most `cap` values); the largest of them into *largest, and
+  // into *peak the most one of them and its missing inputs hold at once.
+  double chain_bytes(int v, double* largest, double* peak, int cap = 256);
   int new_value(std::size_t nbytes, int producer, double cost);
   void set_recipe(int v, int op, const std::vector<int>& not_read);
   std::uint32_t next_epoch();
@@ -253,6 +260,11 @@ class RematEngine {
   // (and what they need) on an explicit stack. On an exception every lock it
   // took is released before the exception leaves.
   void hold(const std::vector<int>& vs);
+  // hold()'s fallbacks before an OOM: evict everything evictable and start
+  // over (restart_hold), and put the placement back when the hold ends.
+  void restart_hold();
+  void end_hold();
+  void evict_all();
   void step_hold(std::vector<Frame>& stack);
   void step_remat(std::vector<Frame>& stack);
   void unwind(std::vector<Frame>& stack);
@@ -272,6 +284,14 @@ class RematEngine {
   RematDriver& driver_;
   EventLog* log_ = nullptr;
   bool in_hold_ = false;
+  int attempt_ = 0;                 // hold()'s restarts so far (restart_hold)
+  // A hold starts over at most twice (restart_hold says why): one try in the
+  // usual order, one from an emptied pool, one with tight placement too.
+  static constexpr int kHoldAttempts = 3;
+  // Recomputes a restarted hold may run per value of the engine before it is
+  // called thrashing (restart_hold says why 4).
+  static constexpr double kRestartRematsPerValue = 4;
+  std::size_t restart_remats_ = 0;  // counters_.remats when the hold last restarted
   std::vector<int> retried_;        // values recomputed again after unlock_held, this hold()
   std::vector<Value> values_;
   std::vector<OpRecord> ops_;

@@ -197,12 +197,12 @@ def min_feasible_budget(
     report a point below a budget that fails; where it has none, both
     methods find the same boundary, to within `tolerance`. On the 0.005 grid
     the policy bench (bench/results/replay_policies-*.md) finds none for
-    ``dtralloc`` on 14 of the 16 bundled traces; on resnet50 one (0.235,
-    0.01 above its lowest feasible budget, where the optimizer step must
-    recompute gradients evicted during backward through activations that
-    have died since) and on lstm-compact six (0.595-0.62: the backward
-    brings back a 22.8 MiB workspace while small locked values split the
-    free room). Use the scan for a budget you can rely on.
+    ``dtralloc`` on any of the 16 bundled traces: before a recompute's
+    out-of-memory leaves, the engine evicts everything evictable and starts
+    the op's recomputes over (docs/engine.md). Off the grid a hole can
+    remain, so bisection with a finer tolerance can still stop above the
+    scan's answer (resnet50: 0.238 against 0.225 at tolerance 0.005). Use
+    the scan for a budget you can rely on.
 
     Fractions are of the no-eviction peak reserved under `conf`, or of
     `reference_bytes` when given (to compare settings against one fixed
