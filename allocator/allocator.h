@@ -174,9 +174,14 @@ class Allocator {
   // While on, every new large-pool segment is the request's own 2 MiB-rounded
   // size, as under a tight budget (step 2): the remat engine's last resort
   // before an OOM (RematDriver::tight_placement), so that a value it locks
-  // strands no standard segment. Called without the lock by the thread that
-  // allocates: no lock of its own.
-  void set_tight_segments(bool on) { tight_segments_ = on; }
+  // strands no standard segment. Turning it on also releases the cached free
+  // segments (empty_cache): best fit would otherwise hand out their
+  // standard-size room before any new own-size segment. Called by the thread
+  // that allocates, without the pool's lock held.
+  void set_tight_segments(bool on) {
+    tight_segments_ = on;
+    if (on) empty_cache();
+  }
   // A live DTR session's budget (bytes, at most the capacity) in place of the
   // configured one while it runs; 0 restores the configured budget.
   void override_budget(std::size_t bytes);

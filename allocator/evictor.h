@@ -45,12 +45,7 @@ class PoolPort : public RematDriver {
     return reinterpret_cast<std::uintptr_t>(allocator_.malloc(bytes, 0, value));
   }
   void release(int /*value*/, std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
-  // The cached free segments go too: best fit would otherwise hand out
-  // their standard-size room before any new own-size segment.
-  void tight_placement(bool on) override {
-    allocator_.set_tight_segments(on);
-    if (on) allocator_.empty_cache();
-  }
+  void tight_placement(bool on) override { allocator_.set_tight_segments(on); }
 
  private:
   Allocator& allocator_;

@@ -36,6 +36,9 @@ class LiveSession::Driver : public RematDriver {
   std::uintptr_t recompute(int value, std::size_t bytes) override { return s_.recompute(value, bytes); }
   bool held_elsewhere(int value) const override { return s_.held_elsewhere(value); }
   void forget(int value) override { s_.forget(value); }
+  // The engine's last resort before an OOM, as in the replay (PoolPort): on
+  // CUDA the device pool, shared with the rest of the process, for the hold.
+  void tight_placement(bool on) override { s_.pool_->set_tight_segments(on); }
 
  private:
   LiveSession& s_;
