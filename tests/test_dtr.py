@@ -316,6 +316,25 @@ def test_no_leak_after_the_graph_is_dropped():
     assert session() is None, "the session outlived every value it managed"
 
 
+def test_a_session_dies_with_its_last_reference():
+    # No reference cycle keeps it for the collector: on CUDA a session's
+    # budget holds the shared pool for as long as the session lives.
+    x = torch.randn(8, 8, requires_grad=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with dtr(device="cpu") as s:
+            y = x.exp().sum()
+        y.backward()
+        del y
+        session = weakref.ref(s)
+        del s
+        assert session() is None, "the session outlived its last reference (a cycle?)"
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_data_leaving_the_dispatcher_is_pinned():
     # Code outside torch's dispatch (numpy here) writes y's memory: a recompute
     # of y would not see that, so y must never be evicted; the gradient then

@@ -135,6 +135,14 @@ class Session:
             # cycle that Python's collector cannot see through C++.
             self._core.set_dispatch_helpers(None, None, None)
             self._core.end_block()
+            # The mode refers back to the session, and its per-op entry point
+            # (a method bound to the mode, in the mode's own dict) back to the
+            # mode: both cycles go, so the session dies with its last
+            # reference rather than at the collector's next pass (on CUDA its
+            # budget holds the shared pool for as long as it lives).
+            self._mode.__dict__.pop("__torch_dispatch__", None)
+            self._mode = None
+            self._hooks = None
         self._core.flush_deaths()
 
     def stats(self) -> dict:
