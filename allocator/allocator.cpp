@@ -615,9 +615,7 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
   const std::size_t free_cached = pool_.free_bytes();
   const double frag = free_cached ? 1.0 - double(largest) / double(free_cached) : 0.0;
   std::ostringstream m;
-  // "CUDA out of memory." as torch words it: batch-size finders (accelerate,
-  // Lightning) decide to shrink the batch by matching that text.
-  m << "dtralloc: CUDA out of memory. Tried to allocate " << format_bytes(size) << " ("
+  m << kOutOfMemoryText << " Tried to allocate " << format_bytes(size) << " ("
     << format_bytes(rounded) << " rounded) on device " << device_ << ", stream "
     << hex(stream) << ". Budget " << format_bytes(budget_bytes_) << ", reserved "
     << format_bytes(reserved) << ", allocated " << format_bytes(allocated)

@@ -49,6 +49,12 @@ namespace dtralloc {
 class Publisher;
 
 // Thrown when a request cannot be served after every fallback.
+// How every OOM message of a device pool begins: "CUDA out of memory." as
+// torch words it (batch-size finders, accelerate's and Lightning's, shrink
+// the batch by matching that text). Through torch it reaches Python as a
+// RuntimeError; this text tells the pool's OOM from others (the live session).
+inline constexpr char kOutOfMemoryText[] = "dtralloc: CUDA out of memory.";
+
 class OutOfMemoryError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -134,7 +134,7 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
     // OOM text as a RuntimeError: the engine's retry (held values unlocked)
     // and its OOM handling expect the pool's own exception.
     const std::string text = options_.cuda && e.matches(PyExc_RuntimeError) ? std::string(py::str(e.value())) : "";
-    if (text.find("out of memory") == std::string::npos || text.find("dtralloc") == std::string::npos) throw;
+    if (text.find(kOutOfMemoryText) == std::string::npos) throw;
     throw OutOfMemoryError(text + "\n(bringing back an evicted value) " + oom_report(0));
   }
   int leaves = 0;

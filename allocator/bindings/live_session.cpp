@@ -492,26 +492,23 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   const int info_pin = known.pin;
   const py::object call = known.call;  // a reference of its own: the op may classify others (funcs_ grows)
   const bool has_kwargs = kwargs != Py_None && PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) > 0;
-  if (known.view) {  // makes and writes no storage: nothing for the engine (autograd's unpack detaches this way)
-    ++stats_.ops;
+  auto run = [&] {
     PyObject* out = PyObject_Call(call.ptr(), args, has_kwargs ? kwargs : nullptr);
     if (!out) {
-      py::error_already_set error;
+      py::error_already_set error;  // takes the op's exception
+      // May raise a better one (on CUDA, an OOM that says what the budget holds).
       on_error_(error.value());
       throw error;
     }
     return py::reinterpret_steal<py::object>(out);
+  };
+  if (known.view) {  // makes and writes no storage: nothing for the engine (autograd's unpack detaches this way)
+    ++stats_.ops;
+    return run();
   }
   const auto start = std::chrono::steady_clock::now();
-  PyObject* out = PyObject_Call(call.ptr(), args, has_kwargs ? kwargs : nullptr);
+  py::object result = run();
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
-  if (!out) {
-    py::error_already_set error;  // takes the op's exception
-    // May raise a better one (on CUDA, an OOM that says what the budget holds).
-    on_error_(error.value());
-    throw error;
-  }
-  py::object result = py::reinterpret_steal<py::object>(out);
   PyObject* grad = PyObject_CallNoArgs(grad_enabled_.ptr());
   if (!grad) throw py::error_already_set();
   const std::uint32_t flags = info_flags | (grad == Py_True ? kGradEnabled : 0);

@@ -20,6 +20,7 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<OutOfMemoryError>(
       m, "OutOfMemoryError",
       py::make_tuple(py::handle(PyExc_MemoryError), py::handle(PyExc_RuntimeError)));
+  m.attr("OUT_OF_MEMORY_TEXT") = kOutOfMemoryText;
   py::register_exception<InvalidPointerError>(m, "InvalidPointerError", PyExc_ValueError);
   py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
 

@@ -20,7 +20,6 @@ from . import ops
 _ns = time.perf_counter_ns
 _grad_enabled = torch.is_grad_enabled  # ops.GRAD_ENABLED == 1 << 3
 _INFO: dict = {}
-_OOM_MARKER = "dtralloc"
 
 
 class Mode(TorchDispatchMode):
@@ -96,7 +95,7 @@ class Mode(TorchDispatchMode):
 
     def _oom(self, e: RuntimeError) -> None:
         # On CUDA the pool's OOM comes through torch: say what the budget holds.
-        if "out of memory" in str(e) and _OOM_MARKER in str(e) and self._session.device != "cpu":
+        if _core.OUT_OF_MEMORY_TEXT in str(e) and self._session.device != "cpu":
             raise _core.OutOfMemoryError(f"{e}\n{self._session._core.oom_report()}") from e
 
 
