@@ -29,37 +29,23 @@ class Mode(TorchDispatchMode):
         self._record = session._record  # a plain CPython function bound to the session
         # The per-op path in C (allocator/bindings/live.cpp): torch looks
         # __torch_dispatch__ up on the instance, so this one takes precedence
-        # over the Python method below, which it calls for the ops that are
-        # not fast (writes, random, pins decided per call).
+        # over the class's below; it calls _slow for the ops that are not
+        # fast (writes, random, pins decided per call).
         self.__dict__["__torch_dispatch__"] = types.MethodType(fast_dispatch, self)
         session._core.set_dispatch_helpers(_classify_for_c, self._slow, self._on_error)
 
     def _slow(self, func, types, args, kwargs):
-        info = _INFO.get(func)
-        if info is None:
-            info = _INFO[func] = ops.classify(func)
-        return self._dispatch(func, info, args, kwargs or {})
+        return self._dispatch(func, _info(func), args, kwargs or {})
+
+    # What a TorchDispatchMode must define; the instance's C entry point
+    # above answers in its place, and this full path (which also serves the
+    # fast ops correctly) is what is left without it.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._slow(func, types, args, kwargs)
 
     def _on_error(self, e):
         if isinstance(e, RuntimeError):
             self._oom(e)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        info = _INFO.get(func)
-        if info is None:
-            info = _INFO[func] = ops.classify(func)
-        if info.fast:  # the per-op path: as little Python as possible
-            start = _ns()
-            try:
-                out = func(*args, **kwargs) if kwargs else func(*args)
-            except RuntimeError as e:
-                self._oom(e)
-                raise
-            cost = _ns() - start
-            self._record(func, args, kwargs, out, (), info.flags | (_grad_enabled() << 3), info.pin, float(cost),
-                         None)
-            return out
-        return self._dispatch(func, info, args, kwargs or {})
 
     def _dispatch(self, func, info, args, kwargs):
         core = self._session._core
@@ -99,10 +85,15 @@ class Mode(TorchDispatchMode):
             raise _core.OutOfMemoryError(f"{e}\n{self._session._core.oom_report()}") from e
 
 
-def _classify_for_c(func):
+def _info(func) -> ops.OpInfo:
     info = _INFO.get(func)
     if info is None:
         info = _INFO[func] = ops.classify(func)
+    return info
+
+
+def _classify_for_c(func):
+    info = _info(func)
     # OpOverload.__call__ only forwards to ._op: calling that saves a Python frame per op.
     call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
     return info.fast, info.flags, info.pin, call, info.view
