@@ -74,6 +74,10 @@ inline std::int64_t as_int(const py::object& o) {
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
 }
+// A storage's StorageImpl address (its `_cdata`): what the registry keys on.
+inline std::uintptr_t cdata_of(py::handle storage) {
+  return static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+}
 
 inline std::vector<std::int64_t> int_vector(const py::object& sequence) {
   PyObject* o = sequence.ptr();

@@ -148,7 +148,7 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
                            std::to_string(target.out_index) + " of " + std::string(py::str(op->func)) +
                            ", which gave " + std::to_string(leaves) + " tensors) made no storage for it");
   out = py::object();
-  const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(made_storage, names().cdata)));
+  const auto cdata = cdata_of(made_storage);
   std::uintptr_t addr = 0;
   if (mirror_)
     addr = bytes ? allocate_mirror(bytes, value) : 0;  // may evict others

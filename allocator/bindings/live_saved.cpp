@@ -13,7 +13,7 @@ namespace dtralloc::live {
 py::object LiveSession::pack(py::handle tensor) {
   flush_deaths();
   py::object storage = call_method(tensor, names().untyped_storage);
-  const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+  const auto cdata = cdata_of(storage);
   const int v = value_of(storage, cdata);
   if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
   Slot& s = slots_[v];
@@ -107,7 +107,7 @@ void LiveSession::version_error(py::handle what, std::int64_t now, std::int64_t 
 
 void LiveSession::exported(py::handle tensor) {
   py::object storage = call_method(tensor, names().untyped_storage);
-  const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+  const int v = value_of(storage, cdata_of(storage));
   if (v < 0) return;
   Slot& s = slots_[v];
   if (engine_->value(v).pinned || engine_->value(v).state != ValueState::kResident) return;

@@ -453,7 +453,7 @@ void LiveSession::before_write(py::handle writes) {
   std::vector<int> vs;
   for_each_tensor(writes.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
-    const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+    const int v = value_of(storage, cdata_of(storage));
     if (v >= 0 && engine_->value(v).pinned) vs.push_back(v);
   });
   if (!vs.empty()) engine_->prepare_writes(vs);
@@ -537,7 +537,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   } clear_made{made};
   auto see = [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
-    const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+    const auto cdata = cdata_of(storage);
     int v = value_of(storage, cdata);
     if (v < 0) v = external_value(t, storage, cdata);
     inputs.push_back({t, v});
@@ -546,7 +546,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
-    const int v = value_of(storage, static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata))));
+    const int v = value_of(storage, cdata_of(storage));
     if (v >= 0 && std::none_of(written.begin(), written.end(), [&](const Seen& w) { return w.value == v; }))
       written.push_back({t, v});
   });
@@ -555,7 +555,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   for_each_tensor(out.ptr(), tensor_type, [&](PyObject* t) {
     const int index = leaf++;
     py::object storage = call_method(t, names().untyped_storage);
-    const auto cdata = static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
+    const auto cdata = cdata_of(storage);
     if (by_storage_.count(cdata) ||
         std::any_of(made.begin(), made.end(), [&](const Made& m) { return m.cdata == cdata; }))
       return;  // a view of an input, the written tensor, or a second view of a new one
