@@ -190,6 +190,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.remats = c.remats;
   out.random_replays = c.random_replays;
   out.fake_deletions = c.fake_deletions;
+  out.hold_restarts = c.hold_restarts;
   const EvictorStats& e = evictor->stats();
   out.eviction_calls = e.calls;
   out.window_evictions = e.windows;

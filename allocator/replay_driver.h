@@ -75,6 +75,8 @@ struct ReplayOptions {
   X(std::size_t, remats, 0, "values recomputed")                                          \
   X(std::size_t, random_replays, 0, "recomputes of random ops (replayed with their first RNG state)") \
   X(std::size_t, fake_deletions, 0, "dead values whose memory was dropped but recipe kept")\
+  X(std::size_t, hold_restarts, 0,                                                        \
+    "recomputes that ran out of memory and started over from an emptied pool")            \
   X(std::size_t, eviction_calls, 0, "times the pool asked the evictor for room")          \
   X(std::size_t, window_evictions, 0, "calls served by a window of adjacent blocks")      \
   X(std::size_t, segment_releases, 0, "calls served by releasing whole segments")        \

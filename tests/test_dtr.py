@@ -360,7 +360,7 @@ def test_stats_and_arguments():
         a = torch.randn(32, 32, requires_grad=True)
         a.exp().sum().backward()
     stats = s.stats()
-    for key in ("evictions", "remats", "rng_replays", "peak_bytes", "budget_bytes", "recompute_seconds",
+    for key in ("evictions", "remats", "rng_replays", "hold_restarts", "peak_bytes", "budget_bytes", "recompute_seconds",
                 "ops", "compute_overhead", "policy", "device"):
         assert key in stats
     assert stats["budget_bytes"] == 64 * MiB and stats["policy"] == "dtr" and stats["device"] == "cpu"

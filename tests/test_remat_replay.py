@@ -269,3 +269,12 @@ def test_feasible_budgets_rejects_bad_arguments(traces):
         dtralloc.feasible_budgets(trace, "belady")
     with pytest.raises(ValueError, match="reference_bytes must be a positive int"):
         dtralloc.feasible_budgets(trace, reference_bytes=-1)
+
+
+def test_hold_restarts_are_counted(traces):
+    # The budgets that only run because a hold started over (above) report it.
+    r = dtralloc.replay(traces["lstm-compact"], budget=0.6, policy="dtralloc")
+    assert r.feasible and r.hold_restarts > 0
+    assert dtralloc.replay(traces["lstm-compact"], budget=0.9, policy="dtralloc").hold_restarts == 0
+    r = dtralloc.replay(traces["lstm-compact"], budget=0.6, policy="dtr")
+    assert not r.feasible and r.hold_restarts > 0  # dtr's holds start over too, and still run out

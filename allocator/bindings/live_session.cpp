@@ -808,6 +808,7 @@ py::dict LiveSession::stats() {
   d["remats"] = c.remats;
   d["rng_replays"] = c.random_replays;
   d["fake_deletions"] = c.fake_deletions;
+  d["hold_restarts"] = c.hold_restarts;
   d["eviction_calls"] = e.calls;
   d["no_plan"] = e.no_plan;
   d["ops"] = stats_.ops;
