@@ -136,12 +136,17 @@ double Evictor::single_score(int v, std::size_t free_around) {
 // evicted ancestor the recompute walks), times penalty^recomputes; DTR's e*
 // (which also counts evicted *dependents*, costs that evicting v does not
 // cause) and 1/staleness are left out: either raised dtralloc's min feasible
-// budget on every bundled trace (bench/results/replay_policies-*.md).
+// budget on every bundled trace (bench/results/replay_policies-*.md). Only
+// recent use counts, for values not yet recomputed (`recency`, kRecentOps).
 double Evictor::window_weight(int v) {
   const double cost = victim_cost(v);
-  const int recomputes = engine_.value(v).recomputes;
-  if (!traits_.penalty || recomputes == 0 || penalty_ == 1.0) return cost;
-  return cost * std::pow(penalty_, recomputes);
+  const Value& x = engine_.value(v);
+  if (x.recomputes == 0) {
+    if (!traits_.recency) return cost;
+    return cost * (1.0 + kRecentOps / static_cast<double>(engine_.clock() - x.last_access + 1));
+  }
+  if (!traits_.penalty || penalty_ == 1.0) return cost;
+  return cost * std::pow(penalty_, x.recomputes);
 }
 
 std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {

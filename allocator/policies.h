@@ -15,7 +15,9 @@
 // policy scores a run of address-adjacent blocks: the sum of cost(t) *
 // penalty^recomputes(t) over the run's tensors, per byte the run frees if
 // `per_byte` (free neighbours of the run counted when `free_neighbours`),
-// else the plain sum (Coop).
+// else the plain sum (Coop). With `recency`, a tensor never recomputed
+// weighs 1 + kRecentOps / staleness times its cost: what was
+// just used is likely read again soon.
 #pragma once
 
 #include <cstdint>
@@ -54,39 +56,60 @@ struct PolicyTraits {
   bool thorough;          // windows: the small pool searched too for requests under
                           // 20 MiB, and when neither plan is found, everything
                           // again (every segment, every window start unsampled)
+  bool recency;           // windows: a value not yet recomputed and used in the
+                          // last few ops costs more (kRecentOps, below)
 };
+
+// A `recency` policy weighs a value never recomputed and last used s ops
+// ago (s >= 1) 1 + kRecentOps / s times its cost: what was just used is
+// likely read again soon (the residual add after a block, the next layer,
+// its own backward), and evicting it buys a recompute that a slightly
+// dearer idle value would not have. x4 for what the last op used, +10% at
+// 30 ops: nothing an idle value's choice notices. A value already
+// recomputed is priced by the penalty instead: weighing it too (a value
+// just brought back is also just used) made more feasibility holes (20
+// against 14 over 40 recordings). On resnet50 at 0.7 of the peak
+// dtralloc's overhead went from 1.09x DTR's to 1.03x; over the bundled
+// traces and 24 re-recordings of the same models it removed 15 of 21
+// holes on the re-recorded compact models and lowered the minimum budget
+// of encdec, vit-compact and resnet50, raising only the bundled
+// encdec-compact's (0.675 -> 0.69; its two re-recordings: 0.70 -> 0.675,
+// 0.73 -> 0.69). 2 lost the resnet50 gain, 5 and 8 made holes
+// (bench/results/replay_recordings-2026-11-23-*.md). Dividing by staleness
+// itself, as DTR does, raised min budgets instead.
+inline constexpr double kRecentOps = 3.0;
 
 // X(enumerator, name, traits, doc). The doc is one line; it is what users read.
 #define DTRALLOC_POLICIES(X)                                                            \
   X(kNone, none, (PolicyTraits{VictimChoice::kNone, VictimCost::kNone,                  \
-                               false, false, false, false, false, false}),              \
+                               false, false, false, false, false, false, false}),       \
     "no eviction: a request over the budget is an out-of-memory error")                 \
   X(kLru, lru, (PolicyTraits{VictimChoice::kSingle, VictimCost::kLastAccess,            \
-                             false, false, false, false, false, false}),                \
+                             false, false, false, false, false, false, false}),         \
     "least recently used tensor first")                                                 \
   X(kSize, size, (PolicyTraits{VictimChoice::kSingle, VictimCost::kUnit,                \
-                               true, false, false, false, false, false}),               \
+                               true, false, false, false, false, false, false}),        \
     "largest tensor first")                                                             \
   X(kMsps, msps, (PolicyTraits{VictimChoice::kSingle, VictimCost::kChain,               \
-                               true, false, false, false, false, false}),               \
+                               true, false, false, false, false, false, false}),        \
     "Capuchin: recompute time of the tensor's chain per byte saved")                    \
   X(kDtr, dtr, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarExact,            \
-                             true, false, true, false, false, false}),                  \
+                             true, false, true, false, false, false, false}),           \
     "DTR's h_DTR: e* / (size * staleness), e* walking the evicted neighbourhood")       \
   X(kDtrEq, dtr_eq, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,          \
-                                  true, false, true, false, false, false}),             \
+                                  true, false, true, false, false, false, false}),      \
     "DTR's h_DTR-eq: e* from union-find classes / (size * staleness)")                  \
   X(kDtrLocal, dtr_local, (PolicyTraits{VictimChoice::kSingle, VictimCost::kProducer,   \
-                                        true, false, true, false, false, false}),       \
+                                        true, false, true, false, false, false, false}), \
     "DTR's h_DTR-local: producer cost / (size * staleness), no neighbourhood")          \
   X(kDte, dte, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,               \
-                             true, true, true, false, false, false}),                   \
+                             true, true, true, false, false, false, false}),            \
     "MegEngine's DTE: e* / ((size + free neighbours) * staleness)")                     \
   X(kCoop, coop, (PolicyTraits{VictimChoice::kWindow, VictimCost::kProducer,            \
-                               false, false, false, false, false, false}),              \
+                               false, false, false, false, false, false, false}),       \
     "Coop: the run of adjacent free + evictable blocks with the least total op cost")   \
   X(kDtralloc, dtralloc, (PolicyTraits{VictimChoice::kWindow, VictimCost::kChain,       \
-                                       true, true, false, true, true, true}),           \
+                                       true, true, false, true, true, true, true}),     \
     "ours: the run of adjacent blocks (or whole segments) with the least recompute "    \
     "chain cost per byte freed, free neighbours counted")
 

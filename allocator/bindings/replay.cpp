@@ -208,6 +208,8 @@ void bind_replay(py::module_& m) {
       d["penalty"] = t.penalty;
       d["pruned"] = t.pruned;
       d["thorough"] = t.thorough;
+      d["recency"] = t.recency;
+      d["recent_ops"] = kRecentOps;
       out.append(d);
     }
     return out;

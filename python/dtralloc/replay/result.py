@@ -28,6 +28,8 @@ def format_policies_markdown() -> str:
         if p["staleness"]:
             per_byte += "; / staleness"
         cost = p["cost"] + (" x penalty^recomputes" if p["penalty"] else "")
+        if p["recency"]:
+            cost += f" (never recomputed: x (1 + {p['recent_ops']:g} / ops since last use))"
         choice = "one tensor a call" if p["choice"] == "single" else "a window or whole segments"
         rows.append(f"| `{p['name']}` | {choice} | {cost} | {per_byte} | {p['doc']} |")
     return "\n".join(rows)
