@@ -1,0 +1,232 @@
+"""dtralloc against dtr over several recordings of the same models.
+
+Recorded op durations differ from one recording to the next, so a policy
+whose choice flips on small cost differences can win on the bundled trace of
+a model and lose on the next recording of it. This bench replays the bundled
+traces and any number of re-recordings (`--record N` records the zoo N more
+times with bench/record_zoo.py; or pass saved traces) and checks, per trace,
+what the policy bench targets for dtralloc (bench/replay_policies.py):
+
+* holes: budgets on the 0.005 grid that fail above the lowest that runs;
+* scan minimum (every grid budget from there up runs) <= dtr's;
+* excess over the resident floor, (min - floor) / (dtr's min - floor);
+* overhead <= 1.05x dtr's at 0.9, 0.7, 0.5, 0.4, 0.3, 0.2 where both run.
+
+`--conf` changes dtralloc's pool settings only (dtr keeps the defaults), to
+try a setting against every recording before changing a default.
+
+    python bench/replay_recordings.py --traces bundled bench/recordings/1 bench/recordings/2 [--jobs 2] [--out FILE]
+    python bench/replay_recordings.py --record 2 --dir /tmp/recordings      # the bundled traces and 2 new recordings
+    python bench/replay_recordings.py --traces gpt2 bench/recordings/1/gpt2.dtrace --conf segment_fit:off
+
+bench/recordings/1 and 2 are two recordings of every zoo model made on
+2026-11-23 (`python bench/record_zoo.py --out bench/recordings/N`, then the
+compact ones with `--compact lstm vit encdec convbn moe`), kept so that
+policy changes are judged against the same recordings.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import time
+from multiprocessing import Pool
+
+BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
+STEP = 0.005
+OVERHEAD_LIMIT = 1.05
+FLOOR_BOUND = 0.02  # dtr's minimum this close to the floor: floor-bound, no excess ratio
+HERE = os.path.dirname(os.path.abspath(__file__))
+# What record_zoo.py records with no model named: every model at GPU scale, and the compact ones.
+RECORD_ARGS = ([], ["--compact", "lstm", "vit", "encdec", "convbn", "moe"])
+
+
+def measure(job):
+    """One policy on one trace: overhead per budget, the 0.005 grid from 1.0 to the floor."""
+    import dtralloc
+    from dtralloc.traces import load_bundled
+
+    trace_arg, policy, conf = job
+    t0 = time.perf_counter()
+    trace = dtralloc.trace.load(trace_arg) if trace_arg.endswith(".dtrace") else load_bundled(trace_arg)
+    floor = dtralloc.resident_floor(trace)
+    overhead = {}
+    for b in BUDGETS:
+        r = dtralloc.replay(trace, budget=b, policy=policy, conf=conf)
+        overhead[b] = r.compute_overhead if r.feasible else None
+    grid = dtralloc.feasible_budgets(trace, policy, conf=conf, step=STEP, lowest=max(0.0, floor - STEP))
+    scan = 1.0
+    for fraction, fits in grid.items():  # highest first
+        if not fits:
+            break
+        scan = fraction
+    lowest = min((f for f, fits in grid.items() if fits), default=None)
+    return trace_arg, policy, dict(floor=floor, overhead=overhead, scan=scan, lowest=lowest,
+                                   holes=dtralloc.feasibility_holes(grid), seconds=time.perf_counter() - t0)
+
+
+def label(trace_arg: str) -> str:
+    if os.path.sep not in trace_arg and not trace_arg.endswith(".dtrace"):
+        return f"{trace_arg} (bundled)"
+    return f"{os.path.basename(trace_arg)[:-len('.dtrace')]} ({os.path.basename(os.path.dirname(trace_arg))})"
+
+
+def family(trace_arg: str) -> str:
+    return os.path.basename(trace_arg).removesuffix(".dtrace")
+
+
+def verdict(ours: dict, dtr: dict) -> dict:
+    ratios = []
+    for b in BUDGETS:
+        x, y = ours["overhead"][b], dtr["overhead"][b]
+        if x is None or y is None:
+            continue
+        ratio = x / y if y > 0 else (float("inf") if x > 1e-9 else 1.0)
+        ratios.append((ratio, b, x, y))
+    worst = max(ratios) if ratios else None
+    floor = dtr["floor"]
+    bound = dtr["scan"] - floor <= FLOOR_BOUND
+    excess = None if bound else (ours["scan"] - floor) / (dtr["scan"] - floor)
+    met = not ours["holes"] and ours["scan"] <= dtr["scan"] + 1e-9 and (worst is None or worst[0] <= OVERHEAD_LIMIT)
+    return dict(worst=worst, excess=excess, met=met)
+
+
+def fmt_ratio(worst) -> str:
+    if worst is None:
+        return "-"
+    ratio, b, x, y = worst
+    return f"{'inf' if ratio == float('inf') else f'{ratio:.2f}'} at {b} ({x:.3f} / {y:.3f})"
+
+
+def report(traces, results, conf, command, note=None) -> str:
+    import dtralloc
+    from _report import header
+
+    out = [header("dtralloc against dtr over several recordings", command)]
+    out.append(f"dtralloc {dtralloc.__version__} from {os.path.dirname(dtralloc.__file__)}\n")
+    if note:
+        out.append(f"note: {note}\n")
+    if conf:
+        out.append(f"dtralloc's pool settings: `{conf}` (dtr: the defaults)\n")
+    out.append(
+        "Per trace: the resident floor; dtralloc's and dtr's scan minimum on the 0.005 grid (every budget "
+        "from there up runs; the lowest that runs in brackets where a hole lies between); dtralloc's holes; "
+        "its excess over the floor as a share of dtr's (`floor`: dtr within 0.02 of the floor); its worst "
+        f"overhead over dtr's at {', '.join(map(str, BUDGETS))} where both run (dtralloc's / dtr's; target "
+        f"<= {OVERHEAD_LIMIT}; inf: only dtralloc recomputes).\n")
+    out.append("| trace | floor | dtralloc | dtr | holes | excess / dtr's | worst overhead / dtr's | met |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    missed, excesses, holes = [], [], 0
+    for t in traces:
+        ours, dtr = results[(t, "dtralloc")], results[(t, "dtr")]
+        v = verdict(ours, dtr)
+
+        def minimum(r):
+            return f"{r['scan']:.3f}" + (f" ({r['lowest']:.3f})" if r["lowest"] is not None and r["lowest"] < r["scan"] else "")
+
+        hole_list = ", ".join(f"{h:g}" for h in ours["holes"])
+        hole_text = str(len(ours["holes"])) + (f" ({hole_list})" if ours["holes"] else "")
+        excess_text = "floor" if v["excess"] is None else f"{v['excess']:.2f}"
+        out.append(f"| {label(t)} | {ours['floor']:.3f} | {minimum(ours)} | {minimum(dtr)} | {hole_text} | "
+                   f"{excess_text} | {fmt_ratio(v['worst'])} | {'yes' if v['met'] else 'no'} |")
+        holes += len(ours["holes"])
+        if v["excess"] is not None:
+            excesses.append(v["excess"])
+        if not v["met"]:
+            missed.append(label(t))
+    out.append("")
+    out.append("Per model, over its recordings: dtralloc's and dtr's scan minimum (each recording), dtralloc's holes in "
+               "all, its worst overhead over dtr's, and in how many recordings every target is met.\n")
+    out.append("| model | recordings | dtralloc min | dtr min | holes | worst overhead / dtr's | met |")
+    out.append("|---|---|---|---|---|---|---|")
+    families = {}
+    for t in traces:
+        families.setdefault(family(t), []).append(t)
+    for name, members in families.items():
+        verdicts = [verdict(results[(t, "dtralloc")], results[(t, "dtr")]) for t in members]
+        worsts = [v["worst"] for v in verdicts if v["worst"] is not None]
+        ours_min = ", ".join(f"{results[(t, 'dtralloc')]['scan']:.3f}" for t in members)
+        dtr_min = ", ".join(f"{results[(t, 'dtr')]['scan']:.3f}" for t in members)
+        holes_all = sum(len(results[(t, "dtralloc")]["holes"]) for t in members)
+        worst_text = fmt_ratio(max(worsts)) if worsts else "-"
+        met = sum(v["met"] for v in verdicts)
+        out.append(f"| {name} | {len(members)} | {ours_min} | {dtr_min} | {holes_all} | {worst_text} | "
+                   f"{met} of {len(members)} |")
+    out.append("")
+    mean = f"{sum(excesses) / len(excesses):.2f}" if excesses else "-"
+    out.append(f"{len(traces)} traces; dtralloc holes in all: {holes}; mean excess over the floor, dtralloc / dtr, "
+               f"over the {len(excesses)} not floor-bound: {mean} (target <= 0.6); traces missing a target: "
+               f"{', '.join(missed) if missed else 'none'}.\n")
+    return "\n".join(out)
+
+
+def record(times: int, directory: str) -> list[str]:
+    paths = []
+    for k in range(1, times + 1):
+        out = os.path.join(directory, str(k))
+        for args in RECORD_ARGS:
+            print(f"recording {' '.join(args) or 'the zoo at GPU scale'} into {out}", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, os.path.join(HERE, "record_zoo.py"), *args, "--out", out],
+                           check=True, stdout=subprocess.DEVNULL)
+        paths += sorted(glob.glob(os.path.join(out, "*.dtrace")))
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", nargs="*",
+                        help="bundled trace names, saved traces, folders of them (every *.dtrace inside), or "
+                             "'bundled' for every bundled trace (the default)")
+    parser.add_argument("--record", type=int, default=0, metavar="N", help="also record the zoo N more times")
+    parser.add_argument("--dir", default=None, help="where --record writes (required with --record)")
+    parser.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for dtralloc's replays only")
+    parser.add_argument("--jobs", type=int, default=2, help="replays in parallel (worker processes)")
+    parser.add_argument("--out", default=None, help="also write the report here")
+    parser.add_argument("--note", default=None, help="a line for the report's header (what build, why)")
+    args = parser.parse_args(argv)
+    if args.record < 0:
+        parser.error("--record must be 0 or more")
+    if args.record and not args.dir:
+        parser.error("--record needs --dir (where the recordings go)")
+    sys.path.insert(0, HERE)
+    from _report import emit
+
+    from dtralloc.traces import list_bundled
+
+    bundled = list_bundled()
+    traces = []
+    for t in args.traces or ["bundled"]:
+        if t == "bundled":
+            traces += bundled
+        elif os.path.isdir(t):
+            found = sorted(glob.glob(os.path.join(t, "*.dtrace")))
+            if not found:
+                parser.error(f"no *.dtrace file in {t}")
+            traces += found
+        elif os.path.sep in t or t.endswith(".dtrace"):
+            if not os.path.isfile(t):
+                parser.error(f"no such trace file: {t}")
+            traces.append(t)
+        elif t in bundled:
+            traces.append(t)
+        else:
+            parser.error(f"{t!r} is neither a bundled trace ({', '.join(bundled)}) nor a path")
+    if args.record:
+        traces += record(args.record, args.dir)
+    jobs = [(t, p, args.conf if p == "dtralloc" else None) for t in traces for p in ("dtralloc", "dtr")]
+    results = {}
+    t0 = time.perf_counter()
+    with Pool(max(1, args.jobs)) as pool:
+        for done, (t, policy, r) in enumerate(pool.imap_unordered(measure, jobs), 1):
+            results[(t, policy)] = r
+            print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {r['scan']:.3f}, "
+                  f"{len(r['holes'])} holes ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
+    command = "python bench/replay_recordings.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    emit(report(traces, results, args.conf, command.strip(), args.note), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""bench/replay_recordings.py end to end on small traces: the per-trace
+targets table (dtralloc against dtr), and its errors for bad arguments."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import dtralloc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "bench/replay_recordings.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_report_on_a_bundled_trace_and_a_saved_one(tmp_path):
+    saved = tmp_path / "rec" / "lstm-compact.dtrace"
+    saved.parent.mkdir()
+    dtralloc.traces.load_bundled("lstm-compact").save(str(saved))
+    out = tmp_path / "report.md"
+    proc = run("--traces", "mlp", str(saved.parent), "--jobs", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()
+            if line.startswith("| mlp (") or line.startswith("| lstm-compact (")}
+    assert set(rows) == {"mlp (bundled)", "lstm-compact (rec)"}
+    # mlp is floor-bound: dtr's minimum sits within 0.02 of its resident floor.
+    assert rows["mlp (bundled)"][5] == "floor"
+    floor = dtralloc.resident_floor("mlp")
+    assert float(rows["mlp (bundled)"][1]) == round(floor, 3)
+    # The saved copy of a bundled trace gives the bundled trace's figures.
+    ours = dtralloc.min_feasible_budget("lstm-compact", tolerance=0.005, method="scan")
+    assert rows["lstm-compact (rec)"][2].split()[0] == f"{ours:.3f}"
+    assert "2 traces; dtralloc holes in all:" in text
+    family_rows = [line for line in text.splitlines() if line.startswith("| lstm-compact | 1 |")]
+    assert len(family_rows) == 1 and family_rows[0].endswith(" of 1 |")
+    assert "command: `python bench/replay_recordings.py --traces mlp" in text
+
+
+def test_bad_arguments_are_named():
+    proc = run("--traces", "nosuchmodel")
+    assert proc.returncode == 2 and "'nosuchmodel' is neither a bundled trace" in proc.stderr
+    proc = run("--traces", "/nonexistent/x.dtrace")
+    assert proc.returncode == 2 and "no such trace file: /nonexistent/x.dtrace" in proc.stderr
+    proc = run("--traces", ROOT + "/docs")
+    assert proc.returncode == 2 and "no *.dtrace file in" in proc.stderr
+    proc = run("--record", "1")
+    assert proc.returncode == 2 and "--record needs --dir" in proc.stderr
