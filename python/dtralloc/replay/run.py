@@ -199,10 +199,10 @@ def min_feasible_budget(
     the policy bench (bench/results/replay_policies-*.md) finds none for
     ``dtralloc`` on any of the 16 bundled traces: before a recompute's
     out-of-memory leaves, the engine evicts everything evictable and starts
-    the op's recomputes over (docs/engine.md). Off the grid a hole can
-    remain, so bisection with a finer tolerance can still stop above the
-    scan's answer (resnet50: 0.238 against 0.225 at tolerance 0.005). Use
-    the scan for a budget you can rely on.
+    the op's recomputes over (docs/engine.md). Other recordings of the same
+    models still have a few (bench/results/replay_recordings-*.md), and off
+    the grid a hole can remain, so bisection can stop above the scan's
+    answer. Use the scan for a budget you can rely on.
 
     Fractions are of the no-eviction peak reserved under `conf`, or of
     `reference_bytes` when given (to compare settings against one fixed
