@@ -18,6 +18,7 @@ try a setting against every recording before changing a default.
     python bench/replay_recordings.py --traces bundled bench/recordings/1 bench/recordings/2 [--jobs 2] [--out FILE]
     python bench/replay_recordings.py --record 2 --dir /tmp/recordings      # the bundled traces and 2 new recordings
     python bench/replay_recordings.py --traces gpt2 bench/recordings/1/gpt2.dtrace --conf segment_fit:off
+    python bench/replay_recordings.py ... --save all.json; then, after a dtralloc-only change: ... --dtr-from all.json
 
 bench/recordings/1 and 2 are two recordings of every zoo model made on
 2026-11-23 (`python bench/record_zoo.py --out bench/recordings/N`, then the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -185,6 +187,10 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="replays in parallel (worker processes)")
     parser.add_argument("--out", default=None, help="also write the report here")
     parser.add_argument("--note", default=None, help="a line for the report's header (what build, why)")
+    parser.add_argument("--save", default=None, metavar="JSON", help="also write every figure measured here")
+    parser.add_argument("--dtr-from", default=None, metavar="JSON",
+                        help="take dtr's figures from a --save file instead of measuring them again (dtr is the "
+                             "slow half; a change to dtralloc alone does not move them)")
     args = parser.parse_args(argv)
     if args.record < 0:
         parser.error("--record must be 0 or more")
@@ -215,14 +221,33 @@ def main(argv=None) -> int:
             parser.error(f"{t!r} is neither a bundled trace ({', '.join(bundled)}) nor a path")
     if args.record:
         traces += record(args.record, args.dir)
-    jobs = [(t, p, args.conf if p == "dtralloc" else None) for t in traces for p in ("dtralloc", "dtr")]
     results = {}
+    if args.dtr_from:
+        try:
+            with open(args.dtr_from) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"--dtr-from {args.dtr_from}: {e}")
+        for t in traces:
+            r = saved.get(t, {}).get("dtr")
+            if r is None:
+                parser.error(f"--dtr-from {args.dtr_from} has no dtr figures for {t}")
+            r["overhead"] = {float(b): v for b, v in r["overhead"].items()}
+            results[(t, "dtr")] = r
+    jobs = [(t, p, args.conf if p == "dtralloc" else None) for t in traces for p in ("dtralloc", "dtr")
+            if (t, p) not in results]
     t0 = time.perf_counter()
     with Pool(max(1, args.jobs)) as pool:
         for done, (t, policy, r) in enumerate(pool.imap_unordered(measure, jobs), 1):
             results[(t, policy)] = r
             print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {r['scan']:.3f}, "
                   f"{len(r['holes'])} holes ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
+    if args.save:
+        saved = {}
+        for (t, policy), r in results.items():
+            saved.setdefault(t, {})[policy] = r
+        with open(args.save, "w") as f:
+            json.dump(saved, f, indent=1)
     command = "python bench/replay_recordings.py " + " ".join(sys.argv[1:] if argv is None else argv)
     emit(report(traces, results, args.conf, command.strip(), args.note), args.out)
     return 0

@@ -49,3 +49,17 @@ def test_bad_arguments_are_named():
     assert proc.returncode == 2 and "no *.dtrace file in" in proc.stderr
     proc = run("--record", "1")
     assert proc.returncode == 2 and "--record needs --dir" in proc.stderr
+
+
+def test_dtr_figures_can_be_reused(tmp_path):
+    saved = tmp_path / "figures.json"
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    proc = run("--traces", "mlp", "--jobs", "1", "--save", str(saved), "--out", str(first))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run("--traces", "mlp", "--jobs", "1", "--dtr-from", str(saved), "--out", str(second))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlp dtr:" not in proc.stderr  # not measured again
+    table = [line for line in first.read_text().splitlines() if line.startswith("| mlp")]
+    assert table == [line for line in second.read_text().splitlines() if line.startswith("| mlp")]
+    proc = run("--traces", "lstm-compact", "--dtr-from", str(saved))
+    assert proc.returncode == 2 and "has no dtr figures for lstm-compact" in proc.stderr
