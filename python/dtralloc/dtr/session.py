@@ -146,7 +146,9 @@ class Session:
         self._core.flush_deaths()
 
     def stats(self) -> dict:
-        """evictions, remats, rng_replays, peak_bytes, budget_bytes, recompute_seconds, ..."""
+        """evictions, remats, rng_replays, hold_restarts (recomputes that ran out of
+        memory and started over from an emptied pool), peak_bytes, budget_bytes,
+        recompute_seconds, ..."""
         return self._core.stats()
 
     def series(self) -> dict:
