@@ -68,14 +68,14 @@ struct PolicyTraits {
 // 30 ops: nothing an idle value's choice notices. A value already
 // recomputed is priced by the penalty instead: weighing it too (a value
 // just brought back is also just used) made more feasibility holes (20
-// against 14 over 40 recordings). On resnet50 at 0.7 of the peak
-// dtralloc's overhead went from 1.09x DTR's to 1.03x; over the bundled
-// traces and 24 re-recordings of the same models it removed 15 of 21
-// holes on the re-recorded compact models and lowered the minimum budget
-// of encdec, vit-compact and resnet50, raising only the bundled
-// encdec-compact's (0.675 -> 0.69; its two re-recordings: 0.70 -> 0.675,
-// 0.73 -> 0.69). 2 lost the resnet50 gain, 5 and 8 made holes
-// (bench/results/replay_recordings-2026-11-23-*.md). Dividing by staleness
+// against 14 over 40 traces). Over the 16 bundled traces and two more
+// recordings of each model (bench/results/replay_recordings-2026-11-23-*.md):
+// dtralloc's holes 22 -> 14 and traces missing a target of the policy bench
+// 10 -> 7 (resnet50 at 0.7: 1.09x DTR's overhead -> 1.03x); min budgets
+// fell on encdec, encdec-compact, vit-compact and resnet50 but rose on the
+// bundled encdec-compact (0.675 -> 0.69), resnet50's and vit's second
+// recordings (0.24 -> 0.245, 0.26 -> 0.265), the latter with 5 new holes.
+// 2 lost the resnet50 gain; 5 and 8 made more holes. Dividing by staleness
 // itself, as DTR does, raised min budgets instead.
 inline constexpr double kRecentOps = 3.0;
 

@@ -31,6 +31,7 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -248,8 +249,8 @@ def main(argv=None) -> int:
             saved.setdefault(t, {})[policy] = r
         with open(args.save, "w") as f:
             json.dump(saved, f, indent=1)
-    command = "python bench/replay_recordings.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    emit(report(traces, results, args.conf, command.strip(), args.note), args.out)
+    command = shlex.join(["python", "bench/replay_recordings.py", *(sys.argv[1:] if argv is None else argv)])
+    emit(report(traces, results, args.conf, command, args.note), args.out)
     return 0
 
 
