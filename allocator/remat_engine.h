@@ -199,6 +199,8 @@ class RematEngine {
   }
   // Frees `v`'s block. Returns false (and counts) if `v` is not evictable.
   bool evict(int v);
+  // Evicts every value evictable now (a hold's restart; live chaos mode).
+  void evict_all();
   // Makes `v` not recomputable from now on (its data left the engine's sight:
   // a raw pointer, numpy). Its recipe is dropped.
   void pin(int v);
@@ -264,7 +266,6 @@ class RematEngine {
   // over (restart_hold), and put the placement back when the hold ends.
   void restart_hold();
   void end_hold();
-  void evict_all();
   void step_hold(std::vector<Frame>& stack);
   void step_remat(std::vector<Frame>& stack);
   void unwind(std::vector<Frame>& stack);

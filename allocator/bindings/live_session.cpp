@@ -563,7 +563,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     made.push_back({std::move(storage), py::reinterpret_borrow<py::object>(t), cdata, nbytes, index});
   });
   if (made.empty() && written.empty()) {
-    if (options_.chaos) evict_for_chaos();
+    if (options_.chaos) engine_->evict_all();
     return;  // views, detach, scalar reads: nothing for the engine
   }
   // 3. The engine's protocol, all at once: the op has already run.
@@ -670,7 +670,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     ops_[op] = std::move(rec);
   }
   if (!mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, pool_->usage().reserved);
-  if (options_.chaos) evict_for_chaos();
+  if (options_.chaos) engine_->evict_all();
   pool_->set_op_stamp(op + 1);
   if (mirror_ && !publishing_ && op + 1 == static_cast<int>(kPublishAfterOps)) start_publishing();
   publish_counts();
@@ -742,16 +742,10 @@ void LiveSession::publish_counts() {
   published_remats_ = c.remats;
 }
 
-void LiveSession::evict_for_chaos() {
-  const std::vector<int> resident = engine_->resident();
-  for (int v : resident)
-    if (engine_->evictable(v)) engine_->evict(v);
-}
-
 std::size_t LiveSession::evict_all() {
   flush_deaths();
   const std::size_t before = engine_->counters().evictions;
-  evict_for_chaos();
+  engine_->evict_all();
   publish_counts();
   return engine_->counters().evictions - before;
 }

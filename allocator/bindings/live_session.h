@@ -248,7 +248,6 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   py::object storage_of(int value) const;
   std::int64_t use_count(std::uintptr_t cdata) const;
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
-  void evict_for_chaos();
   void own_for_recipes(int value);
   void sample_op(int op, py::handle func, std::uint32_t flags);
   Phase phase_of(std::uint32_t flags);
