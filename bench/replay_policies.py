@@ -222,6 +222,27 @@ OVERHEAD_TARGET = 1.05  # dtralloc's overhead at most 5% above dtr's at every bu
 EXCESS_TARGET = 0.6     # mean excess over the floor at most 0.6 of dtr's, traces not floor-bound
 
 
+def verdict(name, grid, floors) -> tuple:
+    """dtralloc against issue 16's targets on one trace: (worst overhead ratio
+    as (budget, ratio) or None, min <= dtr's, every target met)."""
+    worst = max(overhead_ratios(name, grid), key=lambda x: x[1], default=None)
+    mine, dtr = floors[name, "dtralloc", "scan"], floors[name, "dtr", "scan"]
+    min_ok = mine is not None and (dtr is None or mine <= dtr + 1e-9)
+    met = min_ok and not floors[name, "dtralloc", "holes"] and (worst is None or worst[1] <= OVERHEAD_TARGET)
+    return worst, min_ok, met
+
+
+def mean_excess(names, floors) -> float | None:
+    """dtralloc's summed excess over the floor over dtr's, on the traces that
+    are not floor-bound (None if there are none)."""
+    mine = dtr = 0.0
+    for name in names:
+        if excess_ratio(name, "dtralloc", floors) is not None:
+            mine += floors[name, "dtralloc", "scan"] - floors[name, "resident floor"]
+            dtr += floors[name, "dtr", "scan"] - floors[name, "resident floor"]
+    return mine / dtr if dtr > 0 else None
+
+
 def targets(names, grid, floors) -> list:
     """Issue 16's targets for dtralloc, computed from the sweep."""
     out = ["\n## Targets for dtralloc, from the numbers above\n",
@@ -241,20 +262,14 @@ def targets(names, grid, floors) -> list:
             return "-"
         return f"{scan:.3f}" + (f" ({lowest:.3f})" if lowest is not None and lowest < scan else "")
 
-    excess_mine, excess_dtr, bound, failed = [], [], [], []
+    bound, failed = [], []
     for name in names:
         holes = floors[name, "dtralloc", "holes"]
         ratio = excess_ratio(name, "dtralloc", floors)
         floor = floors[name, "resident floor"]
         if floor_bound(name, floors):
             bound.append(name)
-        elif ratio is not None:
-            excess_mine.append(floors[name, "dtralloc", "scan"] - floor)
-            excess_dtr.append(floors[name, "dtr", "scan"] - floor)
-        worst = max(overhead_ratios(name, grid), key=lambda x: x[1], default=None)
-        mine, dtr = floors[name, "dtralloc", "scan"], floors[name, "dtr", "scan"]
-        min_ok = mine is not None and (dtr is None or mine <= dtr + 1e-9)
-        met = min_ok and not holes and (worst is None or worst[1] <= OVERHEAD_TARGET)
+        worst, min_ok, met = verdict(name, grid, floors)
         if not met:
             failed.append(name)
         out.append(f"| {name} | {floor:.3f} | {cell(name, 'dtralloc')} | {cell(name, 'dtr')} | {cell(name, 'msps')} | "
@@ -262,10 +277,11 @@ def targets(names, grid, floors) -> list:
                    f"{'floor' if name in bound else (f'{ratio:.2f}' if ratio is not None else '-')} | "
                    f"{f'{worst[1]:.2f} at {worst[0]}' if worst else '-'} | {'yes' if min_ok else 'no'} | "
                    f"{'yes' if met else 'no'} |")
-    mean = sum(excess_mine) / sum(excess_dtr) if excess_dtr and sum(excess_dtr) > 0 else None
+    mean = mean_excess(names, floors)
+    counted = sum(excess_ratio(name, "dtralloc", floors) is not None for name in names)
     out.append("")
     out.append(f"Floor-bound traces: {', '.join(bound) or 'none'}. Mean excess over the floor, dtralloc / dtr, "
-               f"over the {len(excess_dtr)} traces that are not: "
+               f"over the {counted} traces that are not: "
                f"{f'{mean:.2f}' if mean is not None else '-'} (target <= {EXCESS_TARGET}). "
                f"Traces missing a target: {', '.join(failed) or 'none'}.")
     return out

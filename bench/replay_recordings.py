@@ -36,11 +36,12 @@ import subprocess
 import sys
 import time
 from multiprocessing import Pool
+from types import SimpleNamespace
 
-BUDGETS = (0.9, 0.7, 0.5, 0.4, 0.3, 0.2)
-STEP = 0.005
-OVERHEAD_LIMIT = 1.05
-FLOOR_BOUND = 0.02  # dtr's minimum this close to the floor: floor-bound, no excess ratio
+# One definition of the targets and how they are measured: the policy bench's.
+from replay_policies import (BUDGETS, EXCESS_TARGET, FINE_STEP, FLOOR_BOUND, OVERHEAD_TARGET, excess_ratio,
+                             mean_excess, scan_of, verdict)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # What record_zoo.py records with no model named: every model at GPU scale, and the compact ones.
 RECORD_ARGS = ([], ["--compact", "lstm", "vit", "encdec", "convbn", "moe"])
@@ -59,14 +60,9 @@ def measure(job):
     for b in BUDGETS:
         r = dtralloc.replay(trace, budget=b, policy=policy, conf=conf)
         overhead[b] = r.compute_overhead if r.feasible else None
-    grid = dtralloc.feasible_budgets(trace, policy, conf=conf, step=STEP, lowest=max(0.0, floor - STEP))
-    scan = 1.0
-    for fraction, fits in grid.items():  # highest first
-        if not fits:
-            break
-        scan = fraction
+    grid = dtralloc.feasible_budgets(trace, policy, conf=conf, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP))
     lowest = min((f for f, fits in grid.items() if fits), default=None)
-    return trace_arg, policy, dict(floor=floor, overhead=overhead, scan=scan, lowest=lowest,
+    return trace_arg, policy, dict(floor=floor, overhead=overhead, scan=scan_of(grid), lowest=lowest,
                                    holes=dtralloc.feasibility_holes(grid), seconds=time.perf_counter() - t0)
 
 
@@ -80,33 +76,34 @@ def family(trace_arg: str) -> str:
     return os.path.basename(trace_arg).removesuffix(".dtrace")
 
 
-def verdict(ours: dict, dtr: dict) -> dict:
-    ratios = []
-    for b in BUDGETS:
-        x, y = ours["overhead"][b], dtr["overhead"][b]
-        if x is None or y is None:
-            continue
-        ratio = x / y if y > 0 else (float("inf") if x > 1e-9 else 1.0)
-        ratios.append((ratio, b, x, y))
-    worst = max(ratios) if ratios else None
-    floor = dtr["floor"]
-    bound = dtr["scan"] - floor <= FLOOR_BOUND
-    excess = None if bound else (ours["scan"] - floor) / (dtr["scan"] - floor)
-    met = not ours["holes"] and ours["scan"] <= dtr["scan"] + 1e-9 and (worst is None or worst[0] <= OVERHEAD_LIMIT)
-    return dict(worst=worst, excess=excess, met=met)
+def tables(traces, results) -> tuple:
+    """The measured figures as the policy bench keys them (its `grid` and `floors`)."""
+    grid, floors = {}, {}
+    for t in traces:
+        floors[t, "resident floor"] = results[(t, "dtralloc")]["floor"]
+        for policy in ("dtralloc", "dtr"):
+            r = results[(t, policy)]
+            for key in ("scan", "lowest", "holes"):
+                floors[t, policy, key] = r[key]
+            for b in BUDGETS:
+                overhead = r["overhead"][b]
+                grid[t, policy, b] = SimpleNamespace(feasible=overhead is not None, compute_overhead=overhead)
+    return grid, floors
 
 
-def fmt_ratio(worst) -> str:
+def fmt_worst(t, worst, grid) -> str:
     if worst is None:
         return "-"
-    ratio, b, x, y = worst
-    return f"{'inf' if ratio == float('inf') else f'{ratio:.2f}'} at {b} ({x:.3f} / {y:.3f})"
+    b, ratio = worst
+    mine, dtr = grid[t, "dtralloc", b].compute_overhead, grid[t, "dtr", b].compute_overhead
+    return f"{'inf' if ratio == float('inf') else f'{ratio:.2f}'} at {b} ({mine:.3f} / {dtr:.3f})"
 
 
 def report(traces, results, conf, command, note=None) -> str:
     import dtralloc
     from _report import header
 
+    grid, floors = tables(traces, results)
     out = [header("dtralloc against dtr over several recordings", command)]
     out.append(f"dtralloc {dtralloc.__version__} from {os.path.dirname(dtralloc.__file__)}\n")
     if note:
@@ -114,30 +111,33 @@ def report(traces, results, conf, command, note=None) -> str:
     if conf:
         out.append(f"dtralloc's pool settings: `{conf}` (dtr: the defaults)\n")
     out.append(
-        "Per trace: the resident floor; dtralloc's and dtr's scan minimum on the 0.005 grid (every budget "
+        f"Per trace: the resident floor; dtralloc's and dtr's scan minimum on the {FINE_STEP} grid (every budget "
         "from there up runs; the lowest that runs in brackets where a hole lies between); dtralloc's holes; "
-        "its excess over the floor as a share of dtr's (`floor`: dtr within 0.02 of the floor); its worst "
-        f"overhead over dtr's at {', '.join(map(str, BUDGETS))} where both run (dtralloc's / dtr's; target "
-        f"<= {OVERHEAD_LIMIT}; inf: only dtralloc recomputes).\n")
+        f"its excess over the floor as a share of dtr's (`floor`: dtr within {FLOOR_BOUND} of the floor); its "
+        f"worst overhead over dtr's at {', '.join(map(str, BUDGETS))} where both run and one recomputes "
+        f"(dtralloc's / dtr's; target <= {OVERHEAD_TARGET}; inf: only dtralloc recomputes). The targets and "
+        "how they are measured are bench/replay_policies.py's.\n")
     out.append("| trace | floor | dtralloc | dtr | holes | excess / dtr's | worst overhead / dtr's | met |")
     out.append("|---|---|---|---|---|---|---|---|")
-    missed, excesses, holes = [], [], 0
+
+    def minimum(t, policy):
+        scan, lowest = floors[t, policy, "scan"], floors[t, policy, "lowest"]
+        if scan is None:
+            return "-"
+        return f"{scan:.3f}" + (f" ({lowest:.3f})" if lowest is not None and lowest < scan else "")
+
+    missed, holes = [], 0
     for t in traces:
-        ours, dtr = results[(t, "dtralloc")], results[(t, "dtr")]
-        v = verdict(ours, dtr)
-
-        def minimum(r):
-            return f"{r['scan']:.3f}" + (f" ({r['lowest']:.3f})" if r["lowest"] is not None and r["lowest"] < r["scan"] else "")
-
-        hole_list = ", ".join(f"{h:g}" for h in ours["holes"])
-        hole_text = str(len(ours["holes"])) + (f" ({hole_list})" if ours["holes"] else "")
-        excess_text = "floor" if v["excess"] is None else f"{v['excess']:.2f}"
-        out.append(f"| {label(t)} | {ours['floor']:.3f} | {minimum(ours)} | {minimum(dtr)} | {hole_text} | "
-                   f"{excess_text} | {fmt_ratio(v['worst'])} | {'yes' if v['met'] else 'no'} |")
-        holes += len(ours["holes"])
-        if v["excess"] is not None:
-            excesses.append(v["excess"])
-        if not v["met"]:
+        worst, _, met = verdict(t, grid, floors)
+        ratio = excess_ratio(t, "dtralloc", floors)
+        hole_list = floors[t, "dtralloc", "holes"]
+        hole_text = str(len(hole_list)) + (f" ({', '.join(f'{h:g}' for h in hole_list)})" if hole_list else "")
+        excess_text = "floor" if ratio is None else f"{ratio:.2f}"
+        out.append(f"| {label(t)} | {floors[t, 'resident floor']:.3f} | {minimum(t, 'dtralloc')} | "
+                   f"{minimum(t, 'dtr')} | {hole_text} | {excess_text} | {fmt_worst(t, worst, grid)} | "
+                   f"{'yes' if met else 'no'} |")
+        holes += len(hole_list)
+        if not met:
             missed.append(label(t))
     out.append("")
     out.append("Per model, over its recordings: dtralloc's and dtr's scan minimum (each recording), dtralloc's holes in "
@@ -148,20 +148,20 @@ def report(traces, results, conf, command, note=None) -> str:
     for t in traces:
         families.setdefault(family(t), []).append(t)
     for name, members in families.items():
-        verdicts = [verdict(results[(t, "dtralloc")], results[(t, "dtr")]) for t in members]
-        worsts = [v["worst"] for v in verdicts if v["worst"] is not None]
-        ours_min = ", ".join(f"{results[(t, 'dtralloc')]['scan']:.3f}" for t in members)
-        dtr_min = ", ".join(f"{results[(t, 'dtr')]['scan']:.3f}" for t in members)
-        holes_all = sum(len(results[(t, "dtralloc")]["holes"]) for t in members)
-        worst_text = fmt_ratio(max(worsts)) if worsts else "-"
-        met = sum(v["met"] for v in verdicts)
-        out.append(f"| {name} | {len(members)} | {ours_min} | {dtr_min} | {holes_all} | {worst_text} | "
+        verdicts = {t: verdict(t, grid, floors) for t in members}
+        worst = max(((t, v[0]) for t, v in verdicts.items() if v[0] is not None), key=lambda x: x[1][1], default=None)
+        worst_text = fmt_worst(*worst, grid) if worst else "-"
+        holes_all = sum(len(floors[t, "dtralloc", "holes"]) for t in members)
+        met = sum(v[2] for v in verdicts.values())
+        out.append(f"| {name} | {len(members)} | {', '.join(minimum(t, 'dtralloc') for t in members)} | "
+                   f"{', '.join(minimum(t, 'dtr') for t in members)} | {holes_all} | {worst_text} | "
                    f"{met} of {len(members)} |")
     out.append("")
-    mean = f"{sum(excesses) / len(excesses):.2f}" if excesses else "-"
-    out.append(f"{len(traces)} traces; dtralloc holes in all: {holes}; mean excess over the floor, dtralloc / dtr, "
-               f"over the {len(excesses)} not floor-bound: {mean} (target <= 0.6); traces missing a target: "
-               f"{', '.join(missed) if missed else 'none'}.\n")
+    mean = mean_excess(traces, floors)
+    counted = sum(excess_ratio(t, "dtralloc", floors) is not None for t in traces)
+    out.append(f"{len(traces)} traces; dtralloc holes in all: {holes}; excess over the floor, dtralloc's summed over "
+               f"dtr's, on the {counted} not floor-bound: {'-' if mean is None else f'{mean:.2f}'} "
+               f"(target <= {EXCESS_TARGET}); traces missing a target: {', '.join(missed) if missed else 'none'}.\n")
     return "\n".join(out)
 
 
@@ -241,7 +241,8 @@ def main(argv=None) -> int:
     with Pool(max(1, args.jobs)) as pool:
         for done, (t, policy, r) in enumerate(pool.imap_unordered(measure, jobs), 1):
             results[(t, policy)] = r
-            print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {r['scan']:.3f}, "
+            scan = "-" if r["scan"] is None else f"{r['scan']:.3f}"
+            print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {scan}, "
                   f"{len(r['holes'])} holes ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
     if args.save:
         saved = {}
