@@ -92,14 +92,15 @@ def _sanitizers_link(compiler: str, sanitize: str, work: Path) -> bool:
 
 
 def _toolchain(sanitize: str, work: Path) -> tuple[str, str, list[str]]:
-    """cmake, the compiler and the generator arguments; fails naming what is missing."""
+    """cmake, the compiler and the generator arguments; fails naming what is
+    missing. An empty `sanitize` asks for no sanitizer runtime."""
     cmake = _tool("cmake")
     if cmake is None:
         pytest.fail("cmake not found (neither on PATH nor the `cmake` pip package): pip install cmake ninja")
     compiler = _compiler()
     if compiler is None:
         pytest.fail("no C++ compiler found (CXX, c++, g++ or clang++): install g++ (apt-get install g++)")
-    if not _sanitizers_link(compiler, sanitize, work):
+    if sanitize and not _sanitizers_link(compiler, sanitize, work):
         pytest.fail(f"{compiler} cannot build and run -fsanitize={sanitize} programs (install its sanitizer runtime)")
     ninja = _tool("ninja")
     if ninja is not None:
@@ -139,6 +140,44 @@ def test_cpp_under_sanitizers(tmp_path: Path, sanitize: str) -> None:
     assert "100% tests passed" in output, output[-20000:]
     for name in tests:  # every test ran and reported its checks
         assert name in output, output[-20000:]
+
+
+def _dynamic_symbols(library: Path) -> list[tuple[str, str]]:
+    """(nm type letter, mangled name) of every symbol `library` defines for the
+    dynamic linker; 'u' is a GNU-unique symbol, bound process-wide."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.fail("nm not found (binutils, which g++ depends on): apt-get install binutils")
+    out = _run([nm, "-D", "--defined-only", str(library)], library.parent, 60, "nm")
+    return [(f[1], f[2]) for f in (line.split() for line in out.splitlines()) if len(f) == 3]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="ELF symbol visibility")
+def test_a_statically_linked_cxx_runtime_stays_private(tmp_path: Path) -> None:
+    """A toolchain that links libstdc++ statically (-static-libstdc++ in LDFLAGS,
+    as a GPU machine's image did) must not make libdtralloc.so export the
+    runtime: its locale ids are GNU-unique symbols, which the dynamic linker
+    binds process-wide even under RTLD_LOCAL, so a libstdc++.so loaded later
+    (torch's) would use our copy's, and `import dtralloc; import torch`
+    crashed inside torch's import (pytorch/pytorch#109923). CMakeLists.txt
+    links with --exclude-libs,ALL; this builds the library that way and reads
+    what it exports."""
+    cmake, compiler, generator = _toolchain("", tmp_path)
+    build = tmp_path / "build"
+    _run([cmake, "-S", str(ROOT), "-B", str(build), *generator,
+          f"-DCMAKE_CXX_COMPILER={compiler}", "-DDTRALLOC_BUILD_PYTHON=OFF",
+          "-DCMAKE_SHARED_LINKER_FLAGS=-static-libstdc++"], ROOT, 180, "cmake configure")
+    _run([cmake, "--build", str(build), "--parallel", JOBS, "--target", "dtralloc"], ROOT, 900, "build")
+    symbols = _dynamic_symbols(build / "libdtralloc.so")
+    assert any(name == "dtralloc_malloc" for _, name in symbols), "the C ABI is no longer exported"
+    unique = [name for kind, name in symbols if kind == "u"]
+    assert not unique, f"{len(unique)} GNU-unique symbols exported, e.g. {unique[:5]}"
+    # The runtime's own classes (std::locale, std::ios_base, the exception
+    # machinery) belong to libstdc++; templates our code instantiates may show.
+    runtime = [name for _, name in symbols
+               if name.startswith(("_ZNSt6locale", "_ZNSt8ios_base", "__cxa_", "_ZSt4cout"))]
+    assert not runtime, f"libstdc++ exported from libdtralloc.so: {runtime[:5]}"
 
 
 @pytest.mark.parametrize(
