@@ -29,11 +29,13 @@ def available() -> str:
 
 
 def require() -> None:
+    """Skips the calling test module (called at module level) when no browser
+    can be launched, or fails it where DTRALLOC_REQUIRE_BROWSER is set."""
     why = available()
     if why:
         if os.environ.get("DTRALLOC_REQUIRE_BROWSER"):
             pytest.fail(f"DTRALLOC_REQUIRE_BROWSER is set but {why}")
-        pytest.skip(why)
+        pytest.skip(why, allow_module_level=True)
 
 
 @contextlib.contextmanager
