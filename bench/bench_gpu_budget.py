@@ -319,7 +319,10 @@ class Worker:
         smoke = self.spec["smoke"]
         ladder = [f * base for f in (SMOKE_LADDER if smoke else LADDER)]
         step = max(1, base // (2 if smoke else 8))
-        while time.monotonic() < deadline:
+        probed = False
+        # The first probe runs whatever the deadline says: a search that
+        # measured nothing would read as "none fits".
+        while not probed or time.monotonic() < deadline:
             if bad is None:
                 nxt = next((b for b in ladder if b > ok), None)
                 if nxt is None:
@@ -335,6 +338,7 @@ class Worker:
             self.emit({"event": "start", "batch": nxt})
             record = self.probe(nxt)
             self.emit(record)
+            probed = True
             if record["ok"]:
                 ok = nxt
             else:
@@ -401,7 +405,6 @@ class Worker:
 
 
 def worker_main(spec: dict, emit=_print) -> int:
-    deadline = time.monotonic() + spec["deadline_s"]
     if spec["config"] == "measure":
         # Plain, uncapped, torch's allocator (CPU: the session's mirror): M.
         w = Worker({**spec, "config": "plain", "cap_bytes": None}, emit)
@@ -414,6 +417,9 @@ def worker_main(spec: dict, emit=_print) -> int:
                "torch": w.torch.__version__})
         return 0
     w = Worker(spec, emit)
+    # From here: building GPT-2 (imports, weights) took most of a short share
+    # on the first GPU run, before any probe could start.
+    deadline = time.monotonic() + spec["deadline_s"]
     known = {int(b): good for b, good in spec.get("known", {}).items()}
     largest = w.search(spec["base"], known, deadline)
     if spec["config"] == "dtr" and spec.get("check"):
@@ -430,6 +436,19 @@ def worker_main(spec: dict, emit=_print) -> int:
 
 
 # ---------------------------------------------------------------- the parent
+
+
+def death_reason(stderr: str) -> str:
+    """What a dead worker's stderr says, in one line: for a crash that
+    faulthandler reported, its "Fatal Python error" line and the innermost
+    Python frame (its last line lists extension modules, which says nothing);
+    else the last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    if fatal is not None:
+        frame = next((line for line in lines[fatal + 1:] if line.startswith("File ")), "")
+        return f"{lines[fatal]}; {frame}"[:300]
+    return (lines or ["(no output)"])[-1][:300]
 
 
 def run_config(spec: dict, hard_timeout: float, in_process: bool = False) -> list:
@@ -472,8 +491,7 @@ def run_config(spec: dict, hard_timeout: float, in_process: bool = False) -> lis
                 records.append(r)
         if rc == 0:
             return records
-        tail = (err.strip().splitlines() or ["(no output)"])[-1][:300]
-        records.append({"event": "died", "rc": rc, "batch": pending, "error": tail})
+        records.append({"event": "died", "rc": rc, "batch": pending, "error": death_reason(err)})
         if pending is None or hard_timeout < 30 or spec["config"] == "measure":
             return records
         known[pending] = False
@@ -572,7 +590,8 @@ def report(results: list, args, command: str, elapsed: float) -> str:
             best = row["best"]
             if best is None:
                 why = next((r.get("error") for r in row["probes"] + row["other"] if r.get("error")), "")
-                lines.append(f"| {config} | none fits | 0 | - | - | - | - |" + (f" {why[:120]}" if why else ""))
+                verdict = "none fits" if row["probes"] or why else "not measured (no probe ran)"
+                lines.append(f"| {config} | {verdict} | 0 | - | - | - | - |" + (f" {why[:120]}" if why else ""))
                 continue
             ov = row["overheads"]
             lines.append(

@@ -45,3 +45,44 @@ def test_smoke_run_on_cpu(tmp_path):
 
 def test_gpu_session_script_parses():
     assert subprocess.run(["bash", "-n", "bench/gpu_session.sh"], cwd=ROOT).returncode == 0
+
+
+def _bench():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_gpu_budget
+
+    return bench_gpu_budget
+
+
+def test_a_search_probes_at_least_once_whatever_its_deadline():
+    """On the first GPU run GPT-2's plain and checkpoint searches ran no probe
+    (building the model ate their share of the time) and the report said
+    "none fits"."""
+    bench = _bench()
+    common = {"model": "resnet50", "device": "cpu", "smoke": True, "base": 4}
+    (m,) = [r for r in bench.run_config({**common, "config": "measure", "deadline_s": 60}, 60, True)
+            if r["event"] == "measure"]
+    records = bench.run_config({**common, "config": "plain", "cap_bytes": m["cap_bytes"], "deadline_s": 0.0},
+                               60, True)
+    probes = [r for r in records if r["event"] == "probe"]
+    assert len(probes) == 1 and probes[0]["batch"] == 4 and probes[0]["ok"], records
+
+
+def test_a_search_that_ran_no_probe_is_not_reported_as_none_fits():
+    bench = _bench()
+    res = {"model": "gpt2", "base": 8, "configs": {"plain": []}, "measure_records": [],
+           "measure": {"cap_bytes": 1 << 30, "peak_allocated": None, "step_s": 0.1, "description": "d",
+                       "device": "cpu", "torch": "x"}}
+    args = bench.argparse.Namespace(device="cuda", smoke=False)
+    report = bench.report([res], args, "python bench/bench_gpu_budget.py", 1.0)
+    assert "| plain | not measured (no probe ran) |" in report, report
+
+
+def test_a_crashed_worker_is_reported_by_its_fatal_error_and_frame():
+    stderr = ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+              '  File "/x/torch/_ops.py", line 1402 in _get_packet\n  File "/x/y.py", line 3 in <module>\n\n'
+              "Extension modules: numpy, torch._C (total: 2)\n")
+    reason = _bench().death_reason(stderr)
+    assert reason == 'Fatal Python error: Segmentation fault; File "/x/torch/_ops.py", line 1402 in _get_packet'
+    assert _bench().death_reason("a\nValueError: bad\n") == "ValueError: bad"
+    assert _bench().death_reason("") == "(no output)"
