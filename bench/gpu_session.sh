@@ -6,7 +6,7 @@
 #
 #   session.md              date, device, versions, and each step's command, exit status and time
 #   build.log               pip install --no-build-isolation -e .
-#   pytest-gpu.md           pytest -m gpu -q (header + output)
+#   pytest-gpu.md           pytest -m gpu -v (header + output)
 #   gpu_budget-DATE.md/json bench/bench_gpu_budget.py (largest batch in a fixed memory)
 #   hot_path-DATE.md        bench/bench_hot_path.py --quick (its GPU part: torch.empty/del, native vs dtralloc)
 #   replay_fragmentation-DATE.md  bench/replay_fragmentation.py on torch-only models (its GPU part: native
@@ -14,6 +14,7 @@
 #
 #   bash bench/gpu_session.sh                 # from the repository root
 #   GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh
+#   GPU_SESSION_SKIP_BUILD=1 bash bench/gpu_session.sh    # already built (pip install --no-build-isolation -e .)
 #   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,
 #                           # with the bench in --smoke --device cpu mode, no build, no other benches
 #
@@ -29,7 +30,7 @@ mkdir -p "$OUT"
 TOTAL="${GPU_SESSION_SECONDS:-540}"
 START=$(date +%s)
 DAY=$(date -u +%Y-%m-%d)
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 SESSION="$OUT/session.md"
 REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
 BENCH_ARGS=""
@@ -81,20 +82,23 @@ step() {
 } > "$SESSION"
 
 # 1. Build (rebuilds _core and libdtralloc.so for this machine).
-[ -z "$REHEARSAL" ] && step build 200 400 "$PY -m pip install --no-build-isolation -e . > '$OUT/build.log' 2>&1"
+[ -z "$REHEARSAL" ] && [ -z "${GPU_SESSION_SKIP_BUILD:-}" ] && step build 200 400 "$PY -m pip install --no-build-isolation -e . > '$OUT/build.log' 2>&1"
 
-# 2. The budget benchmark first: it is the figure this machine is lent for,
-# and it bounds its own time (--time-limit; searches stop starting probes).
+# 2. The gpu-marked tests (tests/test_dtr_gpu.py, tests/test_gpu.py) first:
+# a figure from a runtime that is wrong on this GPU is worth nothing. Each test
+# is cut off at 100 s where pytest-timeout is installed, so one hang costs little.
+{ header "pytest -m gpu" "python -m pytest -m gpu -v"; echo '```'; } > "$OUT/pytest-gpu.md"
+PYTEST_TIMEOUT=""
+$PY -c 'import pytest_timeout' 2>/dev/null && PYTEST_TIMEOUT="--timeout 100"
+step pytest_gpu 240 260 "$PY -m pytest -m gpu -v -rfE $PYTEST_TIMEOUT -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
+echo '```' >> "$OUT/pytest-gpu.md"
+
+# 3. The budget benchmark: the figure this machine is lent for. It bounds its own time (--time-limit; searches stop starting probes).
 # Its report is rewritten after every configuration: a kill keeps what was measured.
 bench_limit=$(( $(left) - 220 ))
 [ "$bench_limit" -gt 240 ] && bench_limit=240
 step gpu_budget $((bench_limit + 40)) 200 \
   "$PY bench/bench_gpu_budget.py $BENCH_ARGS --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
-
-# 3. The gpu-marked tests (tests/test_dtr_gpu.py, tests/test_gpu.py).
-{ header "pytest -m gpu" "python -m pytest -m gpu -q"; echo '```'; } > "$OUT/pytest-gpu.md"
-step pytest_gpu 200 30 "$PY -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
-echo '```' >> "$OUT/pytest-gpu.md"
 
 # 4. The other benchmarks with a GPU part, while time is left.
 [ -n "$REHEARSAL" ] && TOTAL=0  # (their CPU parts alone take minutes)
