@@ -72,3 +72,45 @@ def test_a_forked_child_does_not_use_the_parents_pool():
     env["DTRALLOC_CUDART"] = fake_cudart_path()
     proc = subprocess.run([sys.executable, WORKER, "fork"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "PASS fork" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _real_cudart() -> str | None:
+    """A real CUDA runtime on this machine (a toolkit's), else None."""
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        for soname in ("libcudart.so.13", "libcudart.so.12"):
+            path = os.path.join(root or "", "lib64", soname)
+            if root and os.path.exists(path):
+                return path
+    return None
+
+
+@pytest.mark.skipif(_real_cudart() is None, reason="no CUDA toolkit's libcudart on this machine")
+def test_a_real_cuda_runtime_resolves_every_function_dtralloc_calls():
+    """The fake runtime mirrors the functions dtralloc declares; this loads the
+    real one (CUDA 12/13's libcudart, where a toolkit is installed) so that a
+    function missing or renamed in it fails here, not first on a GPU machine.
+    Without a GPU the pool's creation then names the runtime and the cause."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
+    env["DTRALLOC_CUDART"] = _real_cudart()
+    code = (
+        "import dtralloc\n"
+        "from dtralloc import _core\n"
+        "n = _core.cuda_device_count()\n"  # loads the runtime and resolves every symbol, or raises
+        "print('runtime', _core.cuda_runtime_path())\n"
+        "if n == 0:\n"
+        "    try:\n"
+        "        dtralloc.memory_stats(0)\n"
+        "    except RuntimeError as e:\n"
+        "        print('error', e)\n"
+        "else:\n"
+        "    print('devices', n)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert lines["runtime"] == env["DTRALLOC_CUDART"], proc.stdout
+    if "error" in lines:
+        assert "sees no usable GPU" in lines["error"] and env["DTRALLOC_CUDART"] in lines["error"], lines
+        assert "has no symbol" not in lines["error"]
+    else:
+        assert int(lines["devices"]) > 0
