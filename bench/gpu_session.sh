@@ -15,6 +15,8 @@
 #   bash bench/gpu_session.sh                 # from the repository root
 #   GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh
 #   GPU_SESSION_SKIP_BUILD=1 bash bench/gpu_session.sh    # already built (pip install --no-build-isolation -e .)
+#   GPU_SESSION_ONLY=gpu_budget bash bench/gpu_session.sh # build, then only these steps (comma-separated:
+#                           # pytest_gpu, gpu_budget, hot_path, replay_fragmentation), each with all the time left
 #   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,
 #                           # with the bench in --smoke --device cpu mode, no build, no other benches
 #
@@ -53,6 +55,11 @@ header() {  # header TITLE COMMAND: the lines every report here starts with
 # steps after it); skipped when less than 20 s would be left for it.
 step() {
   local name=$1 cap=$2 reserve=$3 cmd=$4
+  if [ -n "${GPU_SESSION_ONLY:-}" ] && [ "$name" != build ] && [[ ",$GPU_SESSION_ONLY," != *",$name,"* ]]; then
+    echo "| $name | skipped: not in GPU_SESSION_ONLY | - | \`$cmd\` |" >> "$SESSION"
+    return
+  fi
+  [ -n "${GPU_SESSION_ONLY:-}" ] && reserve=0  # nothing after it to keep time for
   local limit=$(( $(left) - reserve ))
   [ "$limit" -gt "$cap" ] && limit=$cap
   if [ "$limit" -lt 20 ]; then
@@ -97,6 +104,7 @@ echo '```' >> "$OUT/pytest-gpu.md"
 # Its report is rewritten after every configuration: a kill keeps what was measured.
 bench_limit=$(( $(left) - 220 ))
 [ "$bench_limit" -gt 240 ] && bench_limit=240
+[ -n "${GPU_SESSION_ONLY:-}" ] && bench_limit=$(( $(left) - 40 ))  # the step alone: all but its margin
 step gpu_budget $((bench_limit + 40)) 200 \
   "$PY bench/bench_gpu_budget.py $BENCH_ARGS --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
 
