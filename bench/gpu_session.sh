@@ -100,7 +100,8 @@ $PY -c 'import pytest_timeout' 2>/dev/null && PYTEST_TIMEOUT="--timeout 100"
 step pytest_gpu 240 260 "$PY -m pytest -m gpu -v -rfE $PYTEST_TIMEOUT -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
 echo '```' >> "$OUT/pytest-gpu.md"
 
-# 3. The budget benchmark: the figure this machine is lent for. It bounds its own time (--time-limit; searches stop starting probes).
+# 3. The budget benchmark: the figure this machine is lent for. It bounds its
+# own time (--time-limit; searches stop starting probes).
 # Its report is rewritten after every configuration: a kill keeps what was measured.
 bench_limit=$(( $(left) - 220 ))
 [ "$bench_limit" -gt 240 ] && bench_limit=240
