@@ -232,15 +232,26 @@ def verdict(name, grid, floors) -> tuple:
     return worst, min_ok, met
 
 
-def mean_excess(names, floors) -> float | None:
-    """dtralloc's summed excess over the floor over dtr's, on the traces that
-    are not floor-bound (None if there are none)."""
+def mean_excess(names, floors) -> tuple:
+    """(dtralloc's summed excess over the floor over dtr's, or None; how many
+    traces it counts): the traces that are not floor-bound and where both run."""
     mine = dtr = 0.0
+    counted = 0
     for name in names:
         if excess_ratio(name, "dtralloc", floors) is not None:
             mine += floors[name, "dtralloc", "scan"] - floors[name, "resident floor"]
             dtr += floors[name, "dtr", "scan"] - floors[name, "resident floor"]
-    return mine / dtr if dtr > 0 else None
+            counted += 1
+    return (mine / dtr if dtr > 0 else None), counted
+
+
+def scan_cell(name, policy, floors) -> str:
+    """A policy's scan minimum, and in brackets the lowest feasible budget
+    where it is lower (a hole lies between); '-' where it never runs."""
+    scan, lowest = floors[name, policy, "scan"], floors[name, policy, "lowest"]
+    if scan is None:
+        return "-"
+    return f"{scan:.3f}" + (f" ({lowest:.3f})" if lowest is not None and lowest < scan else "")
 
 
 def targets(names, grid, floors) -> list:
@@ -256,12 +267,6 @@ def targets(names, grid, floors) -> list:
             "min <= dtr's | all met |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
 
-    def cell(name, policy):
-        scan, lowest = floors[name, policy, "scan"], floors[name, policy, "lowest"]
-        if scan is None:
-            return "-"
-        return f"{scan:.3f}" + (f" ({lowest:.3f})" if lowest is not None and lowest < scan else "")
-
     bound, failed = [], []
     for name in names:
         holes = floors[name, "dtralloc", "holes"]
@@ -272,13 +277,13 @@ def targets(names, grid, floors) -> list:
         worst, min_ok, met = verdict(name, grid, floors)
         if not met:
             failed.append(name)
-        out.append(f"| {name} | {floor:.3f} | {cell(name, 'dtralloc')} | {cell(name, 'dtr')} | {cell(name, 'msps')} | "
+        out.append(f"| {name} | {floor:.3f} | {scan_cell(name, 'dtralloc', floors)} | {scan_cell(name, 'dtr', floors)} | "
+                   f"{scan_cell(name, 'msps', floors)} | "
                    f"{len(holes)}{' (' + ', '.join(f'{h:.3f}' for h in holes) + ')' if holes else ''} | "
                    f"{'floor' if name in bound else (f'{ratio:.2f}' if ratio is not None else '-')} | "
                    f"{f'{worst[1]:.2f} at {worst[0]}' if worst else '-'} | {'yes' if min_ok else 'no'} | "
                    f"{'yes' if met else 'no'} |")
-    mean = mean_excess(names, floors)
-    counted = sum(excess_ratio(name, "dtralloc", floors) is not None for name in names)
+    mean, counted = mean_excess(names, floors)
     out.append("")
     out.append(f"Floor-bound traces: {', '.join(bound) or 'none'}. Mean excess over the floor, dtralloc / dtr, "
                f"over the {counted} traces that are not: "

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 # One definition of the targets and how they are measured: the policy bench's.
 from replay_policies import (BUDGETS, EXCESS_TARGET, FINE_STEP, FLOOR_BOUND, OVERHEAD_TARGET, excess_ratio,
-                             mean_excess, scan_of, verdict)
+                             mean_excess, scan_cell, scan_of, verdict)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # What record_zoo.py records with no model named: every model at GPU scale, and the compact ones.
@@ -120,12 +120,6 @@ def report(traces, results, conf, command, note=None) -> str:
     out.append("| trace | floor | dtralloc | dtr | holes | excess / dtr's | worst overhead / dtr's | met |")
     out.append("|---|---|---|---|---|---|---|---|")
 
-    def minimum(t, policy):
-        scan, lowest = floors[t, policy, "scan"], floors[t, policy, "lowest"]
-        if scan is None:
-            return "-"
-        return f"{scan:.3f}" + (f" ({lowest:.3f})" if lowest is not None and lowest < scan else "")
-
     missed, holes = [], 0
     for t in traces:
         worst, _, met = verdict(t, grid, floors)
@@ -133,8 +127,8 @@ def report(traces, results, conf, command, note=None) -> str:
         hole_list = floors[t, "dtralloc", "holes"]
         hole_text = str(len(hole_list)) + (f" ({', '.join(f'{h:g}' for h in hole_list)})" if hole_list else "")
         excess_text = "floor" if ratio is None else f"{ratio:.2f}"
-        out.append(f"| {label(t)} | {floors[t, 'resident floor']:.3f} | {minimum(t, 'dtralloc')} | "
-                   f"{minimum(t, 'dtr')} | {hole_text} | {excess_text} | {fmt_worst(t, worst, grid)} | "
+        out.append(f"| {label(t)} | {floors[t, 'resident floor']:.3f} | {scan_cell(t, 'dtralloc', floors)} | "
+                   f"{scan_cell(t, 'dtr', floors)} | {hole_text} | {excess_text} | {fmt_worst(t, worst, grid)} | "
                    f"{'yes' if met else 'no'} |")
         holes += len(hole_list)
         if not met:
@@ -153,12 +147,11 @@ def report(traces, results, conf, command, note=None) -> str:
         worst_text = fmt_worst(*worst, grid) if worst else "-"
         holes_all = sum(len(floors[t, "dtralloc", "holes"]) for t in members)
         met = sum(v[2] for v in verdicts.values())
-        out.append(f"| {name} | {len(members)} | {', '.join(minimum(t, 'dtralloc') for t in members)} | "
-                   f"{', '.join(minimum(t, 'dtr') for t in members)} | {holes_all} | {worst_text} | "
+        out.append(f"| {name} | {len(members)} | {', '.join(scan_cell(t, 'dtralloc', floors) for t in members)} | "
+                   f"{', '.join(scan_cell(t, 'dtr', floors) for t in members)} | {holes_all} | {worst_text} | "
                    f"{met} of {len(members)} |")
     out.append("")
-    mean = mean_excess(traces, floors)
-    counted = sum(excess_ratio(t, "dtralloc", floors) is not None for t in traces)
+    mean, counted = mean_excess(traces, floors)
     out.append(f"{len(traces)} traces; dtralloc holes in all: {holes}; excess over the floor, dtralloc's summed over "
                f"dtr's, on the {counted} not floor-bound: {'-' if mean is None else f'{mean:.2f}'} "
                f"(target <= {EXCESS_TARGET}); traces missing a target: {', '.join(missed) if missed else 'none'}.\n")
