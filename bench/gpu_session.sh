@@ -116,5 +116,19 @@ step replay_fragmentation 120 5 \
   "$PY bench/replay_fragmentation.py --traces resnet50 mlp --out '$OUT/replay_fragmentation-$DAY.md' > '$OUT/replay_fragmentation.log' 2>&1"
 
 echo >> "$SESSION"
+# What the build linked: a C++ runtime linked statically into the modules
+# (no libstdc++.so among their needs) crashed torch's import on the first GPU
+# image (stop 21); --exclude-libs keeps it private. Recorded here so a report
+# says which kind of build it measured.
+if [ -z "$REHEARSAL" ]; then
+  {
+    echo "toolchain: $(c++ --version 2>/dev/null | head -1); flags: CXXFLAGS='${CXXFLAGS:-}' LDFLAGS='${LDFLAGS:-}'"
+    for so in $($PY -c 'import dtralloc._core as c, dtralloc._native as n; print(c.__file__, n.library_path())' 2>/dev/null); do
+      echo "- $so needs: $(readelf -d "$so" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | tr '\n' ' ')" \
+           "GNU-unique exports: $(nm -D --defined-only "$so" 2>/dev/null | grep -c ' u ')"
+    done
+    echo "- import dtralloc, then torch, then a CUDA tensor: $($PY -X faulthandler -c 'import dtralloc, torch; torch.zeros(1, device="cuda"); print("ok")' 2>&1 | tail -1)"
+  } >> "$SESSION"
+fi
 echo "total: $(( $(date +%s) - START ))s of ${TOTAL}s" >> "$SESSION"
 cat "$SESSION"
