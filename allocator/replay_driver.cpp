@@ -53,6 +53,8 @@ void ReplayTrace::validate() const {
   const std::size_t s = nbytes.size(), n = num_ops();
   if (initial.size() != s || random.size() != n)
     throw std::invalid_argument("replay: per-storage or per-op columns differ in length");
+  if (!kept.empty() && kept.size() != s)
+    throw std::invalid_argument("replay: 'kept' has an entry per storage, or none");
   check_csr(inputs_offsets, inputs, n, s, "inputs");
   check_csr(created_offsets, created, n, s, "created");
   check_csr(mutated_offsets, mutated, n, s, "mutated");
@@ -118,6 +120,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   if (options.history_entries) allocator.set_history_entries(options.history_entries);
 
   std::vector<int> current(t.nbytes.size(), -1);  // storage id -> its current value
+  auto kept = [&](int sid) { return !t.kept.empty() && t.kept[sid] != 0; };
   auto check = [&] {
     if (!options.check_invariants) return;
     allocator.check_invariants();
@@ -146,11 +149,12 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
       const int op = engine.begin_op(call);
       for (int k = t.created_offsets[i]; k < t.created_offsets[i + 1]; ++k) {
         const int sid = t.created[k];
-        current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes);
+        current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes || kept(sid));
       }
       for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) {
         const int sid = t.mutated[k];
         current[sid] = engine.write(op, current[sid]);
+        if (kept(sid)) engine.pin(current[sid]);  // each version the program holds
       }
       if (options.series)
         out.series.add(static_cast<std::int32_t>(i), allocator.sample(), evicting ? engine.evictable_resident_bytes() : 0);

@@ -26,6 +26,11 @@ namespace dtralloc {
 struct ReplayTrace {
   std::vector<std::size_t> nbytes;     // per storage
   std::vector<std::uint8_t> initial;   // per storage
+  // Per storage, or empty (none): made during the step and still alive when
+  // it returned (Storage.outlives), so the program holds it from the op that
+  // makes it (a parameter's gradient, the loss): pinned, never evicted, as
+  // the live driver finds it (LiveSession::held_elsewhere).
+  std::vector<std::uint8_t> kept;
   std::vector<int> frees_before;
   std::vector<int> inputs_offsets, inputs;
   std::vector<int> created_offsets, created;

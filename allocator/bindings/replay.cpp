@@ -102,6 +102,7 @@ void bind_replay(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("nbytes", &ReplayTrace::nbytes)
       .def_readwrite("initial", &ReplayTrace::initial)
+      .def_readwrite("kept", &ReplayTrace::kept)
       .def_readwrite("frees_before", &ReplayTrace::frees_before)
       .def_readwrite("inputs_offsets", &ReplayTrace::inputs_offsets)
       .def_readwrite("inputs", &ReplayTrace::inputs)

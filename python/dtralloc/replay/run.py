@@ -21,6 +21,7 @@ def replay(
     check_invariants: bool = False,
     progress: Optional[Callable[[int, int], None]] = None,
     history: bool = False,
+    pin_outliving: bool = True,
 ) -> ReplayResult:
     """Run `trace` through a fresh pool and measure it.
 
@@ -36,6 +37,13 @@ def replay(
         history: keep the pool's alloc/free/segment events, each stamped
             with its op (``result.history``, numpy columns; what the
             dashboard's address views draw).
+        pin_outliving: storages made during the step and still alive after
+            it (``Storage.outlives``: the parameters' gradients, the loss)
+            are held by the program from the op that makes them, so they
+            are pinned, as a live session finds them (``dtralloc.dtr``
+            cannot evict what the program references). False replays them
+            as recomputable, as replays before 2026-11-23 did; their
+            budgets were optimistic by up to 0.09 of the peak (docs/live.md, "Live against replay").
     """
     trace = _as_trace(trace)
     if policy not in POLICIES:
@@ -43,7 +51,7 @@ def replay(
     text = _pool_conf(conf)
     if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
         policy = _core.describe_config(text)[_POLICY_ROW]["value"]
-    columns = replay_columns(trace)
+    columns = replay_columns(trace, pin_outliving)
     entries = _history_entries(trace) if history else 0
     if budget is None and policy == "none":  # the replay is its own no-eviction reference
         result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries)
@@ -96,8 +104,9 @@ def _resolve_budget(budget, reference: int) -> int:
     return size_in_bytes(budget, "dtralloc.replay", "None, bytes (an int), a size such as '20G' or a fraction")
 
 
-def replay_columns(trace: Trace) -> _core.ReplayTrace:
-    """`trace` as the replay driver's columns (a bound struct, CSR lists)."""
+def replay_columns(trace: Trace, pin_outliving: bool = True) -> _core.ReplayTrace:
+    """`trace` as the replay driver's columns (a bound struct, CSR lists);
+    `pin_outliving` as in :func:`replay`."""
     def csr(lists):
         offsets, values = [0], []
         for item in lists:
@@ -109,6 +118,10 @@ def replay_columns(trace: Trace) -> _core.ReplayTrace:
     t = _core.ReplayTrace()
     t.nbytes = [s.nbytes for s in trace.storages]
     t.initial = [int(s.initial) for s in trace.storages]
+    # Made in the step and alive after it: the program holds them (gradients,
+    # the loss), so they are pinned from the op that makes them, as live.
+    if pin_outliving:
+        t.kept = [int(s.outlives and not s.initial) for s in trace.storages]
     t.frees_before = list(trace.frees_before)
     t.inputs_offsets, t.inputs = csr([o.inputs for o in ops])
     t.created_offsets, t.created = csr([o.created for o in ops])
@@ -137,21 +150,23 @@ def _run(columns, budget_bytes: int, policy: str, conf: str, check: bool, progre
     return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, history_entries, progress)
 
 
-def resident_floor(trace: Union[Trace, str], conf: ConfLike = None) -> float:
+def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outliving: bool = True) -> float:
     """The budget fraction below which no eviction policy can run `trace`.
 
     At every op some bytes cannot be evicted: initial storages (parameters,
-    optimizer state), values made unrecomputable by an in-place write to
-    them, and the op's own inputs and outputs. The largest such sum over the
+    optimizer state), what the program keeps after the step (gradients, the
+    loss; `pin_outliving` as in :func:`replay`), values made unrecomputable
+    by an in-place write to them, and the op's own inputs and outputs. The largest such sum over the
     step, as a fraction of the no-eviction peak reserved, bounds every
     policy's ``min_feasible_budget`` from below (the pool's fragmentation
     comes on top)."""
     trace = _as_trace(trace)
-    r = _run(replay_columns(trace), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
+    r = _run(replay_columns(trace, pin_outliving), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
     return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
 
 
-def _feasibility(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str):
+def _feasibility(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str,
+                 pin_outliving: bool):
     """(trace, feasible(fraction) -> bool) for the budget searches, arguments checked."""
     trace = _as_trace(trace)
     if policy == "none":
@@ -159,7 +174,7 @@ def _feasibility(trace, policy: str, conf: ConfLike, reference_bytes: Optional[i
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.{caller}: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
     text = _pool_conf(conf)
-    columns = replay_columns(trace)
+    columns = replay_columns(trace, pin_outliving)
     if reference_bytes is not None and (isinstance(reference_bytes, bool) or not isinstance(reference_bytes, int)
                                         or reference_bytes <= 0):
         raise ValueError(f"dtralloc.{caller}: reference_bytes must be a positive int, not {reference_bytes!r}")
@@ -179,7 +194,7 @@ def _check_step(step: float, caller: str, name: str) -> int:
 
 def min_feasible_budget(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01,
-    method: str = "bisect", reference_bytes: Optional[int] = None,
+    method: str = "bisect", reference_bytes: Optional[int] = None, pin_outliving: bool = True,
 ) -> Optional[float]:
     """Smallest budget fraction (of the no-eviction peak reserved) at which
     `policy` completes the trace; None if even 1.0 fails.
@@ -195,22 +210,26 @@ def min_feasible_budget(
     budget can fail where a smaller one runs (a "hole", see
     :func:`feasible_budgets`). Where a policy has a hole, bisection may
     report a point below a budget that fails; where it has none, both
-    methods find the same boundary, to within `tolerance`. On the 0.005 grid
-    the policy bench (bench/results/replay_policies-*.md) finds none for
-    ``dtralloc`` on any of the 16 bundled traces: before a recompute's
+    methods find the same boundary, to within `tolerance`. With gradients
+    replayed as recomputable (``pin_outliving=False``) the policy bench
+    (bench/results/replay_policies-*.md) found none for ``dtralloc`` on the
+    0.005 grid of any of the 16 bundled traces: before a recompute's
     out-of-memory leaves, the engine evicts everything evictable and starts
-    the op's recomputes over (docs/engine.md). Other recordings of the same
-    models still have a few (bench/results/replay_recordings-*.md), and off
-    the grid a hole can remain, so bisection can stop above the scan's
-    answer. Use the scan for a budget you can rely on.
+    the op's recomputes over (docs/engine.md). With them pinned, as live,
+    unet and lstm-compact have holes again, and other recordings of the
+    same models had a few either way (bench/results/replay_recordings-*.md);
+    off the grid a hole can remain too, so bisection can stop above the
+    scan's answer. Use the scan for a budget you can rely on.
 
     Fractions are of the no-eviction peak reserved under `conf`, or of
     `reference_bytes` when given (to compare settings against one fixed
-    reference, such as the default pool's peak)."""
+    reference, such as the default pool's peak). `pin_outliving` as in
+    :func:`replay`."""
     if method not in ("bisect", "scan"):
         raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
     steps = _check_step(tolerance, "min_feasible_budget", "tolerance")
-    trace, feasible = _feasibility(trace, policy, conf, reference_bytes, "min_feasible_budget")
+    trace, feasible = _feasibility(trace, policy, conf, reference_bytes, "min_feasible_budget",
+                                    pin_outliving)
     if not feasible(1.0):
         return None
     if method == "scan":
@@ -233,7 +252,7 @@ def min_feasible_budget(
 
 def feasible_budgets(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, step: float = 0.005,
-    lowest: float = 0.0, reference_bytes: Optional[int] = None,
+    lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True,
 ) -> dict[float, bool]:
     """Whether `policy` completes the trace at every budget fraction on the
     grid of `step`, from 1.0 down to `lowest` (say the trace's
@@ -241,11 +260,13 @@ def feasible_budgets(
     highest first. A *hole* is a failing fraction above the lowest feasible
     one: more memory, and the step ran out. One replay per grid point.
 
-    Fractions, `conf` and `reference_bytes` as in :func:`min_feasible_budget`."""
+    Fractions, `conf`, `reference_bytes` and `pin_outliving` as in
+    :func:`min_feasible_budget`."""
     steps = _check_step(step, "feasible_budgets", "step")
     if not 0 <= lowest <= 1:
         raise ValueError(f"dtralloc.feasible_budgets: lowest must be in [0, 1], not {lowest!r}")
-    trace, feasible = _feasibility(trace, policy, conf, reference_bytes, "feasible_budgets")
+    trace, feasible = _feasibility(trace, policy, conf, reference_bytes, "feasible_budgets",
+                                    pin_outliving)
     out = {}
     for k in range(steps, 0, -1):
         fraction = k / steps
