@@ -47,6 +47,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RECORD_ARGS = ([], ["--compact", "lstm", "vit", "encdec", "convbn", "moe"])
 
 
+# What the replays here modelled, saved with the figures: a --dtr-from file
+# measured under another model does not compare (replay(pin_outliving=...)).
+MODEL_KEY, MODEL = "_replay", {"pin_outliving": True}
+
+
 def measure(job):
     """One policy on one trace: overhead per budget, the 0.005 grid from 1.0 to the floor."""
     import dtralloc
@@ -222,6 +227,10 @@ def main(argv=None) -> int:
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             parser.error(f"--dtr-from {args.dtr_from}: {e}")
+        if saved.get(MODEL_KEY) != MODEL:
+            parser.error(f"--dtr-from {args.dtr_from} was measured with what outlives the step replayed as "
+                         f"recomputable (before 2026-11-23; replay(pin_outliving=False)): its dtr figures do "
+                         f"not compare with dtralloc's now. Measure both again (drop --dtr-from) and --save them")
         for t in traces:
             r = saved.get(t, {}).get("dtr")
             if r is None:
@@ -238,7 +247,7 @@ def main(argv=None) -> int:
             print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {scan}, "
                   f"{len(r['holes'])} holes ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
     if args.save:
-        saved = {}
+        saved = {MODEL_KEY: MODEL}
         for (t, policy), r in results.items():
             saved.setdefault(t, {})[policy] = r
         with open(args.save, "w") as f:

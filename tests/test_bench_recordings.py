@@ -2,6 +2,7 @@
 targets table (dtralloc against dtr), and its errors for bad arguments."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,9 @@ def test_dtr_figures_can_be_reused(tmp_path):
     assert table == [line for line in second.read_text().splitlines() if line.startswith("| mlp")]
     proc = run("--traces", "lstm-compact", "--dtr-from", str(saved))
     assert proc.returncode == 2 and "has no dtr figures for lstm-compact" in proc.stderr
+    # Figures saved before gradients were pinned (no model key) are refused.
+    figures = json.loads(saved.read_text())
+    del figures["_replay"]
+    saved.write_text(json.dumps(figures))
+    proc = run("--traces", "mlp", "--dtr-from", str(saved))
+    assert proc.returncode == 2 and "replayed as recomputable" in proc.stderr
