@@ -43,7 +43,8 @@ def replay(
             are pinned, as a live session finds them (``dtralloc.dtr``
             cannot evict what the program references). False replays them
             as recomputable, as replays before 2026-11-23 did; their
-            budgets were optimistic by up to 0.09 of the peak (docs/live.md, "Live against replay").
+            budgets were optimistic by up to 0.09 of the peak (docs/live.md,
+            "Live against replay").
     """
     trace = _as_trace(trace)
     if policy not in POLICIES:
@@ -156,10 +157,10 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outlivin
     At every op some bytes cannot be evicted: initial storages (parameters,
     optimizer state), what the program keeps after the step (gradients, the
     loss; `pin_outliving` as in :func:`replay`), values made unrecomputable
-    by an in-place write to them, and the op's own inputs and outputs. The largest such sum over the
-    step, as a fraction of the no-eviction peak reserved, bounds every
-    policy's ``min_feasible_budget`` from below (the pool's fragmentation
-    comes on top)."""
+    by an in-place write to them, and the op's own inputs and outputs. The
+    largest such sum over the step, as a fraction of the no-eviction peak
+    reserved, bounds every policy's ``min_feasible_budget`` from below (the
+    pool's fragmentation comes on top)."""
     trace = _as_trace(trace)
     r = _run(replay_columns(trace, pin_outliving), 0, "none", _pool_conf(conf), False, None, measure_floor=True)
     return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
