@@ -160,11 +160,27 @@ def test_min_feasible_budget_scan(traces):
     assert not dtralloc.replay(trace, budget=s - tol, policy="dtralloc").feasible
 
 
+def _hand_trace(storages, ops, outliving):
+    """A Trace of hand-made storages and ops: each op's outputs are what it
+    creates; the storages in `outliving` are alive after the step."""
+    from dtralloc.trace import Trace
+
+    for i, op in enumerate(ops):
+        op.outputs = list(op.created)
+        for s in op.created:
+            storages[s].producer = i
+    for s in outliving:
+        storages[s].outlives = True
+    t = Trace(storages, ops, [], {"name": "hand"})
+    t.validate()
+    return t
+
+
 def test_resident_floor_by_hand():
     """P (initial) -> a0 -> a1 -> a2 -> a3, backward reads them back; every
     storage 16 MiB. The most that must be resident at once is P plus an op's
     inputs and outputs: 4 storages (g3, a2 -> g2 or g1, a0, P -> gp)."""
-    from dtralloc.trace import Op, Storage, Trace
+    from dtralloc.trace import Op, Storage
 
     M = 16 << 20
     P, a0, a1, a2, a3, g3, g2, g1, gp = range(9)
@@ -179,13 +195,7 @@ def test_resident_floor_by_hand():
         Op("b1", inputs=[g2, a1], created=[g1], frees=[g2, a1], backward=True, duration_ns=1),
         Op("b0", inputs=[g1, a0, P], created=[gp], frees=[g1, a0], backward=True, duration_ns=1),
     ]
-    for i, op in enumerate(ops):
-        op.outputs = list(op.created)
-        for s in op.created:
-            storages[s].producer = i
-    storages[gp].outlives = storages[P].outlives = True
-    t = Trace(storages, ops, [], {"name": "hand"})
-    t.validate()
+    t = _hand_trace(storages, ops, outliving=(gp, P))
     baseline = dtralloc.replay(t).peak_reserved_bytes
     floor = dtralloc.resident_floor(t)
     assert floor == pytest.approx(4 * M / baseline)
@@ -200,7 +210,7 @@ def test_what_outlives_the_step_is_pinned(traces):
     holds g (a live session cannot evict it): pinned, the step does not fit.
     As replays did before 2026-11-23 (pin_outliving=False), it fits by
     evicting g, which the program would read after the step."""
-    from dtralloc.trace import Op, Storage, Trace
+    from dtralloc.trace import Op, Storage
 
     M = 4 << 20
     P, g, a, b = range(4)
@@ -208,13 +218,7 @@ def test_what_outlives_the_step_is_pinned(traces):
     ops = [Op("grad", inputs=[P], created=[g], duration_ns=10),
            Op("fwd", inputs=[P], created=[a], duration_ns=10),
            Op("use", inputs=[a], created=[b], frees=[a, b], duration_ns=10)]
-    for i, op in enumerate(ops):
-        op.outputs = list(op.created)
-        for x in op.created:
-            storages[x].producer = i
-    storages[P].outlives = storages[g].outlives = True
-    t = Trace(storages, ops, [], {"name": "hand"})
-    t.validate()
+    t = _hand_trace(storages, ops, outliving=(P, g))
     budget = 14 << 20
     for policy in EVICTING:
         before = dtralloc.replay(t, budget=budget, policy=policy, pin_outliving=False)
