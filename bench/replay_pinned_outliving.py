@@ -103,7 +103,8 @@ def report(rows: list[dict], policies: list[str], command: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", nargs="+", default=None, help="bundled names or .dtrace paths (default: all bundled)")
-    ap.add_argument("--policies", nargs="+", default=["dtralloc", "dtr"], choices=list(dtralloc.POLICIES))
+    ap.add_argument("--policies", nargs="+", default=["dtralloc", "dtr"],
+                    choices=[p for p in dtralloc.POLICIES if p != "none"])
     ap.add_argument("--jobs", type=int, default=2, help="traces replayed in parallel (processes)")
     ap.add_argument("--out", default=None, help="also write the report here")
     args = ap.parse_args(argv)

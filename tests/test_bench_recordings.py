@@ -70,3 +70,23 @@ def test_dtr_figures_can_be_reused(tmp_path):
     saved.write_text(json.dumps(figures))
     proc = run("--traces", "mlp", "--dtr-from", str(saved))
     assert proc.returncode == 2 and "replayed as recomputable" in proc.stderr
+
+
+def test_pinned_outliving_bench(tmp_path):
+    """bench/replay_pinned_outliving.py: each trace replayed with and without
+    what outlives the step pinned, side by side."""
+    out = tmp_path / "pinned.md"
+    proc = subprocess.run([sys.executable, "bench/replay_pinned_outliving.py", "--traces", "convbn-compact",
+                           "--policies", "dtralloc", "--jobs", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| convbn-compact")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1].startswith("41 (14.14 MiB")  # its gradients (and the loss)
+    before, after = (float(x) for x in cells[2].split(" -> "))
+    assert after > before  # the floor rises: gradients are pinned in backward
+    before, after = (float(x) for x in cells[3].split(" -> "))
+    assert after >= before
+    proc = subprocess.run([sys.executable, "bench/replay_pinned_outliving.py", "--traces", "nosuch"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no bundled trace or file 'nosuch'" in proc.stderr
