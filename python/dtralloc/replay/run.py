@@ -42,9 +42,9 @@ def replay(
             are held by the program from the op that makes them, so they
             are pinned, as a live session finds them (``dtralloc.dtr``
             cannot evict what the program references). False replays them
-            as recomputable, as replays before 2026-11-23 did; their
-            budgets were optimistic by up to 0.09 of the peak (docs/live.md,
-            "Live against replay").
+            as recomputable, as replays before 2026-11-23 did; dtralloc's
+            lowest budgets were then up to 0.09 of the peak too low
+            (docs/live.md, "Live against replay").
     """
     trace = _as_trace(trace)
     if policy not in POLICIES:
