@@ -83,7 +83,9 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stamp();
-      if (Block* b = try_allocate(rounded, size, stream)) {
+      // Homes are spared on the first try only: the request an eviction made
+      // room for may take the room its victims left.
+      if (Block* b = try_allocate(rounded, size, stream, round == 0)) {
         b->owner = owner;
         record(TraceAction::kAlloc, b->addr, size, stream, b->size);
         return reinterpret_cast<void*>(b->addr);
@@ -108,7 +110,52 @@ void Allocator::throw_oom(std::size_t size, std::size_t rounded, Stream stream) 
   throw OutOfMemoryError(oom_message(size, rounded, stream));
 }
 
-Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream) {
+// Candidates past the best fit that step 1 looks at before taking it anyway.
+constexpr int kSpareSearch = 16;
+
+bool Allocator::in_home(const Block* block) const {
+  const std::uintptr_t lo = block->addr > largest_home_ ? block->addr - largest_home_ : 0;
+  for (auto it = homes_.upper_bound(lo); it != homes_.end() && it->first < block->addr + block->size; ++it)
+    if (it->first + it->second.size > block->addr) return true;
+  return false;
+}
+
+void Allocator::keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size) {
+  if (config_.spare_evicted != Switch::kOn || size <= kSmallSize || !addr) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto [it, fresh] = home_of_.try_emplace({owner, value}, addr);
+  if (!fresh) return;  // kept already (an engine drops a home before keeping another)
+  homes_.emplace(addr, Home{size, owner, value});
+  largest_home_ = std::max(largest_home_, size);
+}
+
+void Allocator::drop_home(const void* owner, int value) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = home_of_.find({owner, value});
+  if (it == home_of_.end()) return;
+  auto range = homes_.equal_range(it->second);
+  for (auto h = range.first; h != range.second; ++h)
+    if (h->second.owner == owner && h->second.value == value) {
+      homes_.erase(h);
+      break;
+    }
+  home_of_.erase(it);
+}
+
+void Allocator::drop_homes(const void* owner) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = homes_.begin(); it != homes_.end();)
+    it = it->second.owner == owner ? homes_.erase(it) : std::next(it);
+  for (auto it = home_of_.begin(); it != home_of_.end();)
+    it = it->first.first == owner ? home_of_.erase(it) : std::next(it);
+}
+
+std::size_t Allocator::homes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return homes_.size();
+}
+
+Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream, bool spare_homes) {
   // Events are polled unless the stream captures (a query would invalidate
   // the capture); their blocks then wait until after it, as in torch.
   int capturing = -1;  // unknown: asked of the backend at most once
@@ -118,9 +165,14 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   };
   if (!pending_events_.empty() && !is_capturing()) process_events();
   PoolKind pool = BlockPool::pool_for(rounded);
-  // 1. cached block
-  if (Block* b = pool_.find_free(pool, stream, rounded))
+  // 1. cached block (one that no evicted value left, if one fits: spare_evicted)
+  if (spare_homes && !homes_.empty()) {
+    if (Block* b = pool_.find_free_sparing(pool, stream, rounded, [this](const Block* c) { return in_home(c); },
+                                           kSpareSearch))
+      return pool_.allocate_from(b, rounded, requested);
+  } else if (Block* b = pool_.find_free(pool, stream, rounded)) {
     return pool_.allocate_from(b, rounded, requested);
+  }
   // Every step below may call cudaMalloc, cudaFree or wait on events.
   if (is_capturing()) refuse_capture(requested, stream);
   // 2. new segment (after GC, if configured)

@@ -33,10 +33,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -188,6 +190,15 @@ class Allocator {
     tight_segments_ = on;
     if (on) empty_cache();
   }
+  // Where an evicted value's block was (config spare_evicted): until the
+  // value is recomputed or dies, a request that a cached block elsewhere can
+  // serve is not placed there (try_allocate, step 1). `owner` tells apart the
+  // engines sharing the pool (live sessions on CUDA); values are theirs.
+  // Blocks of 1 MiB or less are not kept. Any thread, the pool's lock taken.
+  void keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size);
+  void drop_home(const void* owner, int value);
+  void drop_homes(const void* owner);  // every home of `owner` (its engine ends)
+  std::size_t homes();                 // how many are kept (tests)
   // A live DTR session's budget (bytes, at most the capacity) in place of the
   // configured one while it runs; 0 restores the configured budget.
   void override_budget(std::size_t bytes);
@@ -263,7 +274,7 @@ class Allocator {
   Backend& backend() { return *backend_; }
 
  private:
-  Block* try_allocate(std::size_t rounded, std::size_t requested, Stream stream);
+  Block* try_allocate(std::size_t rounded, std::size_t requested, Stream stream, bool spare_homes);
   [[noreturn]] void refuse_capture(std::size_t size, Stream stream);
   Block* allocate_segment(std::size_t rounded, std::size_t requested, Stream stream);
   void release_segment(Segment* seg);
@@ -300,6 +311,17 @@ class Allocator {
   std::atomic<std::size_t> budget_bytes_;
   std::shared_ptr<EvictionHook> hook_;
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
+  // keep_home: by address (homes may overlap: a value placed in another's
+  // home and evicted too), and by (owner, value) to drop them.
+  struct Home {
+    std::size_t size;
+    const void* owner;
+    int value;
+  };
+  std::multimap<std::uintptr_t, Home> homes_;
+  std::map<std::pair<const void*, int>, std::uintptr_t> home_of_;
+  std::size_t largest_home_ = 0;      // the query window below a block's address
+  bool in_home(const Block* block) const;
   std::uint64_t tick_ = 0;            // advances on every free; GC age
 
   std::vector<PendingEvent> pending_events_;

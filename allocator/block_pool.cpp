@@ -117,6 +117,23 @@ Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) c
   return b;
 }
 
+Block* BlockPool::find_free_sparing(PoolKind pool, Stream stream, std::size_t rounded,
+                                    const std::function<bool(const Block*)>& avoid, int limit) const {
+  Block* first = find_free(pool, stream, rounded);
+  if (!first || !avoid(first)) return first;
+  auto it = free_[pool].find(first);
+  for (int k = 0; k < limit && ++it != free_[pool].end(); ++k) {
+    Block* b = *it;
+    if (b->stream != stream) break;
+    // find_free's limits, which only tighten as blocks grow: past them, none.
+    if (config_.max_split_size_mb != kNoLimit &&
+        (oversize(rounded) ? b->size - rounded >= config_.max_non_split_rounding_mb : oversize(b->size)))
+      break;
+    if (!avoid(b)) return b;
+  }
+  return first;
+}
+
 bool BlockPool::should_split(const Block* block, std::size_t rounded) const {
   std::size_t rest = block->size - rounded;
   if (block->segment->pool == kSmallPool) return rest >= kMinBlockSize;

@@ -39,6 +39,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <vector>
@@ -124,6 +125,11 @@ class BlockPool {
 
   // Best-fit free block on `stream` for `rounded` bytes, or nullptr.
   Block* find_free(PoolKind pool, Stream stream, std::size_t rounded) const;
+  // find_free's block, or, when `avoid` refuses it, the next one up (by size,
+  // then address) that find_free's rules would also take and `avoid` does
+  // not refuse, among the `limit` next; else find_free's.
+  Block* find_free_sparing(PoolKind pool, Stream stream, std::size_t rounded,
+                           const std::function<bool(const Block*)>& avoid, int limit) const;
   // Takes `block` out of its free set, splits off the rest when worth it,
   // marks it allocated. Returns the allocated block.
   Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested);

@@ -337,6 +337,16 @@ Config parse_config(const std::string& text) {
 // eviction. It lowered dtralloc's min feasible budget on the compact traces
 // (vit-compact 0.63 -> 0.585) and removed more feasibility holes than it
 // made (same bench).
+//
+// spare_evicted:auto too (Allocator::try_allocate, step 1): best fit hands
+// the room an evicted value left to whatever request comes next, and a
+// gradient pinned there for the rest of the step leaves the value, when
+// backward needs it back, no contiguous room (lstm-compact: its 22.8 MiB
+// workspace evicted, a 2.9 MiB gradient put at the start of its 24 MiB
+// segment, no 22.8 MiB anywhere at the workspace's backward, from 0.64 to
+// 0.665 of the peak). Sparing that room removed those 18 holes over three
+// recordings and lowered lstm-compact's minimum from 0.67 to 0.58
+// (bench/results/replay_recordings-2026-11-23d-cpu.md).
 Config resolve_config(Config config) {
   const bool dtralloc_placement = config.policy == Policy::kDtralloc && !config.budget.none();
   if (config.max_split_size_mb == kAutoSplit)
@@ -345,6 +355,8 @@ Config resolve_config(Config config) {
     config.segment_fit = dtralloc_placement ? Switch::kOn : Switch::kOff;
   if (config.small_in_large == Switch::kAuto)
     config.small_in_large = dtralloc_placement ? Switch::kOn : Switch::kOff;
+  if (config.spare_evicted == Switch::kAuto)
+    config.spare_evicted = dtralloc_placement ? Switch::kOn : Switch::kOff;
   return config;
 }
 

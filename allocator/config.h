@@ -81,6 +81,11 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "small segment takes a free block of the large pool, rather than "         \
     "evicting or failing; off: the pools never mix (torch); auto = on under "  \
     "the dtralloc policy with a budget, else off")                             \
+  X(spare_evicted, SwitchOption, Switch::kAuto,                                \
+    "on: a new request avoids the free room an evicted value (over 1 MB) "     \
+    "left, when another cached block fits, so that the value can come back "   \
+    "to a contiguous room when it is recomputed; off: best fit only (torch); " \
+    "auto = on under the dtralloc policy with a budget, else off")             \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \

@@ -34,6 +34,7 @@ int RematEngine::new_value(std::size_t nbytes, int producer, double cost) {
 }
 
 void RematEngine::take_block(int v, std::uintptr_t addr) {
+  leave_home(v);
   Value& x = values_[v];
   x.state = ValueState::kResident;
   x.addr = addr;
@@ -303,6 +304,7 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
                            " recomputes per value even after every evictable value was evicted "
                            "(thrashing): raise the budget, or try another eviction policy");
   std::uintptr_t addr = 0;
+  leave_home(v);  // the room it left is its own to take again
   try {
     addr = driver_.recompute(v, nbytes);  // may evict others; may throw
   } catch (const OutOfMemoryError&) {
@@ -545,8 +547,16 @@ void RematEngine::maybe_release(int v) {
     lose_memory(v);
     driver_.release(v, addr);
   } else {
+    leave_home(v);
     x.state = ValueState::kDeadNeeded;
   }
+}
+
+void RematEngine::leave_home(int v) {
+  Value& x = values_[v];
+  if (!x.home) return;
+  x.home = false;
+  driver_.drop_home(v);
 }
 
 void RematEngine::release(int first) {
@@ -558,6 +568,7 @@ void RematEngine::release(int first) {
     if (x.state == ValueState::kReleased || x.alive || x.locks > 0 || x.needed_by > 0) continue;
     const bool had_memory = x.state == ValueState::kResident;
     const std::uintptr_t addr = had_memory ? drop_block(v) : 0;
+    leave_home(v);
     x.state = ValueState::kReleased;
     ++counters_.releases;
     if (!x.pinned)
@@ -580,6 +591,11 @@ bool RematEngine::evict(int v) {
   lose_memory(v);
   if (log_) log_->add(current_op(), EventKind::kEvicted, v, x.nbytes, addr);
   driver_.release(v, addr);
+  Value& y = values_[v];  // (the driver ran code: no reference kept across it)
+  if (y.alive && addr) {  // the program will read it again: where it was is where it fits
+    y.home = true;
+    driver_.keep_home(v, addr, y.nbytes);
+  }
   return true;
 }
 
@@ -718,6 +734,7 @@ int RematEngine::value_at(std::uintptr_t addr) const {
 }
 
 void RematEngine::release_all() {
+  for (std::size_t v = 0; v < values_.size(); ++v) leave_home(static_cast<int>(v));
   while (!resident_.empty()) {
     const int v = resident_.back();
     const std::uintptr_t addr = drop_block(v);

@@ -97,6 +97,11 @@ class RematDriver {
   // blocks no more than itself; the engine's last resort before an OOM
   // (RematEngine::restart_hold). A driver without a pool of its own ignores it.
   virtual void tight_placement(bool /*on*/) {}
+  // `value` was evicted from [addr, addr + bytes) and may be recomputed: its
+  // pool spares that room for it (Allocator::keep_home) until drop_home,
+  // which comes before its recompute allocates and when it dies.
+  virtual void keep_home(int /*value*/, std::uintptr_t /*addr*/, std::size_t /*bytes*/) {}
+  virtual void drop_home(int /*value*/) {}
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
@@ -118,6 +123,7 @@ struct alignas(64) Value {
   bool alive = true;             // the program still holds a reference
   bool pinned = false;           // not recomputable: never evicted
   bool external = false;         // memory outside the pool (live driver only)
+  bool home = false;             // evicted, its room kept by the driver (keep_home)
   std::vector<int> recipe;       // values the producer read (at those versions)
   std::vector<int> dependents;   // values whose recipe contains this one
 };
@@ -277,6 +283,7 @@ class RematEngine {
   std::uintptr_t drop_block(int v);       // leaves the resident set; returns addr
   void lose_memory(int v);                // into the union-find
   void maybe_release(int v);
+  void leave_home(int v);
   void release(int v);
   void pin_descendants(int v);
   int find(int v);

@@ -22,6 +22,7 @@ OPTION_NAMES = [
     "max_split_size_mb",
     "segment_fit",
     "small_in_large",
+    "spare_evicted",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",

@@ -39,6 +39,11 @@ class LiveSession::Driver : public RematDriver {
   // The engine's last resort before an OOM, as in the replay (PoolPort): on
   // CUDA the device pool, shared with the rest of the process, for the hold.
   void tight_placement(bool on) override { s_.pool_->set_tight_segments(on); }
+  // Homes as in the replay (PoolPort); the session tells its own apart.
+  void keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
+    s_.pool_->keep_home(&s_, value, addr, bytes);
+  }
+  void drop_home(int value) override { s_.pool_->drop_home(&s_, value); }
 
  private:
   LiveSession& s_;
@@ -146,6 +151,7 @@ LiveSession::~LiveSession() {
   // Runs with the GIL (the last Python reference went). Weakrefs first, so
   // that dropping the storages reports no death into a session being torn down.
   stop();
+  pool_->drop_homes(this);  // on CUDA the pool outlives the session
   for (Slot& s : slots_) s.watch = py::object();
   watched_.clear();
   for (Slot& s : slots_) {

@@ -273,6 +273,53 @@ void test_small_in_large() {
   CHECK(make_virtual("policy:dtralloc,budget:1G,small_in_large:off")->config().small_in_large == Switch::kOff);
 }
 
+// spare_evicted: a block where an evicted value sat (its home, until the
+// engine drops it) is passed over while another cached block fits, taken when
+// none does; homes are per owner and only over 1 MiB.
+void test_spare_evicted() {
+  for (const char* mode : {"on", "off"}) {
+    auto a = make_virtual(std::string("budget:1G,segment_fit:off,spare_evicted:") + mode);
+    const bool on = std::string(mode) == "on";
+    void* p1 = a->malloc(6 * kMiB);  // one 20 MiB segment: 6 + 6 + 8
+    void* p2 = a->malloc(6 * kMiB);
+    void* p3 = a->malloc(8 * kMiB);
+    int owner = 0, other = 0;
+    a->free(p1);
+    a->keep_home(&owner, 7, addr(p1), 6 * kMiB);
+    a->keep_home(&owner, 8, addr(p2) + 2 * kMiB, 512 * 1024);  // 1 MiB or less: not kept
+    CHECK_EQ(a->homes(), on ? 1u : 0u);
+    a->free(p3);
+    // Best fit is p1's 6 MiB; with the home spared, p3's 8 MiB.
+    void* r = a->malloc(3 * kMiB);
+    CHECK_EQ(addr(r), on ? addr(p3) : addr(p1));
+    a->free(r);
+    // With p3's block taken, only the home has room: it serves the request.
+    void* fill = a->malloc(8 * kMiB);
+    CHECK_EQ(addr(fill), addr(p3));
+    void* only = a->malloc(5 * kMiB);  // no other free block: the home serves it
+    CHECK_EQ(addr(only), addr(p1));
+    a->free(only);
+    a->free(fill);
+    // Homes of another owner stay when one owner's go; a dropped home is free game.
+    a->keep_home(&other, 7, addr(p3), 8 * kMiB);
+    CHECK_EQ(a->homes(), on ? 2u : 0u);
+    a->drop_home(&owner, 7);
+    CHECK_EQ(a->homes(), on ? 1u : 0u);
+    void* s1 = a->malloc(3 * kMiB);
+    CHECK_EQ(addr(s1), addr(p1));  // p1's block is the best fit and no home now
+    a->drop_homes(&other);
+    CHECK_EQ(a->homes(), 0u);
+    a->drop_home(&owner, 7);  // dropping twice is nothing
+    a->free(s1);
+    a->free(p2);
+    a->check_invariants();
+  }
+  CHECK(make_virtual("policy:dtralloc,budget:1G")->config().spare_evicted == Switch::kOn);
+  CHECK(make_virtual("policy:dtralloc")->config().spare_evicted == Switch::kOff);
+  CHECK(make_virtual("policy:dtr,budget:1G")->config().spare_evicted == Switch::kOff);
+  CHECK(make_virtual("policy:dtralloc,budget:1G,spare_evicted:off")->config().spare_evicted == Switch::kOff);
+}
+
 // Step 1 before step 2: a cached block is used even when the budget would
 // allow a new segment.
 void test_cache_hit_before_new_segment() {
@@ -1068,6 +1115,7 @@ int main() {
   test_budget_and_oom_message();
   test_oom_message_fragmented();
   test_small_in_large();
+  test_spare_evicted();
   test_cache_hit_before_new_segment();
   test_release_oversize_first();
   test_release_all_cached_and_retry();
