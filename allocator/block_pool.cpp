@@ -103,18 +103,18 @@ Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) c
   key.addr = 0;
   auto it = free_[pool].lower_bound(&key);
   if (it == free_[pool].end() || (*it)->stream != stream) return nullptr;
-  Block* b = *it;
-  if (config_.max_split_size_mb != kNoLimit) {
-    // A small request must not consume an oversize block: it could never be
-    // split back, and the big request it was cached for would miss.
-    if (!oversize(rounded) && oversize(b->size)) return nullptr;
-    // An oversize request takes an unsplittable block only if little is wasted.
-    // (b->size >= rounded here; subtracting avoids overflow when the
-    // rounding limit is "none".)
-    if (oversize(rounded) && b->size - rounded >= config_.max_non_split_rounding_mb)
-      return nullptr;
-  }
-  return b;
+  return may_serve(*it, rounded) ? *it : nullptr;
+}
+
+bool BlockPool::may_serve(const Block* b, std::size_t rounded) const {
+  if (config_.max_split_size_mb == kNoLimit) return true;
+  // A small request must not consume an oversize block: it could never be
+  // split back, and the big request it was cached for would miss.
+  if (!oversize(rounded)) return !oversize(b->size);
+  // An oversize request takes an unsplittable block only if little is wasted.
+  // (b->size >= rounded here; subtracting avoids overflow when the rounding
+  // limit is "none".)
+  return b->size - rounded < config_.max_non_split_rounding_mb;
 }
 
 Block* BlockPool::find_free_sparing(PoolKind pool, Stream stream, std::size_t rounded,
@@ -124,11 +124,8 @@ Block* BlockPool::find_free_sparing(PoolKind pool, Stream stream, std::size_t ro
   auto it = free_[pool].find(first);
   for (int k = 0; k < limit && ++it != free_[pool].end(); ++k) {
     Block* b = *it;
-    if (b->stream != stream) break;
-    // find_free's limits, which only tighten as blocks grow: past them, none.
-    if (config_.max_split_size_mb != kNoLimit &&
-        (oversize(rounded) ? b->size - rounded >= config_.max_non_split_rounding_mb : oversize(b->size)))
-      break;
+    // may_serve only tightens as blocks grow: past its limit, no block will do.
+    if (b->stream != stream || !may_serve(b, rounded)) break;
     if (!avoid(b)) return b;
   }
   return first;

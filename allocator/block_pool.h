@@ -168,6 +168,8 @@ class BlockPool {
   FreeSet::iterator erase_free(Block* block);  // returns the successor
   bool should_split(const Block* block, std::size_t rounded) const;
   bool oversize(std::size_t size) const { return size >= config_.max_split_size_mb; }
+  // find_free's size rules for `b` (at least `rounded`): max_split_size_mb's.
+  bool may_serve(const Block* b, std::size_t rounded) const;
 
   const Config& config_;
   NodeCache free_nodes_;  // declared before the sets that allocate from it

@@ -34,7 +34,6 @@ int RematEngine::new_value(std::size_t nbytes, int producer, double cost) {
 }
 
 void RematEngine::take_block(int v, std::uintptr_t addr) {
-  leave_home(v);
   Value& x = values_[v];
   x.state = ValueState::kResident;
   x.addr = addr;
@@ -734,7 +733,6 @@ int RematEngine::value_at(std::uintptr_t addr) const {
 }
 
 void RematEngine::release_all() {
-  for (std::size_t v = 0; v < values_.size(); ++v) leave_home(static_cast<int>(v));
   while (!resident_.empty()) {
     const int v = resident_.back();
     const std::uintptr_t addr = drop_block(v);
@@ -762,6 +760,7 @@ void RematEngine::check_invariants() const {
       if (x.state == ValueState::kEvicted && (!x.alive || x.pinned)) broken(v, "evicted but dead or pinned");
       if (x.state == ValueState::kDeadNeeded && (x.alive || x.pinned)) broken(v, "dead-needed but alive or pinned");
     }
+    if (x.home && x.state != ValueState::kEvicted) broken(v, "a home kept for it while not evicted (leave_home skipped)");
     if (x.locks < 0) broken(v, "negative lock count");
   }
   for (std::size_t i = 0; i < values_.size(); ++i) {
