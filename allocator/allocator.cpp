@@ -120,13 +120,14 @@ bool Allocator::in_home(const Block* block) const {
   return false;
 }
 
-void Allocator::keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size) {
-  if (config_.spare_evicted != Switch::kOn || size <= kSmallSize || !addr) return;
+bool Allocator::keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size) {
+  if (config_.spare_evicted != Switch::kOn || size <= kSmallSize || !addr) return false;
   std::lock_guard<std::mutex> lock(mutex_);
   auto [it, fresh] = home_of_.try_emplace({owner, value}, addr);
-  if (!fresh) return;  // kept already (an engine drops a home before keeping another)
+  if (!fresh) return true;  // kept already (an engine drops a home before keeping another)
   homes_.emplace(addr, Home{size, owner, value});
   largest_home_ = std::max(largest_home_, size);
+  return true;
 }
 
 void Allocator::drop_home(const void* owner, int value) {

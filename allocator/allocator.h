@@ -195,7 +195,9 @@ class Allocator {
   // serve is not placed there (try_allocate, step 1). `owner` tells apart the
   // engines sharing the pool (live sessions on CUDA); values are theirs.
   // Blocks of 1 MiB or less are not kept. Any thread, the pool's lock taken.
-  void keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size);
+  // keep_home returns whether the home is kept (so its owner need not drop
+  // one that is not).
+  bool keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size);
   void drop_home(const void* owner, int value);
   void drop_homes(const void* owner);  // every home of `owner` (its engine ends)
   std::size_t homes();                 // how many are kept (tests)

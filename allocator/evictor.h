@@ -46,8 +46,8 @@ class PoolPort : public RematDriver {
   }
   void release(int /*value*/, std::uintptr_t addr) override { allocator_.free(reinterpret_cast<void*>(addr)); }
   void tight_placement(bool on) override { allocator_.set_tight_segments(on); }
-  void keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
-    allocator_.keep_home(this, value, addr, bytes);
+  bool keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
+    return allocator_.keep_home(this, value, addr, bytes);
   }
   void drop_home(int value) override { allocator_.drop_home(this, value); }
   ~PoolPort() override { allocator_.drop_homes(this); }

@@ -591,10 +591,8 @@ bool RematEngine::evict(int v) {
   if (log_) log_->add(current_op(), EventKind::kEvicted, v, x.nbytes, addr);
   driver_.release(v, addr);
   Value& y = values_[v];  // (the driver ran code: no reference kept across it)
-  if (y.alive && addr) {  // the program will read it again: where it was is where it fits
-    y.home = true;
-    driver_.keep_home(v, addr, y.nbytes);
-  }
+  // The program will read it again: where it was is where it fits.
+  if (y.alive && addr) y.home = driver_.keep_home(v, addr, y.nbytes);
   return true;
 }
 

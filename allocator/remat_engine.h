@@ -99,8 +99,10 @@ class RematDriver {
   virtual void tight_placement(bool /*on*/) {}
   // `value` was evicted from [addr, addr + bytes) and may be recomputed: its
   // pool spares that room for it (Allocator::keep_home) until drop_home,
-  // which comes before its recompute allocates and when it dies.
-  virtual void keep_home(int /*value*/, std::uintptr_t /*addr*/, std::size_t /*bytes*/) {}
+  // which comes before its recompute allocates and when it dies. Returns
+  // whether the room is kept (no pool, spare_evicted off, small: not), so
+  // that only a kept home is dropped.
+  virtual bool keep_home(int /*value*/, std::uintptr_t /*addr*/, std::size_t /*bytes*/) { return false; }
   virtual void drop_home(int /*value*/) {}
 };
 
@@ -123,7 +125,7 @@ struct alignas(64) Value {
   bool alive = true;             // the program still holds a reference
   bool pinned = false;           // not recomputable: never evicted
   bool external = false;         // memory outside the pool (live driver only)
-  bool home = false;             // evicted, its room kept by the driver (keep_home)
+  bool home = false;             // evicted, its room kept by the driver (keep_home said so)
   std::vector<int> recipe;       // values the producer read (at those versions)
   std::vector<int> dependents;   // values whose recipe contains this one
 };

@@ -40,8 +40,8 @@ class LiveSession::Driver : public RematDriver {
   // CUDA the device pool, shared with the rest of the process, for the hold.
   void tight_placement(bool on) override { s_.pool_->set_tight_segments(on); }
   // Homes as in the replay (PoolPort); the session tells its own apart.
-  void keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
-    s_.pool_->keep_home(&s_, value, addr, bytes);
+  bool keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
+    return s_.pool_->keep_home(&s_, value, addr, bytes);
   }
   void drop_home(int value) override { s_.pool_->drop_home(&s_, value); }
 

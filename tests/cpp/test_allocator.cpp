@@ -285,8 +285,8 @@ void test_spare_evicted() {
     void* p3 = a->malloc(8 * kMiB);
     int owner = 0, other = 0;
     a->free(p1);
-    a->keep_home(&owner, 7, addr(p1), 6 * kMiB);
-    a->keep_home(&owner, 8, addr(p2) + 2 * kMiB, 512 * 1024);  // 1 MiB or less: not kept
+    CHECK_EQ(a->keep_home(&owner, 7, addr(p1), 6 * kMiB), on);
+    CHECK(!a->keep_home(&owner, 8, addr(p2) + 2 * kMiB, 512 * 1024));  // 1 MiB or less: not kept
     CHECK_EQ(a->homes(), on ? 1u : 0u);
     a->free(p3);
     // Best fit is p1's 6 MiB; with the home spared, p3's 8 MiB.
