@@ -41,6 +41,7 @@ const char* trace_action_name(TraceAction action) {
     case TraceAction::kSegmentAlloc: return "segment_alloc";
     case TraceAction::kSegmentFree: return "segment_free";
     case TraceAction::kOom: return "oom";
+    case TraceAction::kSegmentUnmap: return "segment_unmap";
   }
   return "unknown";
 }
@@ -51,6 +52,12 @@ Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int
   config_budget_bytes_ = config_.budget.resolve(capacity_bytes_);
   budget_bytes_ = config_budget_bytes_;
   history_.resize(config_.history_entries);
+  if (config_.unmap_pages == Switch::kOn && !backend_->releases_ranges())
+    throw ConfigError(std::string("DTRALLOC_CONF: unmap_pages:on needs a backend that can give back part of a "
+                                  "segment, and the ") + backend_->name() +
+                      " backend cannot (memory from cudaMalloc is freed whole; giving back pages needs "
+                      "CUDA's virtual memory API, which dtralloc does not use yet). Leave unmap_pages off "
+                      "here; it works in replay and in dtralloc.dtr(device=\"cpu\") sessions.");
 }
 
 Allocator::~Allocator() {
@@ -91,13 +98,27 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
         return reinterpret_cast<void*>(b->addr);
       }
       if (round < kMaxEvictionRounds) hook = hook_;
-      if (!hook) throw_oom(size, rounded, stream);  // steps 1-4 failed; no step 5
+      if (!hook) {  // steps 1-4 failed; no step 5
+        if (Block* b = release_free_pages(rounded, size, stream)) {
+          b->owner = owner;
+          record(TraceAction::kAlloc, b->addr, size, stream, b->size);
+          return reinterpret_cast<void*>(b->addr);
+        }
+        throw_oom(size, rounded, stream);
+      }
       ++pool_.stats().num_eviction_calls;
     }
     // Step 5, outside the lock: the hook frees blocks through free().
     if (hook->make_room(rounded, stream)) continue;
     std::lock_guard<std::mutex> lock(mutex_);
     stamp();
+    // Step 6: no eviction can make room (every run and segment that would
+    // do holds a pinned or locked block); unmap_pages may.
+    if (Block* b = release_free_pages(rounded, size, stream)) {
+      b->owner = owner;
+      record(TraceAction::kAlloc, b->addr, size, stream, b->size);
+      return reinterpret_cast<void*>(b->addr);
+    }
     throw_oom(size, rounded, stream);
   }
 }
@@ -235,6 +256,45 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
   record(TraceAction::kSegmentAlloc, addr, bytes, stream);
   Block* b = pool_.add_segment(addr, bytes, stream, BlockPool::pool_for(rounded));
   return pool_.allocate_from(b, rounded, requested);
+}
+
+Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream) {
+  if (config_.unmap_pages != Switch::kOn) return nullptr;
+  // The segment the request gets under a tight budget (allocate_segment).
+  const std::size_t need = BlockPool::pool_for(rounded) == kSmallPool
+                               ? kSmallBuffer
+                               : kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  const std::size_t reserved = reserved_bytes();
+  std::size_t room = budget_bytes_ > reserved ? budget_bytes_ - reserved : 0;
+  if (room >= need) return nullptr;  // the budget is not what failed
+  std::vector<std::pair<std::size_t, Block*>> pages;  // (bytes, block), every stream
+  std::size_t total = 0;
+  for (const auto& entry : pool_.segments())
+    for (Block* b = entry.second->head; b; b = b->next)
+      if (b->in_free_set)
+        if (const std::size_t n = BlockPool::free_pages(b, kRoundLarge).size) {
+          pages.emplace_back(n, b);
+          total += n;
+        }
+  if (room + total < need) return nullptr;
+  // Largest first (fewest cuts), then by address: the same state always
+  // gives back the same pages.
+  std::sort(pages.begin(), pages.end(), [](const auto& x, const auto& y) {
+    return x.first != y.first ? x.first > y.first : x.second->addr < y.second->addr;
+  });
+  for (const auto& [n, b] : pages) {
+    if (room >= need) break;
+    const Stream s = b->stream;
+    const BlockPool::Range cut = pool_.cut_free_pages(b, kRoundLarge);
+    assert(cut.size == n);
+    // The pool forgot the range first: were the backend to fail, the bytes
+    // would be lost to the budget's count, never handed out twice.
+    backend_->release(reinterpret_cast<void*>(cut.addr), cut.size);
+    ++pool_.stats().num_page_releases;
+    record(TraceAction::kSegmentUnmap, cut.addr, cut.size, s);
+    room += cut.size;
+  }
+  return allocate_segment(rounded, requested, stream);
 }
 
 void Allocator::release_segment(Segment* seg) {

@@ -98,6 +98,7 @@ enum class TraceAction : std::uint8_t {
   kSegmentAlloc,
   kSegmentFree,
   kOom,
+  kSegmentUnmap = 7,  // unmap_pages: part of a segment given back (torch's name and code; 6 is its segment_map)
 };
 const char* trace_action_name(TraceAction action);
 
@@ -292,6 +293,11 @@ class Allocator {
   void synchronize_and_free_events();
   void retire_event(const PendingEvent& p);
   void finish_free(Block* block);
+  // unmap_pages, after every other step failed: cuts the whole free pages of
+  // segments out (largest first) until the budget has room for the segment
+  // `rounded` needs, then allocates. nullptr (and nothing given back) when
+  // even all of them would not make room.
+  Block* release_free_pages(std::size_t rounded, std::size_t requested, Stream stream);
   std::string oom_message(std::size_t size, std::size_t rounded, Stream stream);
   [[noreturn]] void throw_oom(std::size_t size, std::size_t rounded, Stream stream);
   // Reads the clock once per public operation; record() stamps entries with it.

@@ -38,6 +38,12 @@ class Backend {
   // Never throws for out-of-memory; throws std::runtime_error for other errors.
   virtual void* allocate(std::size_t bytes) = 0;
   virtual void release(void* ptr, std::size_t bytes) = 0;
+  // True when release() also takes any 2 MiB-aligned range inside a segment
+  // (counted from the segment's start, whole pages of 2 MiB), the rest of
+  // the segment staying valid where it is: unmap_pages needs it. The host
+  // and virtual backends can; cuda cannot yet (memory from cudaMalloc is
+  // freed whole; giving back pages needs CUDA's virtual memory API).
+  virtual bool releases_ranges() const { return false; }
 
   // Device capacity, for `budget:0.5` style fractions and for the OOM message.
   virtual std::size_t total_bytes() = 0;

@@ -92,6 +92,7 @@ class HostBackend final : public SimulatedBackend {
   using SimulatedBackend::SimulatedBackend;
   const char* name() const override { return "host"; }
   bool host_accessible() const override { return true; }
+  bool releases_ranges() const override { return true; }
   void* allocate(std::size_t bytes) override {
     if (!reserve(bytes)) return nullptr;
     void* p = nullptr;
@@ -100,12 +101,31 @@ class HostBackend final : public SimulatedBackend {
       unreserve(bytes);
       return nullptr;
     }
+    live_.emplace(reinterpret_cast<std::uintptr_t>(p), Allocation{bytes, bytes});
     return p;
   }
+  // A range of an allocation (releases_ranges): host memory is freed when
+  // the last of its bytes is released, as a device frees page by page.
   void release(void* ptr, std::size_t bytes) override {
-    std::free(ptr);
+    const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+    auto it = live_.upper_bound(addr);
+    if (it == live_.begin() || addr + bytes > std::prev(it)->first + std::prev(it)->second.size)
+      throw std::runtime_error("host backend: release of memory it did not allocate");
+    --it;
+    it->second.unreleased -= bytes;
+    if (it->second.unreleased == 0) {
+      std::free(reinterpret_cast<void*>(it->first));
+      live_.erase(it);
+    }
     unreserve(bytes);
   }
+
+ private:
+  struct Allocation {
+    std::size_t size;
+    std::size_t unreleased;
+  };
+  std::map<std::uintptr_t, Allocation> live_;  // by address
 };
 
 // Addresses only: a first-fit allocator over a large address range, so a
@@ -117,6 +137,7 @@ class VirtualBackend final : public SimulatedBackend {
     holes_.emplace(kBase, capacity);
   }
   const char* name() const override { return "virtual"; }
+  bool releases_ranges() const override { return true; }
   void* allocate(std::size_t bytes) override {
     for (auto it = holes_.begin(); it != holes_.end(); ++it) {
       if (it->second < bytes) continue;

@@ -205,6 +205,78 @@ void BlockPool::remove_segment(Segment* seg) {
   delete seg;
 }
 
+BlockPool::Range BlockPool::free_pages(const Block* b, std::size_t page) {
+  const std::uintptr_t base = b->segment->addr;
+  const std::uintptr_t lo = base + (b->addr - base + page - 1) / page * page;
+  const std::uintptr_t hi = base + (b->addr + b->size - base) / page * page;
+  return hi > lo ? Range{lo, hi - lo} : Range{};
+}
+
+BlockPool::Range BlockPool::cut_free_pages(Block* b, std::size_t page) {
+  const Range cut = free_pages(b, page);
+  if (!cut.size || !b->in_free_set) return {};
+  Segment* seg = b->segment;
+  const std::uintptr_t lo = cut.addr, hi = cut.addr + cut.size;
+  const std::uintptr_t seg_end = seg->addr + seg->size, end = b->addr + b->size;
+  const bool below = lo > seg->addr, above = hi < seg_end;
+  const int idx = stat_index(seg->pool);
+  if (oversize(seg->size)) stats_.oversize_segments.decrease(1);
+  stat_decrease(stats_.reserved_bytes, idx, static_cast<std::int64_t>(cut.size));
+  erase_free(b);
+  Block* prev = b->prev;
+  Block* next = b->next;
+  // What is left of b below the cut (it shares a page with prev) and above
+  // it (a page with next); b itself serves as the first of them.
+  Block* head = nullptr;
+  Block* tail = nullptr;
+  if (lo > b->addr) {
+    head = b;
+    head->size = lo - b->addr;
+  }
+  if (hi < end) {
+    tail = head ? new_block() : b;
+    tail->addr = hi;
+    tail->size = end - hi;
+    tail->stream = seg->stream;
+  }
+  if (!head && !tail) delete_block(b);
+  if (head) head->next = nullptr;
+  else if (prev) prev->next = nullptr;
+  if (tail) {
+    tail->prev = nullptr;
+    tail->next = next;
+    if (next) next->prev = tail;
+  } else if (next) {
+    next->prev = nullptr;
+  }
+  Block* first_above = tail ? tail : next;
+  if (below) {
+    seg->size = lo - seg->addr;  // seg keeps its head: it starts below lo
+    if (oversize(seg->size)) stats_.oversize_segments.increase(1);
+  }
+  if (above) {
+    auto* upper = new Segment;
+    upper->addr = hi;
+    upper->size = seg_end - hi;
+    upper->stream = seg->stream;
+    upper->pool = seg->pool;
+    upper->head = first_above;
+    upper->last_free_tick = seg->last_free_tick;
+    for (Block* x = first_above; x; x = x->next) x->segment = upper;
+    segments_.emplace(hi, upper);
+    if (oversize(upper->size)) stats_.oversize_segments.increase(1);
+  }
+  if (below && above) stat_increase(stats_.segment, idx, 1);
+  if (!below) {
+    segments_.erase(seg->addr);
+    delete seg;
+    if (!above) stat_decrease(stats_.segment, idx, 1);
+  }
+  if (head) insert_free(head);
+  if (tail) insert_free(tail);
+  return cut;
+}
+
 void BlockPool::mark_freed(Block* block) {
   allocated_.erase(block->addr);
   block->allocated = false;

@@ -135,6 +135,17 @@ class BlockPool {
   Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested);
   // Registers a new backend segment as one free block; returns that block.
   Block* add_segment(std::uintptr_t addr, std::size_t size, Stream stream, PoolKind pool);
+  // unmap_pages: the whole pages (`page` bytes, counted from the segment's
+  // start) inside free block `b`, and cutting them out. The cut splits the
+  // segment into the part below the range and the part above (each a
+  // segment of its own, either may be empty) and returns the range, which
+  // the caller gives back to the backend; {0, 0} when `b` holds no whole page.
+  struct Range {
+    std::uintptr_t addr = 0;
+    std::size_t size = 0;
+  };
+  static Range free_pages(const Block* b, std::size_t page);
+  Range cut_free_pages(Block* b, std::size_t page);
   // Forgets a whole-free segment (the caller releases its memory).
   void remove_segment(Segment* segment);
 

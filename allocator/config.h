@@ -86,6 +86,12 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "left, when another cached block fits, so that the value can come back "   \
     "to a contiguous room when it is recomputed; off: best fit only (torch); " \
     "auto = on under the dtralloc policy with a budget, else off")             \
+  X(unmap_pages, SwitchOption, Switch::kAuto,                                  \
+    "on: before an out-of-memory error, give the device back the whole 2 MB "  \
+    "pages of free blocks in segments that also hold tensors, so the budget "  \
+    "has room for the request's own segment (a step that fits runs as with "  \
+    "off); needs a backend that frees part of a segment: host and virtual "    \
+    "(replay, CPU sessions), not yet cuda; auto = off until cuda can")         \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \

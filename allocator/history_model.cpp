@@ -16,8 +16,9 @@ static_assert(static_cast<int>(HistoryAction::kAlloc) == static_cast<int>(TraceA
                   static_cast<int>(HistoryAction::kFreeCompleted) == static_cast<int>(TraceAction::kFreeCompleted) &&
                   static_cast<int>(HistoryAction::kSegmentAlloc) == static_cast<int>(TraceAction::kSegmentAlloc) &&
                   static_cast<int>(HistoryAction::kSegmentFree) == static_cast<int>(TraceAction::kSegmentFree) &&
-                  static_cast<int>(HistoryAction::kOom) == static_cast<int>(TraceAction::kOom),
-              "history_model.h's action codes 0-5 are TraceAction's");
+                  static_cast<int>(HistoryAction::kOom) == static_cast<int>(TraceAction::kOom) &&
+                  static_cast<int>(HistoryAction::kSegmentUnmap) == static_cast<int>(TraceAction::kSegmentUnmap),
+              "history_model.h's action codes 0-5 and 7 are TraceAction's");
 
 const char* history_action_name(int code) {
   if (code >= 0 && code <= static_cast<int>(HistoryAction::kOom))
@@ -37,6 +38,22 @@ class FreeSpace {
   void add_segment(std::uint64_t lo, std::uint64_t hi) {
     segments_[lo] = hi;
     release(lo, hi);
+  }
+  // Cuts [lo, hi) out of the segment that holds it, which becomes the parts
+  // below and above; false when the range was not free or in no segment.
+  bool unmap(std::uint64_t lo, std::uint64_t hi) {
+    auto seg = segments_.upper_bound(lo);
+    if (seg == segments_.begin()) return false;
+    --seg;
+    const std::uint64_t seg_lo = seg->first, seg_hi = seg->second;
+    if (hi > seg_hi) return false;
+    auto gap = gap_at(lo);
+    const bool free = gap != gaps_.end() && hi <= gap->second;
+    carve(lo, hi);
+    segments_.erase(seg);
+    if (seg_lo < lo) segments_[seg_lo] = lo;
+    if (hi < seg_hi) segments_[hi] = seg_hi;
+    return free;
   }
   // Forgets the segment at `lo`; false when blocks were still inside it.
   bool remove_segment(std::uint64_t lo) {
@@ -128,7 +145,7 @@ HistoryModel build_history_model(const HistoryInput& in) {
   HistoryModel m;
   FreeSpace space;
   std::unordered_map<std::uint64_t, std::size_t> open_blocks;    // addr -> lifetime
-  std::unordered_map<std::uint64_t, std::size_t> open_segments;  // addr -> lifetime
+  std::map<std::uint64_t, std::size_t> open_segments;  // addr -> lifetime
   const auto n = static_cast<std::int64_t>(in.n);
   std::int64_t allocated = 0, pending = 0, reserved = 0;
 
@@ -191,6 +208,36 @@ HistoryModel build_history_model(const HistoryInput& in) {
     return true;
   };
 
+  // An unmap of part of a segment (dtralloc's unmap_pages, or a range inside
+  // one of torch's expandable segments): the segment's lifetime ends and
+  // the parts below and above begin, their blocks untouched. Returns true
+  // when the range is a whole segment (the caller frees it as such).
+  auto unmap_part = [&](std::int64_t at, std::uint64_t addr, std::int64_t size) -> bool {
+    auto it = open_segments.upper_bound(addr);
+    if (it == open_segments.begin()) return true;
+    --it;
+    const std::size_t s = it->second;
+    const std::uint64_t lo = m.segment_addr[s], hi = lo + static_cast<std::uint64_t>(m.segment_size[s]);
+    const std::uint64_t cut_hi = addr + static_cast<std::uint64_t>(size);
+    if (size <= 0 || cut_hi > hi || (addr == lo && cut_hi == hi)) return true;
+    if (!space.unmap(addr, cut_hi)) ++m.anomalies;
+    m.segment_end[s] = at;
+    open_segments.erase(it);
+    reserved -= size;
+    auto part = [&](std::uint64_t a, std::uint64_t b) {
+      if (a >= b) return;
+      open_segments[a] = m.segment_start.size();
+      m.segment_start.push_back(at);
+      m.segment_end.push_back(n);
+      m.segment_addr.push_back(a);
+      m.segment_size.push_back(static_cast<std::int64_t>(b - a));
+      m.segment_stream.push_back(m.segment_stream[s]);
+    };
+    part(lo, addr);
+    part(cut_hi, hi);
+    return false;
+  };
+
   for (std::size_t i = 0; i < in.initial_segment_addr.size(); ++i)
     open_segment(-1, in.initial_segment_addr[i], in.initial_segment_size[i], in.initial_segment_stream[i]);
   for (std::size_t i = 0; i < in.initial_block_addr.size(); ++i) {
@@ -228,8 +275,10 @@ HistoryModel build_history_model(const HistoryInput& in) {
       case HistoryAction::kSegmentMap:
         open_segment(e, addr, size, in.stream[e]);
         break;
-      case HistoryAction::kSegmentFree:
-      case HistoryAction::kSegmentUnmap: {
+      case HistoryAction::kSegmentUnmap:
+        if (!unmap_part(e, addr, size)) break;  // else the whole segment, as a free
+        [[fallthrough]];
+      case HistoryAction::kSegmentFree: {
         auto it = open_segments.find(addr);
         if (it == open_segments.end()) {
           ++m.anomalies;

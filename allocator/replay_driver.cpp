@@ -185,6 +185,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.segments_peak = report.stats.segment[kStatAll].peak;
   out.device_alloc_calls = report.stats.num_device_alloc;
   out.device_free_calls = report.stats.num_device_free;
+  out.page_releases = report.stats.num_page_releases;
   out.max_split_size = allocator.config().max_split_size_mb;
   out.segment_fit = allocator.config().segment_fit == Switch::kOn;
   const EngineCounters& c = engine.counters();

@@ -71,6 +71,8 @@ struct ReplayOptions {
   X(std::int64_t, segments_peak, 0, "most segments at once")                              \
   X(std::int64_t, device_alloc_calls, 0, "segments obtained from the device (cudaMalloc)")\
   X(std::int64_t, device_free_calls, 0, "segments returned to the device (cudaFree)")     \
+  X(std::int64_t, page_releases, 0,                                                       \
+    "unmap_pages: ranges of free pages given back from segments still in use")            \
   X(std::size_t, invariant_checks, 0, "times every invariant was checked")                \
   X(bool, segment_fit, false, "1-10 MiB requests got fitted segments (segment_fit:auto resolved)") \
   X(double, base_cost, 0.0, "cost of running every op once (ns, or flops)")               \

@@ -70,6 +70,8 @@ using StatArray = std::array<Stat, kNumStatIndices>;
 //   num_oom_rejections   torch's key: allocations an OOM-rejection observer
 //                        turned down. dtralloc has no such observers, so it
 //                        stays 0; it is reported so torch's tools find it.
+//   num_page_releases    unmap_pages: ranges of whole free pages given back
+//                        to the backend from segments that stay in use
 #define DTRALLOC_COUNTERS(X) \
   X(num_alloc_retries)       \
   X(num_ooms)                \
@@ -78,7 +80,8 @@ using StatArray = std::array<Stat, kNumStatIndices>;
   X(num_device_free)         \
   X(num_invalid_frees)       \
   X(num_eviction_calls)      \
-  X(num_oom_rejections)
+  X(num_oom_rejections)      \
+  X(num_page_releases)
 
 struct Stats {
 #define DTRALLOC_POOL_FIELD(name) StatArray name;

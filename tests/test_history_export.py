@@ -156,3 +156,33 @@ def test_largest_free_block_per_event_matches_the_pool_after_every_event():
     h = build_history(pool.history(), [])
     for event, value in largest:
         assert h.model["largest_free"][event] == value
+
+
+def test_model_follows_unmap_pages_cuts_through_segments():
+    # unmap_pages cuts free pages out of segments still in use: the history
+    # records segment_unmap for the range, and the model splits the segment
+    # there (its blocks untouched), as the pool does. Checked against the
+    # pool's stats after every event of a random workload under a budget.
+    import random
+
+    pool = make("history_entries:100000,budget:120M,unmap_pages:on")
+    rng = random.Random(5)
+    live, captured = [], []
+    for _ in range(4000):
+        if live and rng.random() < 0.45:
+            pool.free(live.pop(rng.randrange(len(live))))
+        else:
+            try:
+                live.append(pool.malloc(rng.choice([512, 300 << 10, 3 * MiB, 7 * MiB, 12 * MiB, 26 * MiB])))
+            except dtralloc.OutOfMemoryError:
+                pass
+        captured.append((pool.history_size - 1, pool.stats()))
+        pool.check_invariants()
+    assert pool.stats()["num_page_releases"] > 20
+    cols = pool.history()
+    assert int(np.sum(cols["action"] == ACTION["segment_unmap"])) == pool.stats()["num_page_releases"]
+    h = build_history(cols, [])
+    assert h.model["anomalies"] == 0
+    for event, stats in captured:
+        got = h.totals_at(event)
+        assert {k: got[k] for k in expected(stats)} == expected(stats), event

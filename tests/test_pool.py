@@ -7,6 +7,9 @@ torch_round_size / torch_segment_size), never against the pool's own numbers.
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import (
@@ -19,6 +22,7 @@ from conftest import (
 )
 
 import dtralloc
+from dtralloc.testing import fake_cudart_path
 
 
 def held_block(pool, addr):
@@ -671,3 +675,62 @@ def test_bad_backend_and_capacity_are_value_errors():
         dtralloc.Pool(backend="tpu", capacity="1G")
     with pytest.raises(ValueError, match="capacity"):
         dtralloc.Pool(backend="host", capacity=0)
+
+
+def test_unmap_pages_cuts_free_pages_out_and_keeps_what_is_around_them():
+    # A 20 MiB segment holds a 3 MiB block and 17 MiB free; the budget (24
+    # MiB) has no room for an 18 MiB segment. With unmap_pages:on the 16 MiB
+    # of whole free pages go back (the segment keeps [0, 4 MiB)), the request
+    # gets its segment, and the bytes of the block that stayed are intact.
+    for conf in ("unmap_pages:off", "unmap_pages:on"):
+        pool = dtralloc.Pool("host", capacity="1G", conf="budget:24M,history_entries:100," + conf)
+        keep = pool.malloc(3 * MiB)
+        ctypes.memset(keep, 0x5A, 3 * MiB)
+        pool.free(pool.malloc(4 * MiB))
+        if conf == "unmap_pages:off":
+            with pytest.raises(dtralloc.OutOfMemoryError, match="Tried to allocate 18"):
+                pool.malloc(18 * MiB)
+            assert pool.stats()["num_page_releases"] == 0
+            continue
+        big = pool.malloc(18 * MiB)
+        ctypes.memset(big, 0x11, 18 * MiB)
+        s = pool.stats()
+        assert s["num_page_releases"] == 1 and s["reserved_bytes.all.current"] == 22 * MiB
+        assert ctypes.string_at(keep, 3 * MiB) == b"\x5a" * (3 * MiB)
+        segments = {seg["address"]: seg["total_size"] for seg in pool.snapshot()["segments"]}
+        assert segments == {keep: 4 * MiB, big: 18 * MiB}
+        unmap = [e for e in pool.snapshot()["device_traces"][0] if e["action"] == "segment_unmap"]
+        assert [(e["addr"], e["size"]) for e in unmap] == [(keep + 4 * MiB, 16 * MiB)]
+        pool.check_invariants()
+        pool.free(keep)
+        pool.free(big)
+        pool.empty_cache()
+        assert pool.stats()["reserved_bytes.all.current"] == 0
+        pool.check_invariants()
+
+
+def test_unmap_pages_does_nothing_when_giving_back_every_free_page_would_not_do():
+    pool = dtralloc.Pool("virtual", capacity="1G", conf="budget:24M,unmap_pages:on")
+    keep = pool.malloc(3 * MiB)
+    pool.free(pool.malloc(4 * MiB))
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(22 * MiB)  # 4 MiB under the budget + 16 MiB of pages < 22
+    assert pool.stats()["num_page_releases"] == 0 and pool.stats()["reserved_bytes.all.current"] == 20 * MiB
+    pool.free(keep)
+
+
+def test_unmap_pages_is_refused_where_the_backend_frees_only_whole_segments():
+    # The cuda backend (here over the fake runtime) cannot give back part of
+    # a cudaMalloc; install() refuses before touching torch.
+    code = (
+        "import dtralloc\n"
+        "for make in (lambda: dtralloc.Pool('cuda', conf='unmap_pages:on'), lambda: dtralloc.install('unmap_pages:on')):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except dtralloc.ConfigError as e:\n"
+        "        print('REFUSED', 'unmap_pages:on' in str(e) and 'cuda backend cannot' in str(e))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
+    env["DTRALLOC_CUDART"] = fake_cudart_path()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[:2] == ["REFUSED True", "REFUSED True"], proc.stdout + proc.stderr

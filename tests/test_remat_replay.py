@@ -380,3 +380,30 @@ def test_hold_restarts_are_counted(traces):
     assert dtralloc.replay(traces["lstm-compact"], budget=0.9, policy="dtralloc").hold_restarts == 0
     r = dtralloc.replay(traces["lstm-compact"], budget=0.6, policy="dtr", **AS_BEFORE)
     assert not r.feasible and r.hold_restarts > 0  # dtr's holds start over too, and still run out
+
+
+def test_unmap_pages_gives_back_what_pinned_gradients_strand(traces):
+    # encdec, its gradients pinned (as live): at 0.43 of the peak the
+    # optimizer's step asks for 31.25 MiB with 14 MiB under the budget, while
+    # 20 MiB segments each hold one 4 MiB gradient beside 16 MiB free; no
+    # eviction can join those, and 0.415 runs while 0.43 fails. With
+    # unmap_pages:on the free pages go back and the request gets a segment.
+    trace = traces["encdec"]
+    off = dtralloc.replay(trace, budget=0.43, policy="dtralloc")
+    assert not off.feasible and "Tried to allocate 31.2" in off.oom_message
+    on = dtralloc.replay(trace, budget=0.43, policy="dtralloc", conf="unmap_pages:on", check_invariants=True)
+    assert on.feasible, on.oom_message
+    assert on.page_releases > 0 and on.peak_reserved_bytes <= on.budget_bytes
+    # It only acts where the step would fail: a budget that runs without it
+    # runs exactly the same with it.
+    for budget in (0.5, 0.7):
+        a = dtralloc.replay(trace, budget=budget, policy="dtralloc")
+        b = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="unmap_pages:on")
+        assert a.feasible and b.page_releases == 0
+        assert (a.evictions, a.remats, a.compute_overhead, a.peak_reserved_bytes) == (
+            b.evictions, b.remats, b.compute_overhead, b.peak_reserved_bytes)
+    # Every budget from its lowest up runs, below dtr's lowest.
+    grid = dtralloc.feasible_budgets(trace, "dtralloc", conf="unmap_pages:on", lowest=0.39)
+    assert not dtralloc.feasibility_holes(grid)
+    lowest = min(f for f, fits in grid.items() if fits)
+    assert lowest <= 0.395 < dtralloc.min_feasible_budget(trace, "dtr", tolerance=0.005, method="scan")

@@ -67,6 +67,7 @@ DTRALLOC_EXTRA_KEYS = frozenset(
         "capacity_bytes",
         "num_invalid_frees",
         "num_eviction_calls",
+        "num_page_releases",
         "fragmentation.largest_free_bytes",
         "fragmentation.free_bytes",
         "fragmentation.external",

@@ -89,8 +89,9 @@ py::list segments_list(const Snapshot& snap, int device) {
 py::list trace_list(const Snapshot& snap, int device) {
   const py::str k_action("action"), k_addr("addr"), k_size("size"), k_stream("stream"),
       k_time("time_us"), k_device("device"), k_frames("frames"), k_device_free("device_free");
-  py::str names[6];
-  for (int i = 0; i < 6; ++i) names[i] = py::str(trace_action_name(static_cast<TraceAction>(i)));
+  // Codes 0-5 and 7 (segment_unmap; 6 is torch's segment_map, never recorded here).
+  py::str names[8];
+  for (int i = 0; i < 8; ++i) names[i] = py::str(trace_action_name(static_cast<TraceAction>(i)));
   const py::int_ device_obj(device);
   py::list trace(snap.trace.size());
   auto put = [](PyObject* d, const py::str& key, PyObject* value) {

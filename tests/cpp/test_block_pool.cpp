@@ -488,6 +488,86 @@ void test_corruption_is_caught() {
   pool.check_invariants();
 }
 
+// unmap_pages: cutting a free block's whole pages out splits its segment.
+void test_cut_free_pages() {
+  const Config config;
+  BlockPool pool(config);
+  pool.add_segment(kBase, 20 * kMiB, 0, kLargePool);
+  Block* a = take(pool, 3 * kMiB);                // [0, 3)
+  Block* b = take(pool, 4 * kMiB);                // [3, 7)
+  Block* c = take(pool, 2 * kMiB + 512 * 1024);   // [7, 9.5)
+  Block* free_top = c->next;                      // [9.5, 20)
+  Block* fb = release(pool, b);
+  // [3, 7) holds the pages [4, 6); [9.5, 20) holds [10, 20).
+  CHECK_EQ(BlockPool::free_pages(fb, 2 * kMiB).addr, kBase + 4 * kMiB);
+  CHECK_EQ(BlockPool::free_pages(fb, 2 * kMiB).size, 2 * kMiB);
+  CHECK_EQ(BlockPool::free_pages(free_top, 2 * kMiB).size, 10 * kMiB);
+  CHECK_EQ(BlockPool::free_pages(a, 2 * kMiB).size, 2 * kMiB);  // the arithmetic only; a is not free
+
+  // A cut in the middle: the segment becomes [0, 4) and [6, 20).
+  BlockPool::Range cut = pool.cut_free_pages(fb, 2 * kMiB);
+  CHECK_EQ(cut.addr, kBase + 4 * kMiB);
+  CHECK_EQ(cut.size, 2 * kMiB);
+  CHECK_EQ(pool.segments().size(), 2u);
+  Segment* low = pool.segments().at(kBase);
+  Segment* high = pool.segments().at(kBase + 6 * kMiB);
+  CHECK_EQ(low->size, 4 * kMiB);
+  CHECK_EQ(high->size, 14 * kMiB);
+  CHECK(low->head == a && a->next != nullptr && a->next->in_free_set && a->next->next == nullptr);
+  CHECK_EQ(a->next->size, kMiB);                  // [3, 4): b's part below the cut
+  CHECK(high->head->in_free_set && high->head->size == kMiB && high->head->next == c);
+  CHECK(c->segment == high && c->prev == high->head);
+  CHECK_EQ(cur(pool.stats().reserved_bytes), static_cast<std::int64_t>(18 * kMiB));
+  CHECK_EQ(cur(pool.stats().segment), 2);
+  pool.check_invariants();
+
+  // A cut at a segment's end: the part above is empty, the segment shrinks.
+  cut = pool.cut_free_pages(c->next, 2 * kMiB);
+  CHECK_EQ(cut.addr, kBase + 10 * kMiB);
+  CHECK_EQ(cut.size, 10 * kMiB);
+  CHECK_EQ(high->size, 4 * kMiB);
+  CHECK(c->next != nullptr && c->next->size == 512 * 1024 && c->next->next == nullptr);
+  CHECK_EQ(cur(pool.stats().segment), 2);
+  CHECK_EQ(cur(pool.stats().reserved_bytes), static_cast<std::int64_t>(8 * kMiB));
+  pool.check_invariants();
+
+  // No whole page: nothing is cut.
+  cut = pool.cut_free_pages(c->next, 2 * kMiB);
+  CHECK_EQ(cut.size, 0u);
+  pool.check_invariants();
+
+  // The parts live on as segments: freeing merges inside each, never across.
+  Block* fa = release(pool, a, 2);
+  CHECK(fa->addr == kBase && fa->size == 4 * kMiB && low->whole_free());
+  Block* fc = release(pool, c, 3);
+  CHECK(fc->addr == kBase + 6 * kMiB && fc->size == 4 * kMiB && high->whole_free());
+  CHECK_EQ(pool.whole_free_segments().size(), 2u);
+  pool.check_invariants();
+
+  // A cut at a segment's start drops the segment below; a whole-free
+  // segment's pages are all of it: the segment goes.
+  cut = pool.cut_free_pages(fa, 2 * kMiB);
+  CHECK_EQ(cut.addr, kBase);
+  CHECK_EQ(cut.size, 4 * kMiB);
+  CHECK_EQ(pool.segments().size(), 1u);
+  CHECK_EQ(cur(pool.stats().segment), 1);
+  pool.remove_segment(high);
+  CHECK_EQ(cur(pool.stats().reserved_bytes), 0);
+  pool.check_invariants();
+
+  // A cut at the start of a segment with a block above.
+  pool.add_segment(kBase, 20 * kMiB, 0, kLargePool);
+  Block* x = take(pool, 6 * kMiB);
+  Block* y = take(pool, 6 * kMiB);
+  release(pool, x);
+  cut = pool.cut_free_pages(pool.segments().at(kBase)->head, 2 * kMiB);
+  CHECK_EQ(cut.addr, kBase);
+  CHECK_EQ(cut.size, 6 * kMiB);
+  CHECK(pool.segments().count(kBase) == 0 && pool.segments().at(kBase + 6 * kMiB)->head == y);
+  CHECK(y->prev == nullptr && y->segment->size == 14 * kMiB);
+  pool.check_invariants();
+}
+
 }  // namespace
 
 int main() {
@@ -503,5 +583,6 @@ int main() {
   test_pending_not_merged();
   test_remove_segment();
   test_corruption_is_caught();
+  test_cut_free_pages();
   return check_summary("test_block_pool");
 }

@@ -14,6 +14,8 @@ events imply (:func:`initial_state`).
 """
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -95,6 +97,41 @@ def _first_per_address(action: np.ndarray, addr: np.ndarray, kinds: np.ndarray):
     return uniq, idx[first], action[idx[first]]
 
 
+def _inside(segments: dict, a: int):
+    """The (start, end) of the segment in `segments` (start -> end) holding `a`, or None."""
+    starts = sorted(segments)
+    k = bisect.bisect_right(starts, a) - 1
+    return (starts[k], segments[starts[k]]) if k >= 0 and a < segments[starts[k]] else None
+
+
+def _walk_segments(cols: dict):
+    """Replays the segment events: returns (the segments alive after the
+    last event, start -> end; those a release or unmap shows existed before
+    the first, as (addr, size, stream)). An unmap inside a known segment cuts
+    it in two (dtralloc's unmap_pages, a range of torch's expandable segments)."""
+    action, addr, size, stream = cols["action"], cols["addr"], cols["size"], cols["stream"]
+    alive: dict = {}
+    before = []
+    makes = (ACTION["segment_alloc"], ACTION["segment_map"])
+    for e in np.flatnonzero(np.isin(action, _SEGMENT_EVENTS)).tolist():
+        a, n = int(addr[e]), int(size[e])
+        if action[e] in makes:
+            alive[a] = a + n
+            continue
+        holder = _inside(alive, a)
+        if holder is None:  # made before the history began
+            before.append((a, n, int(stream[e])))
+            continue
+        lo, hi = holder
+        del alive[lo]
+        if action[e] == ACTION["segment_unmap"]:
+            if lo < a:
+                alive[lo] = a
+            if a + n < hi:
+                alive[a + n] = hi
+    return alive, before
+
+
 def initial_state(cols: dict, final_segments: list) -> dict:
     """The segments and blocks that existed before the first event.
 
@@ -102,23 +139,18 @@ def initial_state(cols: dict, final_segments: list) -> dict:
     (block) before the history began; an address with no such event holds
     before what it holds at the end."""
     action, addr, size = cols["action"], cols["addr"], cols["size"]
-    seg_addr, seg_first, seg_action = _first_per_address(action, addr, _SEGMENT_EVENTS)
     blk_addr, blk_first, blk_action = _first_per_address(action, addr, _BLOCK_EVENTS)
     final_blocks = {}
-    seg_rows = []  # (addr, size, stream)
+    known, seg_rows = _walk_segments(cols)  # seg_rows: (addr, size, stream)
     blk_rows = []  # (addr, block size, requested, pending)
-    touched_segments = set(seg_addr.tolist())
     for seg in final_segments:
         a = int(seg["address"])
-        if a not in touched_segments:
+        if not _inside(known, a):
             seg_rows.append((a, int(seg["total_size"]), int(seg.get("stream", 0)) & 0xFFFFFFFFFFFFFFFF))
         for b in seg.get("blocks", ()):
             if b.get("state") in ("active_allocated", "active_pending_free"):
                 final_blocks[int(b["address"])] = (int(b["size"]), int(b.get("requested_size", b["size"])),
                                                    b["state"] == "active_pending_free")
-    freed_first = np.isin(seg_action, _SEGMENT_FREES)
-    for i in np.flatnonzero(freed_first):
-        seg_rows.append((int(seg_addr[i]), int(size[seg_first[i]]), int(cols["stream"][seg_first[i]])))
     touched_blocks = set(blk_addr.tolist())
     for a, (bsize, requested, pending) in final_blocks.items():
         if a not in touched_blocks:
