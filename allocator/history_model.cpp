@@ -218,6 +218,7 @@ HistoryModel build_history_model(const HistoryInput& in) {
     --it;
     const std::size_t s = it->second;
     const std::uint64_t lo = m.segment_addr[s], hi = lo + static_cast<std::uint64_t>(m.segment_size[s]);
+    const std::uint64_t stream = m.segment_stream[s];  // a copy: the pushes below may reallocate
     const std::uint64_t cut_hi = addr + static_cast<std::uint64_t>(size);
     if (size <= 0 || cut_hi > hi || (addr == lo && cut_hi == hi)) return true;
     if (!space.unmap(addr, cut_hi)) ++m.anomalies;
@@ -231,7 +232,7 @@ HistoryModel build_history_model(const HistoryInput& in) {
       m.segment_end.push_back(n);
       m.segment_addr.push_back(a);
       m.segment_size.push_back(static_cast<std::int64_t>(b - a));
-      m.segment_stream.push_back(m.segment_stream[s]);
+      m.segment_stream.push_back(stream);
     };
     part(lo, addr);
     part(cut_hi, hi);
