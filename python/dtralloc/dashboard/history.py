@@ -29,7 +29,6 @@ _BLOCK_EVENTS = np.array([ACTION[a] for a in ("alloc", "free_requested", "free_c
 _BLOCK_FREES = np.array([ACTION[a] for a in ("free_requested", "free_completed", "free")], np.uint8)
 _SEGMENT_EVENTS = np.array([ACTION[a] for a in ("segment_alloc", "segment_free", "segment_map", "segment_unmap")],
                            np.uint8)
-_SEGMENT_FREES = np.array([ACTION[a] for a in ("segment_free", "segment_unmap")], np.uint8)
 # torch places blocks in multiples of 512 bytes (CUDACachingAllocator's
 # kMinBlockSize); a torch history records requested sizes only.
 ROUND_BYTES = 512
@@ -97,38 +96,53 @@ def _first_per_address(action: np.ndarray, addr: np.ndarray, kinds: np.ndarray):
     return uniq, idx[first], action[idx[first]]
 
 
-def _inside(segments: dict, a: int):
-    """The (start, end) of the segment in `segments` (start -> end) holding `a`, or None."""
-    starts = sorted(segments)
-    k = bisect.bisect_right(starts, a) - 1
-    return (starts[k], segments[starts[k]]) if k >= 0 and a < segments[starts[k]] else None
+class _Segments:
+    """Address ranges start -> end, with the starts kept sorted for lookups."""
+
+    def __init__(self):
+        self.end: dict = {}
+        self.starts: list = []
+
+    def add(self, lo: int, hi: int) -> None:
+        if lo not in self.end:
+            bisect.insort(self.starts, lo)
+        self.end[lo] = hi
+
+    def remove(self, lo: int) -> None:
+        del self.end[lo]
+        del self.starts[bisect.bisect_left(self.starts, lo)]
+
+    def holding(self, a: int):
+        """(start, end) of the range holding address `a`, or None."""
+        k = bisect.bisect_right(self.starts, a) - 1
+        return (self.starts[k], self.end[self.starts[k]]) if k >= 0 and a < self.end[self.starts[k]] else None
 
 
 def _walk_segments(cols: dict):
     """Replays the segment events: returns (the segments alive after the
-    last event, start -> end; those a release or unmap shows existed before
-    the first, as (addr, size, stream)). An unmap inside a known segment cuts
-    it in two (dtralloc's unmap_pages, a range of torch's expandable segments)."""
+    last event; those a release or unmap shows existed before the first, as
+    (addr, size, stream)). An unmap inside a known segment cuts it in two
+    (dtralloc's unmap_pages, a range of torch's expandable segments)."""
     action, addr, size, stream = cols["action"], cols["addr"], cols["size"], cols["stream"]
-    alive: dict = {}
+    alive = _Segments()
     before = []
     makes = (ACTION["segment_alloc"], ACTION["segment_map"])
     for e in np.flatnonzero(np.isin(action, _SEGMENT_EVENTS)).tolist():
         a, n = int(addr[e]), int(size[e])
         if action[e] in makes:
-            alive[a] = a + n
+            alive.add(a, a + n)
             continue
-        holder = _inside(alive, a)
+        holder = alive.holding(a)
         if holder is None:  # made before the history began
             before.append((a, n, int(stream[e])))
             continue
         lo, hi = holder
-        del alive[lo]
+        alive.remove(lo)
         if action[e] == ACTION["segment_unmap"]:
             if lo < a:
-                alive[lo] = a
+                alive.add(lo, a)
             if a + n < hi:
-                alive[a + n] = hi
+                alive.add(a + n, hi)
     return alive, before
 
 
@@ -145,7 +159,7 @@ def initial_state(cols: dict, final_segments: list) -> dict:
     blk_rows = []  # (addr, block size, requested, pending)
     for seg in final_segments:
         a = int(seg["address"])
-        if not _inside(known, a):
+        if not known.holding(a):
             seg_rows.append((a, int(seg["total_size"]), int(seg.get("stream", 0)) & 0xFFFFFFFFFFFFFFFF))
         for b in seg.get("blocks", ()):
             if b.get("state") in ("active_allocated", "active_pending_free"):
