@@ -48,16 +48,11 @@ const char* trace_action_name(TraceAction action) {
 
 Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int device)
     : backend_(std::move(backend)), config_(resolve_config(config)), device_(device), pool_(config_) {
+  check_backend_config(config_, backend_->name(), backend_->releases_ranges());
   capacity_bytes_ = backend_->total_bytes();
   config_budget_bytes_ = config_.budget.resolve(capacity_bytes_);
   budget_bytes_ = config_budget_bytes_;
   history_.resize(config_.history_entries);
-  if (config_.unmap_pages == Switch::kOn && !backend_->releases_ranges())
-    throw ConfigError(std::string("DTRALLOC_CONF: unmap_pages:on needs a backend that can give back part of a "
-                                  "segment, and the ") + backend_->name() +
-                      " backend cannot (memory from cudaMalloc is freed whole; giving back pages needs "
-                      "CUDA's virtual memory API, which dtralloc does not use yet). Leave unmap_pages off "
-                      "here; it works in replay and in dtralloc.dtr(device=\"cpu\") sessions.");
 }
 
 Allocator::~Allocator() {
@@ -239,7 +234,7 @@ void Allocator::refuse_capture(std::size_t size, Stream stream) {
 Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, Stream stream) {
   std::size_t bytes = pool_.segment_size(rounded);
   const std::size_t reserved = reserved_bytes();
-  const std::size_t own = kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  const std::size_t own = BlockPool::own_segment_size(rounded);
   const bool large = BlockPool::pool_for(rounded) == kLargePool;
   if (reserved + bytes > budget_bytes_ || (large && own < bytes && tight_segments_)) {
     // Under a tight budget a large-pool request gets a segment of its own
@@ -261,9 +256,7 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
 Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream) {
   if (config_.unmap_pages != Switch::kOn) return nullptr;
   // The segment the request gets under a tight budget (allocate_segment).
-  const std::size_t need = BlockPool::pool_for(rounded) == kSmallPool
-                               ? kSmallBuffer
-                               : kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  const std::size_t need = BlockPool::own_segment_size(rounded);
   const std::size_t reserved = reserved_bytes();
   std::size_t room = budget_bytes_ > reserved ? budget_bytes_ - reserved : 0;
   if (room >= need) return nullptr;  // the budget is not what failed

@@ -91,9 +91,9 @@ std::size_t BlockPool::segment_size(std::size_t rounded) const {
     // As many copies as fit in 20 MiB (at least two: rounded < 10 MiB), the
     // segment 2 MiB-rounded; never more than 20 MiB.
     const std::size_t copies = kLargeBuffer / rounded;
-    return kRoundLarge * ((copies * rounded + kRoundLarge - 1) / kRoundLarge);
+    return own_segment_size(copies * rounded);
   }
-  return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  return own_segment_size(rounded);
 }
 
 Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) const {

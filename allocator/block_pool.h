@@ -119,6 +119,12 @@ class BlockPool {
   // The segment a new `rounded` request gets (segment_fit, once resolved,
   // changes it for 1-10 MiB requests).
   std::size_t segment_size(std::size_t rounded) const;
+  // The smallest segment that serves `rounded`: its own size rounded to
+  // 2 MiB (a small-pool request's is the 2 MiB small segment). What a large
+  // request gets under a tight budget (Allocator::allocate_segment).
+  static std::size_t own_segment_size(std::size_t rounded) {
+    return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  }
   static PoolKind pool_for(std::size_t rounded) {
     return rounded <= kSmallSize ? kSmallPool : kLargePool;
   }

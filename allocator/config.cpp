@@ -371,6 +371,15 @@ Config resolve_config(Config config) {
   return config;
 }
 
+void check_backend_config(const Config& config, const std::string& backend, bool releases_ranges) {
+  if (config.unmap_pages == Switch::kOn && !releases_ranges)
+    throw ConfigError("DTRALLOC_CONF: unmap_pages:on needs a backend that can give back part of a segment, and the " +
+                      backend +
+                      " backend cannot (memory from cudaMalloc is freed whole; giving back pages needs "
+                      "CUDA's virtual memory API, which dtralloc does not use yet). Leave unmap_pages off "
+                      "here; it works in replay and in dtralloc.dtr(device=\"cpu\") sessions.");
+}
+
 std::vector<OptionInfo> describe_config(const Config& config) {
   std::vector<OptionInfo> out;
   const Config defaults;

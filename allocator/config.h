@@ -155,6 +155,10 @@ struct OptionInfo {
 };
 std::vector<OptionInfo> describe_config(const Config& config);
 
+// Throws ConfigError when resolved `config` asks for what a backend named
+// `backend` cannot do (unmap_pages:on without releases_ranges(), backend.h).
+void check_backend_config(const Config& config, const std::string& backend, bool releases_ranges);
+
 // Formats bytes for humans: "1.5 GiB", "512 B".
 std::string format_bytes(std::size_t bytes);
 

@@ -360,7 +360,7 @@ Evictor::Plan Evictor::choose_release(std::size_t bytes, double bound) {
   // What the Allocator will ask the backend for: a standard segment, or under
   // a tight budget one of the request's own 2 MiB-rounded size.
   std::size_t segment = allocator_.segment_size(bytes);
-  if (large) segment = std::min(segment, kRoundLarge * ((bytes + kRoundLarge - 1) / kRoundLarge));
+  if (large) segment = std::min(segment, BlockPool::own_segment_size(bytes));
   if (segment <= headroom_) return plan;  // not a question of releasing
   const std::size_t need = segment - headroom_;
   // Producer-cost bounds pay where every segment would otherwise be walked:

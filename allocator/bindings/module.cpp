@@ -37,6 +37,11 @@ PYBIND11_MODULE(_core, m) {
     }
     return out;
   }, py::arg("text"), "Parse DTRALLOC_CONF text; list every option with its effective value.");
+  // install(): refuse before touching torch what the cuda backend's Allocator
+  // would refuse at the first allocation (backend_cuda.cpp: no releases_ranges).
+  m.def("check_cuda_config", [](const std::string& text) {
+    check_backend_config(resolve_config(parse_config(text)), "cuda", false);
+  }, py::arg("text"), "Raise ConfigError if the cuda backend cannot run these settings.");
   m.def("parse_size", [](const std::string& text) { return parse_size("size", text, 1); });
   m.def("format_bytes", &format_bytes);
   m.def("cuda_device_count", &cuda_device_count);

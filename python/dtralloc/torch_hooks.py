@@ -56,13 +56,8 @@ def install(conf: ConfLike = None) -> None:
     """
     global _installed_conf
     text = conf_text(conf)
-    options = _core.describe_config(text)  # validate before touching torch
-    if any(o["name"] == "unmap_pages" and o["value"] == "on" for o in options):
-        # The cuda backend's allocator would refuse it at the first allocation, inside torch.
-        raise _core.ConfigError(
-            "DTRALLOC_CONF: unmap_pages:on needs a backend that can give back part of a segment, and the "
-            "cuda backend cannot yet (memory from cudaMalloc is freed whole). Leave unmap_pages off with "
-            "install(); it works in replay and in dtralloc.dtr(device=\"cpu\") sessions.")
+    _core.describe_config(text)  # validate before touching torch
+    _core.check_cuda_config(text)
     if _installed_conf is not None:
         if text == _installed_conf:
             return
