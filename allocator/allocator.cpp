@@ -47,7 +47,10 @@ const char* trace_action_name(TraceAction action) {
 }
 
 Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int device)
-    : backend_(std::move(backend)), config_(resolve_config(config)), device_(device), pool_(config_) {
+    : backend_(std::move(backend)),
+      config_(resolve_config(config, backend_->releases_ranges())),
+      device_(device),
+      pool_(config_) {
   check_backend_config(config_, backend_->name(), backend_->releases_ranges());
   capacity_bytes_ = backend_->total_bytes();
   config_budget_bytes_ = config_.budget.resolve(capacity_bytes_);

@@ -41,8 +41,8 @@ class Backend {
   // True when release() also takes any 2 MiB-aligned range inside a segment
   // (counted from the segment's start, whole pages of 2 MiB), the rest of
   // the segment staying valid where it is: unmap_pages needs it. The host
-  // and virtual backends can; cuda cannot yet (memory from cudaMalloc is
-  // freed whole; giving back pages needs CUDA's virtual memory API).
+  // and virtual backends can; cuda can with VMM segments (memory from
+  // cudaMalloc is freed whole).
   virtual bool releases_ranges() const { return false; }
 
   // Device capacity, for `budget:0.5` style fractions and for the OOM message.
@@ -75,8 +75,21 @@ std::unique_ptr<Backend> make_host_backend(std::size_t capacity_bytes);
 std::unique_ptr<Backend> make_virtual_backend(std::size_t capacity_bytes);
 // Loads the CUDA runtime on first use (see backend_cuda.cpp for the search
 // order). Throws std::runtime_error naming the library and the fix when no
-// runtime can be loaded.
-std::unique_ptr<Backend> make_cuda_backend(int device);
+// runtime can be loaded. With `vmm_segments` every segment is a reserved
+// address range with its 2 MiB pages mapped one by one (CUDA's virtual
+// memory API), so that release() takes page ranges (releases_ranges());
+// throws when the driver or device cannot.
+std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments = false);
+// Why `device` cannot have VMM segments; "" when it can. Creates no context.
+std::string cuda_vmm_unavailable(int device);
+// The cuda backend `config` asks for: VMM segments where unmap_pages
+// resolves on (auto: under the dtralloc policy with a budget) and the device
+// can have them. unmap_pages:on where it cannot throws ConfigError; auto
+// falls back to cudaMalloc'd segments and the Allocator resolves it off.
+struct Config;
+std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device);
+// Throws ConfigError naming why unmap_pages:on cannot run on `device`.
+void check_cuda_unmap_pages(int device);
 
 // Number of CUDA devices the runtime reports (0 when none can be loaded).
 int cuda_device_count();

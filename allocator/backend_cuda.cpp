@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "config.h"
 #include "cudart_api.h"
 
 namespace dtralloc {
@@ -191,17 +193,36 @@ void resolve_all(void* handle, const std::string& library,
 // when it exports it (the fake does; a real libcudart does not), else from
 // libcuda.so.1, which a working runtime has already loaded. Optional: without
 // it DeviceGuard restores the caller's device unconditionally.
+//
+// The VMM functions (CudaRuntimeApi::VmmApi) come from the same library as
+// cuDevicePrimaryCtxGetState, all of them or none.
+template <typename Fn>
+void resolve_optional(void* handle, const char* symbol, Fn*& slot) {
+  slot = handle ? reinterpret_cast<Fn*>(dlsym(handle, symbol)) : nullptr;
+}
+
 void resolve_driver(void* runtime_handle, CudaRuntimeApi& api) {
-  using Fn = decltype(api.DevicePrimaryCtxGetState);
-  const char* symbol = "cuDevicePrimaryCtxGetState";
-  void* address = dlsym(runtime_handle, symbol);
-  if (address == nullptr) {
-    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (driver == nullptr) driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (driver != nullptr) address = dlsym(driver, symbol);  // kept open for good
+  void* source = runtime_handle;
+  if (dlsym(runtime_handle, "cuDevicePrimaryCtxGetState") == nullptr) {
+    source = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (source == nullptr) source = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  // kept open for good
   }
+  resolve_optional(source, "cuDevicePrimaryCtxGetState", api.DevicePrimaryCtxGetState);
+  CudaRuntimeApi::VmmApi& vmm = api.vmm;
+  resolve_optional(source, "cuDeviceGet", vmm.DeviceGet);
+  resolve_optional(source, "cuDeviceGetAttribute", vmm.DeviceGetAttribute);
+  resolve_optional(source, "cuCtxGetCurrent", vmm.CtxGetCurrent);
+  resolve_optional(source, "cuMemGetAllocationGranularity", vmm.MemGetAllocationGranularity);
+  resolve_optional(source, "cuMemAddressReserve", vmm.MemAddressReserve);
+  resolve_optional(source, "cuMemAddressFree", vmm.MemAddressFree);
+  resolve_optional(source, "cuMemCreate", vmm.MemCreate);
+  resolve_optional(source, "cuMemRelease", vmm.MemRelease);
+  resolve_optional(source, "cuMemMap", vmm.MemMap);
+  resolve_optional(source, "cuMemUnmap", vmm.MemUnmap);
+  resolve_optional(source, "cuMemSetAccess", vmm.MemSetAccess);
+  resolve_optional(source, "cuGetErrorString", vmm.GetErrorString);
+  if (!vmm.complete()) vmm = CudaRuntimeApi::VmmApi{};
   dlerror();  // a miss above is an answer, not an error
-  api.DevicePrimaryCtxGetState = reinterpret_cast<Fn>(address);
 }
 
 const LoadedRuntime& load_runtime() {
@@ -289,15 +310,65 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
+// VMM segments: the pages unmap_pages gives back, and the unit in which
+// they are created and mapped.
+constexpr std::size_t kVmmPage = std::size_t{2} << 20;
+
+std::string describe_driver(const CudaRuntimeApi::VmmApi& vmm, cudrv::CUresult result) {
+  const char* text = nullptr;
+  if (vmm.GetErrorString(result, &text) != cudrv::CUDA_SUCCESS || text == nullptr) text = "unknown error";
+  return std::string(text) + " (CUDA driver error " + std::to_string(result) + ")";
+}
+
+// The properties of one page of device memory on `device`.
+cudrv::CUmemAllocationProp page_properties(int device) {
+  cudrv::CUmemAllocationProp prop{};
+  prop.type = cudrv::CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = cudrv::CU_MEM_HANDLE_TYPE_NONE;
+  prop.location.type = cudrv::CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+// Why `device` cannot have VMM segments, "" when it can. Queries the driver
+// only (no context is created): the API is there, the device supports it,
+// and its granularity divides a 2 MiB page.
+std::string vmm_unavailable(const CudaRuntimeApi& api, int device) {
+  const CudaRuntimeApi::VmmApi& vmm = api.vmm;
+  if (!vmm.complete())
+    return "the CUDA driver (libcuda.so.1) does not export the virtual memory management API "
+           "(cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemUnmap, ...)";
+  cudrv::CUdevice handle = 0;
+  cudrv::CUresult r = vmm.DeviceGet(&handle, device);
+  if (r != cudrv::CUDA_SUCCESS) return "cuDeviceGet(" + std::to_string(device) + ") failed: " + describe_driver(vmm, r);
+  int supported = 0;
+  r = vmm.DeviceGetAttribute(&supported, cudrv::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, handle);
+  if (r != cudrv::CUDA_SUCCESS) return "cuDeviceGetAttribute failed: " + describe_driver(vmm, r);
+  if (supported == 0)
+    return "CUDA device " + std::to_string(device) + " does not support virtual memory management";
+  const cudrv::CUmemAllocationProp prop = page_properties(device);
+  std::size_t granularity = 0;
+  r = vmm.MemGetAllocationGranularity(&granularity, &prop, cudrv::CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != cudrv::CUDA_SUCCESS) return "cuMemGetAllocationGranularity failed: " + describe_driver(vmm, r);
+  if (granularity == 0 || kVmmPage % granularity != 0)
+    return "CUDA device " + std::to_string(device) + " maps memory in units of " + std::to_string(granularity) +
+           " bytes, which do not divide dtralloc's 2 MiB pages";
+  return "";
+}
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CudaRuntimeApi& api, int device)
-      : api_(api), device_(device) {}
+  CudaBackend(const CudaRuntimeApi& api, int device, bool vmm)
+      : api_(api), device_(device), vmm_(vmm), page_prop_(page_properties(device)) {}
 
   const char* name() const override { return "cuda"; }
 
+  // With VMM segments, any whole 2 MiB pages of a segment can go back.
+  bool releases_ranges() const override { return vmm_; }
+
   void* allocate(std::size_t bytes) override {
     DeviceGuard guard(api_, device_);
+    if (vmm_) return vmm_allocate(bytes);
     void* ptr = nullptr;
     cudaError_t err = api_.Malloc(&ptr, bytes);
     if (err == cudaErrorMemoryAllocation) {
@@ -312,6 +383,7 @@ class CudaBackend final : public Backend {
 
   void release(void* ptr, std::size_t bytes) override {
     DeviceGuard guard(api_, device_);
+    if (vmm_) return vmm_release(ptr, bytes);
     cudaError_t err = api_.Free(ptr);
     if (err != cudaSuccess) {
       fail(err, "cudaFree of " + std::to_string(bytes) + " bytes");
@@ -404,8 +476,117 @@ class CudaBackend final : public Backend {
     throw_cuda_error(api_, err, what, device_);
   }
 
+  // ---- VMM segments ------------------------------------------------------
+  //
+  // A segment is an address range reserved for it, with one physical 2 MiB
+  // page created and mapped at each page of the range. Any page can then be
+  // unmapped (its memory goes back to the device) while the others stay where
+  // they are, which is what unmap_pages needs and cudaMalloc cannot do. The
+  // handle of each page is released right after it is mapped: the driver
+  // frees the memory when its mapping goes (cuMemRelease, cuda.h). The
+  // reservation is freed once its last page is unmapped.
+
+  struct Reservation {
+    std::size_t bytes = 0;        // as reserved
+    std::size_t mapped_pages = 0;
+  };
+
+  [[noreturn]] void fail_driver(cudrv::CUresult result, const std::string& what) const {
+    api_.GetLastError();
+    throw std::runtime_error("dtralloc: " + what + " on CUDA device " + std::to_string(device_) +
+                             " failed: " + describe_driver(api_.vmm, result));
+  }
+
+  // Driver calls need a current context; a thread the runtime has not used
+  // yet may have none. cudaSetDevice makes the device's primary context
+  // current (CUDA 12 and later create it there).
+  void ensure_context() {
+    cudrv::CUcontext context = nullptr;
+    if (api_.vmm.CtxGetCurrent(&context) == cudrv::CUDA_SUCCESS && context != nullptr) return;
+    cudaError_t err = api_.SetDevice(device_);
+    if (err != cudaSuccess) fail(err, "cudaSetDevice");
+  }
+
+  // Unmaps `pages` pages from `start`; throws on the first failure.
+  void unmap_pages(cudrv::CUdeviceptr start, std::size_t pages) {
+    for (std::size_t i = 0; i < pages; ++i) {
+      cudrv::CUresult r = api_.vmm.MemUnmap(start + i * kVmmPage, kVmmPage);
+      if (r != cudrv::CUDA_SUCCESS) fail_driver(r, "cuMemUnmap");
+    }
+  }
+
+  // Undoes a partly built segment; `result` is why it stopped.
+  void* abandon(cudrv::CUdeviceptr base, std::size_t bytes, std::size_t mapped_pages, cudrv::CUresult result,
+                const char* what) {
+    unmap_pages(base, mapped_pages);
+    cudrv::CUresult r = api_.vmm.MemAddressFree(base, bytes);
+    if (r != cudrv::CUDA_SUCCESS) fail_driver(r, "cuMemAddressFree");
+    if (result == cudrv::CUDA_ERROR_OUT_OF_MEMORY) return nullptr;  // an answer, like cudaMalloc's
+    fail_driver(result, std::string(what) + " for a segment of " + std::to_string(bytes) + " bytes");
+  }
+
+  void* vmm_allocate(std::size_t bytes) {
+    if (bytes == 0 || bytes % kVmmPage != 0)
+      throw std::logic_error("dtralloc: cuda VMM segment of " + std::to_string(bytes) +
+                             " bytes, not a multiple of 2 MiB (BlockPool::own_segment_size rounds to pages)");
+    ensure_context();
+    const CudaRuntimeApi::VmmApi& vmm = api_.vmm;
+    cudrv::CUdeviceptr base = 0;
+    cudrv::CUresult r = vmm.MemAddressReserve(&base, bytes, kVmmPage, 0, 0);
+    if (r == cudrv::CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
+    if (r != cudrv::CUDA_SUCCESS) fail_driver(r, "cuMemAddressReserve of " + std::to_string(bytes) + " bytes");
+    const std::size_t pages = bytes / kVmmPage;
+    for (std::size_t i = 0; i < pages; ++i) {
+      cudrv::CUmemGenericAllocationHandle handle = 0;
+      r = vmm.MemCreate(&handle, kVmmPage, &page_prop_, 0);
+      if (r != cudrv::CUDA_SUCCESS) return abandon(base, bytes, i, r, "cuMemCreate");
+      r = vmm.MemMap(base + i * kVmmPage, kVmmPage, 0, handle, 0);
+      const cudrv::CUresult released = vmm.MemRelease(handle);  // the mapping, if any, keeps the page
+      if (r != cudrv::CUDA_SUCCESS) return abandon(base, bytes, i, r, "cuMemMap");
+      if (released != cudrv::CUDA_SUCCESS) return abandon(base, bytes, i + 1, released, "cuMemRelease");
+    }
+    cudrv::CUmemAccessDesc access{};
+    access.location = page_prop_.location;
+    access.flags = cudrv::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = vmm.MemSetAccess(base, bytes, &access, 1);
+    if (r != cudrv::CUDA_SUCCESS) return abandon(base, bytes, pages, r, "cuMemSetAccess");
+    reservations_.emplace(base, Reservation{bytes, pages});
+    return reinterpret_cast<void*>(base);
+  }
+
+  // A whole segment or, for unmap_pages, whole pages of one.
+  void vmm_release(void* ptr, std::size_t bytes) {
+    const auto start = static_cast<cudrv::CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr));
+    auto it = reservations_.upper_bound(start);
+    if (it == reservations_.begin() || bytes == 0 || bytes % kVmmPage != 0 ||
+        (start - std::prev(it)->first) % kVmmPage != 0 ||
+        start + bytes > std::prev(it)->first + std::prev(it)->second.bytes)
+      throw std::logic_error("dtralloc: cuda VMM release of " + std::to_string(bytes) + " bytes at " +
+                             std::to_string(start) + " is not whole pages of one segment");
+    --it;
+    ensure_context();
+    // cudaFree waits for the device; cuMemUnmap is not documented to wait
+    // for kernels still using the pages, so wait here.
+    cudaError_t err = api_.DeviceSynchronize();
+    if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize before cuMemUnmap");
+    const std::size_t pages = bytes / kVmmPage;
+    unmap_pages(start, pages);
+    Reservation& reservation = it->second;
+    if (pages > reservation.mapped_pages)
+      throw std::logic_error("dtralloc: cuda VMM release of more pages than the segment has mapped");
+    reservation.mapped_pages -= pages;
+    if (reservation.mapped_pages > 0) return;
+    cudrv::CUresult r = api_.vmm.MemAddressFree(it->first, reservation.bytes);
+    reservations_.erase(it);
+    if (r != cudrv::CUDA_SUCCESS) fail_driver(r, "cuMemAddressFree");
+  }
+
   const CudaRuntimeApi& api_;
   const int device_;
+  const bool vmm_;
+  const cudrv::CUmemAllocationProp page_prop_;
+  // Start of each reservation -> its size and the pages still mapped in it.
+  std::map<cudrv::CUdeviceptr, Reservation> reservations_;
 };
 
 // Device count, or the runtime's error (already cleared from "last error").
@@ -452,7 +633,7 @@ int cuda_device_count() {
   }
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device) {
+std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments) {
   const LoadedRuntime& runtime = load_runtime();
   int count = 0;
   cudaError_t err = query_device_count(runtime.api, count);
@@ -473,7 +654,33 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
         std::to_string(count - 1) +
         ". Pass a valid index or check CUDA_VISIBLE_DEVICES.");
   }
-  return std::make_unique<CudaBackend>(runtime.api, device);
+  if (vmm_segments) {
+    const std::string why = vmm_unavailable(runtime.api, device);
+    if (!why.empty()) throw std::runtime_error("dtralloc: no VMM segments on CUDA device " + std::to_string(device) + ": " + why);
+  }
+  return std::make_unique<CudaBackend>(runtime.api, device, vmm_segments);
+}
+
+std::string cuda_vmm_unavailable(int device) {
+  const LoadedRuntime& runtime = load_runtime();
+  return vmm_unavailable(runtime.api, device);
+}
+
+std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device) {
+  // Resolved as for a backend that can give back pages: on means the
+  // settings want VMM segments.
+  if (resolve_config(config, true).unmap_pages != Switch::kOn) return make_cuda_backend(device, false);
+  if (cuda_vmm_unavailable(device).empty()) return make_cuda_backend(device, true);
+  if (config.unmap_pages == Switch::kOn) check_cuda_unmap_pages(device);  // throws
+  return make_cuda_backend(device, false);  // auto: the Allocator resolves it off
+}
+
+void check_cuda_unmap_pages(int device) {
+  const std::string why = cuda_vmm_unavailable(device);
+  if (!why.empty())
+    throw ConfigError("DTRALLOC_CONF: unmap_pages:on gives back pages of CUDA memory through CUDA's virtual "
+                      "memory API, and here it cannot: " + why +
+                      ". Leave unmap_pages at auto (it then stays off here) or off.");
 }
 
 }  // namespace dtralloc

@@ -355,7 +355,7 @@ Config parse_config(const std::string& text) {
 // 0.665 of the peak). Sparing that room removed those 18 holes over three
 // recordings and lowered lstm-compact's minimum from 0.67 to 0.58
 // (bench/results/replay_recordings-2026-11-23d-cpu.md).
-Config resolve_config(Config config) {
+Config resolve_config(Config config, bool releases_ranges) {
   const bool dtralloc_placement = config.policy == Policy::kDtralloc && !config.budget.none();
   if (config.max_split_size_mb == kAutoSplit)
     config.max_split_size_mb = dtralloc_placement ? kDtrallocMaxSplit : kNoLimit;
@@ -365,19 +365,20 @@ Config resolve_config(Config config) {
     config.small_in_large = dtralloc_placement ? Switch::kOn : Switch::kOff;
   if (config.spare_evicted == Switch::kAuto)
     config.spare_evicted = dtralloc_placement ? Switch::kOn : Switch::kOff;
-  // unmap_pages:auto is off: replay and CPU sessions model a GPU, and the
-  // cuda backend cannot give back part of a segment yet (backend.h).
-  if (config.unmap_pages == Switch::kAuto) config.unmap_pages = Switch::kOff;
+  // The cuda backend gives back pages through VMM segments; where the
+  // driver cannot, auto stays off (make_cuda_backend_for, backend.h).
+  if (config.unmap_pages == Switch::kAuto)
+    config.unmap_pages = dtralloc_placement && releases_ranges ? Switch::kOn : Switch::kOff;
   return config;
 }
 
 void check_backend_config(const Config& config, const std::string& backend, bool releases_ranges) {
   if (config.unmap_pages == Switch::kOn && !releases_ranges)
-    throw ConfigError("DTRALLOC_CONF: unmap_pages:on needs a backend that can give back part of a segment, and the " +
+    throw ConfigError("DTRALLOC_CONF: unmap_pages:on needs a backend that can give back part of a segment, and this " +
                       backend +
-                      " backend cannot (memory from cudaMalloc is freed whole; giving back pages needs "
-                      "CUDA's virtual memory API, which dtralloc does not use yet). Leave unmap_pages off "
-                      "here; it works in replay and in dtralloc.dtr(device=\"cpu\") sessions.");
+                      " backend cannot (its segments come from cudaMalloc, which frees them only whole; "
+                      "dtralloc.install() and Pool('cuda') make VMM segments for unmap_pages where the "
+                      "driver supports them). Leave unmap_pages at auto or off for this backend.");
 }
 
 std::vector<OptionInfo> describe_config(const Config& config) {

@@ -90,8 +90,10 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "on: before an out-of-memory error, give the device back the whole 2 MB "  \
     "pages of free blocks in segments that also hold tensors, so the budget "  \
     "has room for the request's own segment (a step that fits runs as with "  \
-    "off); needs a backend that frees part of a segment: host and virtual "    \
-    "(replay, CPU sessions), not yet cuda; auto = off until cuda can")         \
+    "off); needs a backend that frees part of a segment: host, virtual "       \
+    "(replay, CPU sessions) and cuda through VMM segments (CUDA's virtual "     \
+    "memory API); auto = on under the dtralloc policy with a budget where the " \
+    "backend can, else off")                                                   \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \
@@ -137,8 +139,9 @@ Config parse_config(const std::string& text);
 
 // `config` with the values that depend on other keys settled (what the
 // Allocator runs with): max_split_size_mb:auto becomes a size or none,
-// segment_fit:auto and small_in_large:auto on or off.
-Config resolve_config(Config config);
+// segment_fit:auto and small_in_large:auto on or off, unmap_pages:auto on
+// only where the backend `releases_ranges` (Backend::releases_ranges).
+Config resolve_config(Config config, bool releases_ranges = true);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").
 // `unit` multiplies a bare number (1 for bytes, kMiB for *_mb keys).

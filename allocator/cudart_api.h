@@ -58,6 +58,68 @@ constexpr unsigned int cudaEventDisableTiming = 0x02;
 
 }  // namespace cudart
 
+// The slice of the driver API (cuda.h) that dtralloc's VMM segments call:
+// CUDA's virtual memory management, which maps physical pages into a
+// reserved address range one by one, so that a page can be given back while
+// the rest of the range stays mapped (unmap_pages, backend_cuda.cpp). Types
+// and values as in cuda.h (CUDA 12 and 13 agree); CUresult is an int.
+namespace cudrv {
+
+typedef int CUresult;
+enum : CUresult {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_INVALID_VALUE = 1,
+  CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NOT_INITIALIZED = 3,
+  CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_INVALID_CONTEXT = 201,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+typedef unsigned long long CUdeviceptr;                   // CUdeviceptr_v2
+typedef unsigned long long CUmemGenericAllocationHandle;  // _v1
+typedef int CUdevice;
+struct CUctx_st;
+typedef CUctx_st* CUcontext;
+
+// CUdevice_attribute
+constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
+// CUmemAllocationType, CUmemAllocationHandleType, CUmemLocationType,
+// CUmemAccess_flags, CUmemAllocationGranularity_flags (enums, int-sized)
+constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 0x1;
+constexpr int CU_MEM_HANDLE_TYPE_NONE = 0x0;
+constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 0x1;
+constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3;
+constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0;
+
+struct CUmemLocation {  // CUmemLocation_v1
+  int type;             // CUmemLocationType
+  int id;
+};
+
+struct CUmemAllocationProp {  // CUmemAllocationProp_v1
+  int type;                   // CUmemAllocationType
+  int requestedHandleTypes;   // CUmemAllocationHandleType
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+};
+
+struct CUmemAccessDesc {  // CUmemAccessDesc_v1
+  CUmemLocation location;
+  int flags;  // CUmemAccess_flags
+};
+
+static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout differs from cuda.h");
+static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout differs from cuda.h");
+
+}  // namespace cudrv
+
 // One pointer per runtime function, with the real C signatures. The fields are
 // named after the CUDA functions without their "cuda" prefix (see above).
 struct CudaRuntimeApi {
@@ -90,6 +152,35 @@ struct CudaRuntimeApi {
   // Found in the runtime library if it has it (the fake does), else in
   // libcuda.so.1; nullptr when neither does.
   int (*DevicePrimaryCtxGetState)(int device, unsigned int* flags, int* active);
+
+  // Driver API, optional, for VMM segments (backend_cuda.cpp): found where
+  // DevicePrimaryCtxGetState is. All of them or none: VmmApi::complete().
+  struct VmmApi {
+    using R = cudrv::CUresult;
+    R (*DeviceGet)(cudrv::CUdevice* device, int ordinal);
+    R (*DeviceGetAttribute)(int* value, int attribute, cudrv::CUdevice device);
+    R (*CtxGetCurrent)(cudrv::CUcontext* context);
+    R (*MemGetAllocationGranularity)(std::size_t* granularity, const cudrv::CUmemAllocationProp* prop,
+                                     int option);
+    R (*MemAddressReserve)(cudrv::CUdeviceptr* ptr, std::size_t size, std::size_t alignment,
+                           cudrv::CUdeviceptr addr, unsigned long long flags);
+    R (*MemAddressFree)(cudrv::CUdeviceptr ptr, std::size_t size);
+    R (*MemCreate)(cudrv::CUmemGenericAllocationHandle* handle, std::size_t size,
+                   const cudrv::CUmemAllocationProp* prop, unsigned long long flags);
+    R (*MemRelease)(cudrv::CUmemGenericAllocationHandle handle);
+    R (*MemMap)(cudrv::CUdeviceptr ptr, std::size_t size, std::size_t offset,
+                cudrv::CUmemGenericAllocationHandle handle, unsigned long long flags);
+    R (*MemUnmap)(cudrv::CUdeviceptr ptr, std::size_t size);
+    R (*MemSetAccess)(cudrv::CUdeviceptr ptr, std::size_t size, const cudrv::CUmemAccessDesc* desc,
+                      std::size_t count);
+    R (*GetErrorString)(R error, const char** text);
+
+    bool complete() const {
+      return DeviceGet && DeviceGetAttribute && CtxGetCurrent && MemGetAllocationGranularity &&
+             MemAddressReserve && MemAddressFree && MemCreate && MemRelease && MemMap && MemUnmap &&
+             MemSetAccess && GetErrorString;
+    }
+  } vmm{};
 };
 
 // Loads the CUDA runtime on first use and returns its function table. Throws

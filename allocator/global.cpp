@@ -123,7 +123,7 @@ Allocator& allocator(int device) {
   if (s.forked_child.load()) throw_forked(device);
   if (!s.allocators[device]) {
     ensure_configured(s);
-    s.allocators[device] = std::make_unique<Allocator>(make_cuda_backend(device), s.config, device);
+    s.allocators[device] = std::make_unique<Allocator>(make_cuda_backend_for(s.config, device), s.config, device);
     // `dtralloc top PID` reads what the publisher writes (publisher.h). A
     // process that cannot publish still allocates: say so once and go on.
     try {

@@ -362,7 +362,42 @@ def no_stray_context() -> dict:
     return {"device0_context": active.value}
 
 
+def vmm_pages() -> dict:
+    """unmap_pages:on on a GPU: VMM segments, whose free pages go back while
+    a tensor in the same segment keeps its bytes; autograd's device thread
+    allocates from them too."""
+    import dtralloc
+
+    dtralloc.install("budget:40M,unmap_pages:on")
+    import torch
+
+    kept = torch.full((3 * MiB,), 7, dtype=torch.uint8, device="cuda")  # a 20 MiB segment
+    scratch = torch.ones(4 * MiB, dtype=torch.uint8, device="cuda")
+    del scratch
+    big = torch.full((36 * MiB,), 3, dtype=torch.uint8, device="cuda")  # 20 + 36 > 40: pages go back
+    sums = [int(kept.sum(dtype=torch.int64)), int(big.sum(dtype=torch.int64))]
+    stats = dtralloc.memory_stats()
+    releases = stats["num_page_releases"]
+    del big
+    x = torch.randn(256, 512, device="cuda")
+    w = torch.randn(512, 128, device="cuda", requires_grad=True)
+    (x @ w).sum().backward()  # backward runs on autograd's device thread
+    expected = x.sum(0)[:, None].expand(512, 128)
+    grad_ok = bool(torch.allclose(w.grad, expected, rtol=1e-4, atol=1e-3))
+    del kept, x, w, expected
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {
+        "sums": sums,
+        "page_releases": releases,
+        "grad_ok": grad_ok,
+        "reserved_after_empty_cache": dtralloc.memory_stats()["reserved_bytes.all.current"],
+        "stats": _check_pool(),
+    }
+
+
 SCENARIOS = {
+    "vmm_pages": vmm_pages,
     "train": train,
     "load": load,
     "cupy": cupy_shares_the_pool,

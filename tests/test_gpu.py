@@ -130,6 +130,14 @@ def test_oom_reaches_python_as_a_recognisable_runtime_error():
     assert r["stats"]["num_ooms"] == 1
 
 
+def test_unmap_pages_gives_back_pages_of_vmm_segments():
+    r = run_gpu_worker("vmm_pages")
+    assert r["sums"] == [3 * MiB * 7, 36 * MiB * 3], r
+    assert r["page_releases"] == 1, r
+    assert r["grad_ok"], r
+    assert r["reserved_after_empty_cache"] == 0, r
+
+
 def test_no_stray_context_on_device_0():
     import torch
 

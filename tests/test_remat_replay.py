@@ -107,9 +107,12 @@ def test_dtralloc_lets_small_tensors_into_the_large_pool_under_its_budget(traces
     # On a ViT of 86 MiB a step, 2 MiB is over 3% of a 0.6 budget; Adam's
     # small temporaries then find no room while a large segment beside a
     # parameter has megabytes free.
+    # unmap_pages (also auto-on there) would find that room as well, by
+    # giving the large segment's free pages back; it is off here so that the
+    # test measures small_in_large alone.
     trace = traces["vit-compact"]
-    mixed = dtralloc.replay(trace, budget=0.6, policy="dtralloc")
-    apart = dtralloc.replay(trace, budget=0.6, policy="dtralloc", conf="small_in_large:off")
+    mixed = dtralloc.replay(trace, budget=0.6, policy="dtralloc", conf="unmap_pages:off")
+    apart = dtralloc.replay(trace, budget=0.6, policy="dtralloc", conf="small_in_large:off,unmap_pages:off")
     assert mixed.feasible and not apart.feasible, apart.oom_message
     # At GPU scale it can save recomputing: gpt2 at its lowest budget, 0.315
     # of its peak (8.3 against 21.5). Just above, which of the two recomputes
@@ -333,12 +336,14 @@ def test_spare_evicted_keeps_the_room_an_evicted_value_left(traces):
     # segment; at the workspace's backward no 22.8 MiB were contiguous
     # anywhere, and 0.64-0.665 of the peak failed while 0.62 and 0.67 ran.
     # Sparing the room (spare_evicted:auto, on under dtralloc with a budget)
-    # puts the gradient elsewhere.
+    # puts the gradient elsewhere. unmap_pages is off so that the test
+    # measures spare_evicted alone (giving pages back rescues best fit too).
     trace = traces["lstm-compact"]
     for budget in (0.64, 0.65, 0.665):
-        spared = dtralloc.replay(trace, budget=budget, policy="dtralloc", check_invariants=True)
+        spared = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="unmap_pages:off",
+                                 check_invariants=True)
         assert spared.feasible, (budget, spared.oom_message)
-        best_fit = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="spare_evicted:off")
+        best_fit = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="spare_evicted:off,unmap_pages:off")
         assert not best_fit.feasible, budget
         if budget == 0.64:  # what it ran out of: the workspace's room
             assert "Tried to allocate 22.8 MiB" in best_fit.oom_message
@@ -387,23 +392,24 @@ def test_unmap_pages_gives_back_what_pinned_gradients_strand(traces):
     # optimizer's step asks for 31.25 MiB with 14 MiB under the budget, while
     # 20 MiB segments each hold one 4 MiB gradient beside 16 MiB free; no
     # eviction can join those, and 0.415 runs while 0.43 fails. With
-    # unmap_pages:on the free pages go back and the request gets a segment.
+    # unmap_pages on (auto: on under dtralloc with a budget) the free pages
+    # go back and the request gets a segment.
     trace = traces["encdec"]
-    off = dtralloc.replay(trace, budget=0.43, policy="dtralloc")
+    off = dtralloc.replay(trace, budget=0.43, policy="dtralloc", conf="unmap_pages:off")
     assert not off.feasible and "Tried to allocate 31.2" in off.oom_message
-    on = dtralloc.replay(trace, budget=0.43, policy="dtralloc", conf="unmap_pages:on", check_invariants=True)
+    on = dtralloc.replay(trace, budget=0.43, policy="dtralloc", check_invariants=True)
     assert on.feasible, on.oom_message
     assert on.page_releases > 0 and on.peak_reserved_bytes <= on.budget_bytes
     # It only acts where the step would fail: a budget that runs without it
     # runs exactly the same with it.
     for budget in (0.5, 0.7):
-        a = dtralloc.replay(trace, budget=budget, policy="dtralloc")
-        b = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="unmap_pages:on")
+        a = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="unmap_pages:off")
+        b = dtralloc.replay(trace, budget=budget, policy="dtralloc")
         assert a.feasible and b.page_releases == 0
         assert (a.evictions, a.remats, a.compute_overhead, a.peak_reserved_bytes) == (
             b.evictions, b.remats, b.compute_overhead, b.peak_reserved_bytes)
     # Every budget from its lowest up runs, below dtr's lowest.
-    grid = dtralloc.feasible_budgets(trace, "dtralloc", conf="unmap_pages:on", lowest=0.39)
+    grid = dtralloc.feasible_budgets(trace, "dtralloc", lowest=0.39)
     assert not dtralloc.feasibility_holes(grid)
     lowest = min(f for f, fits in grid.items() if fits)
     assert lowest <= 0.395 < dtralloc.min_feasible_budget(trace, "dtr", tolerance=0.005, method="scan")

@@ -37,11 +37,16 @@ PYBIND11_MODULE(_core, m) {
     }
     return out;
   }, py::arg("text"), "Parse DTRALLOC_CONF text; list every option with its effective value.");
-  // install(): refuse before touching torch what the cuda backend's Allocator
-  // would refuse at the first allocation (backend_cuda.cpp: no releases_ranges).
+  // install(): refuse, before torch's allocator is swapped, what creating
+  // the cuda backend would refuse at the first allocation
+  // (make_cuda_backend_for: unmap_pages:on where no device has VMM).
   m.def("check_cuda_config", [](const std::string& text) {
-    check_backend_config(resolve_config(parse_config(text)), "cuda", false);
+    const Config config = parse_config(text);
+    if (config.unmap_pages != Switch::kOn) return;
+    for (int device = 0; device < cuda_device_count(); ++device) check_cuda_unmap_pages(device);
   }, py::arg("text"), "Raise ConfigError if the cuda backend cannot run these settings.");
+  m.def("cuda_vmm_unavailable", &cuda_vmm_unavailable, py::arg("device"),
+        "Why CUDA device `device` cannot have VMM segments (unmap_pages); empty when it can.");
   m.def("parse_size", [](const std::string& text) { return parse_size("size", text, 1); });
   m.def("format_bytes", &format_bytes);
   m.def("cuda_device_count", &cuda_device_count);

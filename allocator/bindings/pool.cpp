@@ -167,10 +167,11 @@ class PyEvictionHook : public EvictionHook {
   py::function fn_;
 };
 
-std::unique_ptr<Backend> make_backend(const std::string& name, std::size_t capacity, int device) {
+std::unique_ptr<Backend> make_backend(const std::string& name, std::size_t capacity, const Config& config,
+                                      int device) {
   if (name == "host") return make_host_backend(capacity);
   if (name == "virtual") return make_virtual_backend(capacity);
-  if (name == "cuda") return make_cuda_backend(device);
+  if (name == "cuda") return make_cuda_backend_for(config, device);
   throw std::invalid_argument("dtralloc: unknown backend '" + name +
                               "'; use one of 'cuda', 'host', 'virtual'");
 }
@@ -186,7 +187,7 @@ void bind_pool(py::module_& m) {
       .def(py::init([](const std::string& backend, std::size_t capacity, const std::string& conf,
                        int device) {
              Config config = parse_config(conf);
-             return std::make_unique<Allocator>(make_backend(backend, capacity, device), config, device);
+             return std::make_unique<Allocator>(make_backend(backend, capacity, config, device), config, device);
            }),
            py::arg("backend"), py::arg("capacity"), py::arg("conf"), py::arg("device") = 0)
       .def("malloc", [](Allocator& a, std::size_t size, Stream stream) {

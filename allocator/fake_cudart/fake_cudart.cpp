@@ -42,11 +42,28 @@
 //     version queries create none. A context costs hundreds of MiB on a real
 //     GPU, so a test can check that no stray one was made.
 //
+//   * Virtual memory management (the driver's cuMemAddressReserve,
+//     cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
+//     cuMemAddressFree; cuda.h): a reservation is an inaccessible host
+//     mapping; a cuMemCreate'd allocation is a memfd counted against the
+//     device's capacity (CUDA_ERROR_OUT_OF_MEMORY past it) and freed once it
+//     is released and unmapped; cuMemMap maps it into a reservation, still
+//     inaccessible until cuMemSetAccess, as on a GPU. The checks are the
+//     documented ones, read strictly: sizes and addresses in multiples of the
+//     granularity (2 MiB), a map only on unmapped reserved pages, an unmap
+//     of exactly one whole mapping, access set only over a fully mapped
+//     range, a reservation freed whole and (stricter than documented) with
+//     nothing mapped in it. Each call needs a current context on the calling
+//     thread (CUDA_ERROR_INVALID_CONTEXT): cudaSetDevice, or a runtime call
+//     that works on the current device, makes that device's context current.
+//
 // No std containers, std::mutex or std::atomic here, on purpose: at -O0 their
 // inline members are emitted as weak symbols with default visibility and would
 // be exported next to the CUDA API, and `nm -D` must show only the API and the
 // controls. Internals have internal linkage; the lock is a pthread mutex.
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -68,6 +85,8 @@ constexpr int kRuntimeVersion = 13000;
 // Event handles are numbers, never dereferenced: there is nothing to leak, and
 // a destroyed handle is never reissued, so using it is reported, not aliased.
 constexpr std::uintptr_t kEventHandleBase = 0x7e000000;
+constexpr std::uintptr_t kMemHandleBase = 0x6d000000;  // same, for cuMemCreate
+constexpr std::size_t kDefaultVmmGranularity = std::size_t{2} << 20;
 
 enum Function {
   kMalloc, kFree, kMemGetInfo, kGetDevice, kSetDevice, kGetDeviceCount,
@@ -75,6 +94,9 @@ enum Function {
   kEventCreateWithFlags, kEventRecord, kEventQuery, kEventSynchronize,
   kEventDestroy, kGetLastError, kGetErrorString, kRuntimeGetVersion,
   kStreamIsCapturing, kDevicePrimaryCtxGetState,
+  kDeviceGet, kDeviceGetAttribute, kCtxGetCurrent, kMemGetAllocationGranularity,
+  kMemAddressReserve, kMemAddressFree, kMemCreate, kMemRelease, kMemMap,
+  kMemUnmap, kMemSetAccess, kDriverGetErrorString,
   kFunctionCount
 };
 
@@ -85,7 +107,10 @@ constexpr const char* kFunctionNames[kFunctionCount] = {
     "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
     "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString",
     "cudaRuntimeGetVersion", "cudaStreamIsCapturing",
-    "cuDevicePrimaryCtxGetState"};
+    "cuDevicePrimaryCtxGetState", "cuDeviceGet", "cuDeviceGetAttribute",
+    "cuCtxGetCurrent", "cuMemGetAllocationGranularity", "cuMemAddressReserve",
+    "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap",
+    "cuMemSetAccess", "cuGetErrorString"};
 
 // Open-addressing hash map from pointer to a trivially copyable value, with
 // linear probing. Deleting re-places the rest of the probe run, which keeps
@@ -176,6 +201,28 @@ struct Allocation {
   std::size_t bytes;
 };
 
+// VMM (driver API): a reserved address range, a physical allocation
+// (cuMemCreate) and a mapping of one into the other.
+struct Reservation {
+  std::uintptr_t start;
+  std::size_t bytes;
+};
+
+struct PhysicalAllocation {
+  int fd;  // memfd holding the bytes
+  int device;
+  std::size_t bytes;
+  int mappings;
+  bool released;  // cuMemRelease was called; freed when mappings reach 0
+};
+
+struct Mapping {
+  std::uintptr_t start;
+  std::size_t bytes;
+  std::uintptr_t handle;
+  bool accessible;  // cuMemSetAccess covered it
+};
+
 struct EventState {
   int device;
   cudaStream_t stream;
@@ -201,6 +248,14 @@ struct State {
   std::uintptr_t events_created = 0;
   PointerMap<Allocation> allocations;
   PointerMap<EventState> events;
+  // VMM
+  bool vmm_supported = true;
+  std::size_t vmm_granularity = kDefaultVmmGranularity;
+  int failing_creates = 0;
+  std::uintptr_t handles_created = 0;
+  PointerMap<Reservation> reservations;    // by start
+  PointerMap<PhysicalAllocation> handles;  // by handle value
+  PointerMap<Mapping> mappings;            // by start
 };
 
 State g_state;
@@ -209,6 +264,9 @@ long g_calls[kFunctionCount];  // touched only through __atomic builtins
 // Per thread, like the real runtime's current device and last error.
 thread_local int t_device = 0;
 thread_local cudaError_t t_last_error = cudaSuccess;
+// Whether t_device's primary context is current on this thread (what the
+// driver's cuCtxGetCurrent reports).
+thread_local bool t_context_current = false;
 
 class Lock {
  public:
@@ -259,6 +317,7 @@ Capture* find_capture(int device, cudaStream_t stream) {
 cudaError_t use_current_device() {
   if (cudaError_t err = current_device_error()) return err;
   g_state.context[t_device] = true;
+  t_context_current = true;
   return cudaSuccess;
 }
 
@@ -379,6 +438,7 @@ FAKECUDA_EXPORT cudaError_t cudaSetDevice(int device) {
   }
   t_device = device;
   g_state.context[device] = true;  // CUDA 12: cudaSetDevice initializes it
+  t_context_current = true;
   return cudaSuccess;
 }
 
@@ -540,7 +600,293 @@ FAKECUDA_EXPORT int cuDevicePrimaryCtxGetState(int dev, unsigned int* flags,
   return 0;
 }
 
+// ---- The driver API's virtual memory management (VMM segments) ------------
+//
+// Signatures as in cuda.h: CUresult is an int, CUdevice the device ordinal,
+// CUdeviceptr and CUmemGenericAllocationHandle unsigned long long.
+
+namespace {
+
+using dtralloc::cudrv::CUmemAccessDesc;
+using dtralloc::cudrv::CUmemAllocationProp;
+namespace drv = dtralloc::cudrv;
+
+// Checks every VMM call makes first (caller holds the lock).
+int vmm_call_error() {
+  if (g_state.device_count == 0) return drv::CUDA_ERROR_NOT_INITIALIZED;
+  if (!t_context_current) return drv::CUDA_ERROR_INVALID_CONTEXT;
+  return drv::CUDA_SUCCESS;
+}
+
+bool valid_device_location(const dtralloc::cudrv::CUmemLocation& location) {
+  return location.type == drv::CU_MEM_LOCATION_TYPE_DEVICE && location.id >= 0 &&
+         location.id < g_state.device_count;
+}
+
+bool granular(std::uintptr_t value) { return value % g_state.vmm_granularity == 0; }
+
+const Reservation* reservation_holding(std::uintptr_t start, std::size_t bytes) {
+  const Reservation* found = nullptr;
+  g_state.reservations.for_each([&](Reservation& r) {
+    if (start >= r.start && bytes <= r.bytes && start - r.start <= r.bytes - bytes) found = &r;
+  });
+  return found;
+}
+
+// Bytes of [start, start + bytes) that mappings (only accessible ones, if
+// `accessible_only`) cover.
+std::size_t mapped_bytes_in(std::uintptr_t start, std::size_t bytes, bool accessible_only = false) {
+  std::size_t covered = 0;
+  g_state.mappings.for_each([&](Mapping& m) {
+    if (accessible_only && !m.accessible) return;
+    const std::uintptr_t lo = m.start > start ? m.start : start;
+    const std::uintptr_t hi = m.start + m.bytes < start + bytes ? m.start + m.bytes : start + bytes;
+    if (lo < hi) covered += hi - lo;
+  });
+  return covered;
+}
+
+void free_physical_if_done(std::uintptr_t handle) {
+  PhysicalAllocation* physical = g_state.handles.find(reinterpret_cast<void*>(handle));
+  if (physical == nullptr || !physical->released || physical->mappings > 0) return;
+  close(physical->fd);
+  g_state.used[physical->device] -= physical->bytes;
+  g_state.handles.erase(reinterpret_cast<void*>(handle));
+}
+
+// Turns [start, start + bytes) back into inaccessible reserved address space.
+bool reserve_again(std::uintptr_t start, std::size_t bytes) {
+  void* got = mmap(reinterpret_cast<void*>(start), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  return got != MAP_FAILED;
+}
+
+}  // namespace
+
+FAKECUDA_EXPORT int cuDeviceGet(int* device, int ordinal) {
+  count_call(kDeviceGet);
+  if (device == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  Lock lock;
+  if (ordinal < 0 || ordinal >= g_state.device_count) return drv::CUDA_ERROR_INVALID_DEVICE;
+  *device = ordinal;
+  return drv::CUDA_SUCCESS;
+}
+
+// Answers CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+// (fakecuda_set_vmm); any other attribute reads 0.
+FAKECUDA_EXPORT int cuDeviceGetAttribute(int* value, int attribute, int device) {
+  count_call(kDeviceGetAttribute);
+  if (value == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  Lock lock;
+  if (device < 0 || device >= g_state.device_count) return drv::CUDA_ERROR_INVALID_DEVICE;
+  *value = attribute == drv::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED && g_state.vmm_supported;
+  return drv::CUDA_SUCCESS;
+}
+
+// The context is a number naming the device, never dereferenced.
+FAKECUDA_EXPORT int cuCtxGetCurrent(drv::CUcontext* context) {
+  count_call(kCtxGetCurrent);
+  if (context == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  *context = t_context_current ? reinterpret_cast<drv::CUcontext>(std::uintptr_t(t_device) + 1) : nullptr;
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemGetAllocationGranularity(std::size_t* granularity, const CUmemAllocationProp* prop,
+                                                  int /*option*/) {
+  count_call(kMemGetAllocationGranularity);
+  if (granularity == nullptr || prop == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  Lock lock;
+  if (!g_state.vmm_supported) return drv::CUDA_ERROR_NOT_SUPPORTED;
+  if (!valid_device_location(prop->location)) return drv::CUDA_ERROR_INVALID_DEVICE;
+  *granularity = g_state.vmm_granularity;
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemAddressReserve(drv::CUdeviceptr* ptr, std::size_t size, std::size_t alignment,
+                                        drv::CUdeviceptr /*addr*/, unsigned long long flags) {
+  count_call(kMemAddressReserve);
+  if (ptr == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  *ptr = 0;
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  if (!g_state.vmm_supported) return drv::CUDA_ERROR_NOT_SUPPORTED;
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  if (size == 0 || size % page != 0 || flags != 0 || (alignment & (alignment - 1)) != 0)
+    return drv::CUDA_ERROR_INVALID_VALUE;
+  if (alignment < page) alignment = page;
+  // Over-reserve, then trim to the alignment asked for.
+  void* raw = mmap(nullptr, size + alignment, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = (base + alignment - 1) / alignment * alignment;
+  if (start > base) munmap(raw, start - base);
+  if (base + alignment > start) munmap(reinterpret_cast<void*>(start + size), base + alignment - start);
+  if (!g_state.reservations.insert(reinterpret_cast<void*>(start), Reservation{start, size})) {
+    munmap(reinterpret_cast<void*>(start), size);
+    return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  *ptr = start;
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemAddressFree(drv::CUdeviceptr ptr, std::size_t size) {
+  count_call(kMemAddressFree);
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  const Reservation* reservation = g_state.reservations.find(reinterpret_cast<void*>(ptr));
+  if (reservation == nullptr || reservation->bytes != size) return drv::CUDA_ERROR_INVALID_VALUE;
+  if (mapped_bytes_in(ptr, size) != 0) return drv::CUDA_ERROR_INVALID_VALUE;
+  munmap(reinterpret_cast<void*>(ptr), size);
+  g_state.reservations.erase(reinterpret_cast<void*>(ptr));
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemCreate(drv::CUmemGenericAllocationHandle* handle, std::size_t size,
+                                const CUmemAllocationProp* prop, unsigned long long flags) {
+  count_call(kMemCreate);
+  if (handle == nullptr || prop == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  if (!g_state.vmm_supported) return drv::CUDA_ERROR_NOT_SUPPORTED;
+  if (prop->type != drv::CU_MEM_ALLOCATION_TYPE_PINNED || flags != 0 || size == 0 || !granular(size))
+    return drv::CUDA_ERROR_INVALID_VALUE;
+  if (!valid_device_location(prop->location)) return drv::CUDA_ERROR_INVALID_DEVICE;
+  if (g_state.failing_creates > 0) {
+    --g_state.failing_creates;
+    return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const int device = prop->location.id;
+  if (exceeds_capacity(g_state.used[device], size)) return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  const int fd = memfd_create("fakecuda", MFD_CLOEXEC);
+  if (fd < 0) return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const std::uintptr_t id = kMemHandleBase + ++g_state.handles_created * 16;
+  if (!g_state.handles.insert(reinterpret_cast<void*>(id), PhysicalAllocation{fd, device, size, 0, false})) {
+    close(fd);
+    return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  g_state.used[device] += size;
+  *handle = id;
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemRelease(drv::CUmemGenericAllocationHandle handle) {
+  count_call(kMemRelease);
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  PhysicalAllocation* physical = g_state.handles.find(reinterpret_cast<void*>(handle));
+  if (physical == nullptr || physical->released) return drv::CUDA_ERROR_INVALID_VALUE;
+  physical->released = true;
+  free_physical_if_done(handle);
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemMap(drv::CUdeviceptr ptr, std::size_t size, std::size_t offset,
+                             drv::CUmemGenericAllocationHandle handle, unsigned long long flags) {
+  count_call(kMemMap);
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  PhysicalAllocation* physical = g_state.handles.find(reinterpret_cast<void*>(handle));
+  if (physical == nullptr || physical->released || offset != 0 || flags != 0 || size == 0 ||
+      !granular(ptr) || !granular(size) || size > physical->bytes)
+    return drv::CUDA_ERROR_INVALID_VALUE;
+  if (reservation_holding(ptr, size) == nullptr || mapped_bytes_in(ptr, size) != 0)
+    return drv::CUDA_ERROR_INVALID_VALUE;
+  void* got = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, physical->fd, 0);
+  if (got == MAP_FAILED) return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  if (!g_state.mappings.insert(reinterpret_cast<void*>(ptr), Mapping{ptr, size, handle, false})) {
+    reserve_again(ptr, size);
+    return drv::CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  ++physical->mappings;
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemUnmap(drv::CUdeviceptr ptr, std::size_t size) {
+  count_call(kMemUnmap);
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  Mapping* mapping = g_state.mappings.find(reinterpret_cast<void*>(ptr));
+  if (mapping == nullptr || mapping->bytes != size) return drv::CUDA_ERROR_INVALID_VALUE;
+  const std::uintptr_t handle = mapping->handle;
+  if (!reserve_again(ptr, size)) return drv::CUDA_ERROR_INVALID_VALUE;
+  g_state.mappings.erase(reinterpret_cast<void*>(ptr));
+  --g_state.handles.find(reinterpret_cast<void*>(handle))->mappings;
+  free_physical_if_done(handle);
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuMemSetAccess(drv::CUdeviceptr ptr, std::size_t size, const CUmemAccessDesc* desc,
+                                   std::size_t count) {
+  count_call(kMemSetAccess);
+  if (desc == nullptr || count == 0) return drv::CUDA_ERROR_INVALID_VALUE;
+  Lock lock;
+  if (int err = vmm_call_error()) return err;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (!valid_device_location(desc[i].location)) return drv::CUDA_ERROR_INVALID_DEVICE;
+    if (desc[i].flags != drv::CU_MEM_ACCESS_FLAGS_PROT_READWRITE) return drv::CUDA_ERROR_INVALID_VALUE;
+  }
+  if (size == 0 || mapped_bytes_in(ptr, size) != size) return drv::CUDA_ERROR_INVALID_VALUE;
+  if (mprotect(reinterpret_cast<void*>(ptr), size, PROT_READ | PROT_WRITE) != 0) return drv::CUDA_ERROR_INVALID_VALUE;
+  g_state.mappings.for_each([&](Mapping& m) {
+    if (m.start >= ptr && m.start < ptr + size) m.accessible = true;
+  });
+  return drv::CUDA_SUCCESS;
+}
+
+FAKECUDA_EXPORT int cuGetErrorString(int error, const char** text) {
+  count_call(kDriverGetErrorString);
+  if (text == nullptr) return drv::CUDA_ERROR_INVALID_VALUE;
+  switch (error) {
+    case drv::CUDA_SUCCESS: *text = "no error"; break;
+    case drv::CUDA_ERROR_INVALID_VALUE: *text = "invalid argument"; break;
+    case drv::CUDA_ERROR_OUT_OF_MEMORY: *text = "out of memory"; break;
+    case drv::CUDA_ERROR_NOT_INITIALIZED: *text = "initialization error"; break;
+    case drv::CUDA_ERROR_INVALID_DEVICE: *text = "invalid device ordinal"; break;
+    case drv::CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
+    case drv::CUDA_ERROR_NOT_SUPPORTED: *text = "operation not supported"; break;
+    default: *text = nullptr; return drv::CUDA_ERROR_INVALID_VALUE;
+  }
+  return drv::CUDA_SUCCESS;
+}
+
 // ---- Controls for tests --------------------------------------------------
+
+// Whether devices support VMM (CU_DEVICE_ATTRIBUTE_..._SUPPORTED; when not,
+// the VMM calls fail with CUDA_ERROR_NOT_SUPPORTED), and the granularity
+// cuMemGetAllocationGranularity reports (a power of two).
+FAKECUDA_EXPORT void fakecuda_set_vmm(int supported, std::size_t granularity) {
+  Lock lock;
+  g_state.vmm_supported = supported != 0;
+  g_state.vmm_granularity = granularity;
+}
+
+// The next `n` cuMemCreate calls fail with CUDA_ERROR_OUT_OF_MEMORY.
+FAKECUDA_EXPORT void fakecuda_fail_next_mem_creates(int n) {
+  Lock lock;
+  g_state.failing_creates = n > 0 ? n : 0;
+}
+
+// Live VMM objects, for leak checks: "reservations", "handles" (created and
+// not yet freed, released or not) or "mappings"; -1 for other names.
+FAKECUDA_EXPORT int fakecuda_vmm_live(const char* what) {
+  if (what == nullptr) return -1;
+  Lock lock;
+  if (std::strcmp(what, "reservations") == 0) return static_cast<int>(g_state.reservations.size());
+  if (std::strcmp(what, "handles") == 0) return static_cast<int>(g_state.handles.size());
+  if (std::strcmp(what, "mappings") == 0) return static_cast<int>(g_state.mappings.size());
+  return -1;
+}
+
+// 1 when every byte of [ptr, ptr + size) is mapped and accessible, as a
+// kernel would need; 0 otherwise.
+FAKECUDA_EXPORT int fakecuda_vmm_accessible(std::uintptr_t ptr, std::size_t size) {
+  Lock lock;
+  return mapped_bytes_in(ptr, size, true) == size ? 1 : 0;
+}
 
 // Clamped to 0..16. Devices keep their used bytes across changes.
 FAKECUDA_EXPORT void fakecuda_set_device_count(int count) {
@@ -599,17 +945,22 @@ FAKECUDA_EXPORT void fakecuda_complete_events() {
   complete_events_where([](const EventState&) { return true; });
 }
 
-// Back to the defaults, except that live allocations and events stay valid:
-// they belong to the code under test (fakecuda_live_allocations shows them).
-// No device has a context afterwards. Current device and last error are reset
-// for the calling thread only.
+// Back to the defaults, except that live allocations, events and VMM objects
+// stay valid: they belong to the code under test (fakecuda_live_allocations
+// and fakecuda_vmm_live show them). No device has a context afterwards.
+// Current device, current context and last error are reset for the calling
+// thread only.
 FAKECUDA_EXPORT void fakecuda_reset() {
   for (long& calls : g_calls) __atomic_store_n(&calls, 0, __ATOMIC_RELAXED);
   Lock lock;
   g_state.device_count = 1;
   g_state.capacity = kDefaultCapacity;
   g_state.failing_mallocs = 0;
+  g_state.failing_creates = 0;
+  g_state.vmm_supported = true;
+  g_state.vmm_granularity = kDefaultVmmGranularity;
   for (bool& context : g_state.context) context = false;
+  t_context_current = false;
   for (Capture& capture : g_state.captures) capture.stream = nullptr;
   complete_events_where([](const EventState&) { return true; });
   t_device = 0;

@@ -41,6 +41,12 @@ class FakeCudaRuntime:
         lib.cuDevicePrimaryCtxGetState.argtypes = [
             ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int)]
         lib.cuDevicePrimaryCtxGetState.restype = ctypes.c_int
+        lib.fakecuda_set_vmm.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        lib.fakecuda_fail_next_mem_creates.argtypes = [ctypes.c_int]
+        lib.fakecuda_vmm_live.argtypes = [ctypes.c_char_p]
+        lib.fakecuda_vmm_live.restype = ctypes.c_int
+        lib.fakecuda_vmm_accessible.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+        lib.fakecuda_vmm_accessible.restype = ctypes.c_int
 
     def reset(self) -> None:
         self.lib.fakecuda_reset()
@@ -82,3 +88,21 @@ class FakeCudaRuntime:
         if self.lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) != 0:
             raise ValueError(f"fake runtime: no device {device}")
         return active.value == 1
+
+    def set_vmm(self, supported: bool, granularity: int = 2 << 20) -> None:
+        """Whether devices support CUDA's virtual memory API, and the
+        allocation granularity they report."""
+        self.lib.fakecuda_set_vmm(int(supported), granularity)
+
+    def fail_next_mem_creates(self, n: int) -> None:
+        """The next `n` cuMemCreate calls fail with CUDA_ERROR_OUT_OF_MEMORY."""
+        self.lib.fakecuda_fail_next_mem_creates(n)
+
+    def vmm_live(self) -> dict:
+        """Live VMM objects: reservations, handles (physical pages not yet
+        freed) and mappings."""
+        return {k: self.lib.fakecuda_vmm_live(k.encode()) for k in ("reservations", "handles", "mappings")}
+
+    def vmm_accessible(self, address: int, nbytes: int) -> bool:
+        """Whether every byte of the range is mapped and readable/writable."""
+        return self.lib.fakecuda_vmm_accessible(address, nbytes) == 1

@@ -57,7 +57,6 @@ def install(conf: ConfLike = None) -> None:
     global _installed_conf
     text = conf_text(conf)
     _core.describe_config(text)  # validate before touching torch
-    _core.check_cuda_config(text)
     if _installed_conf is not None:
         if text == _installed_conf:
             return
@@ -81,6 +80,7 @@ def install(conf: ConfLike = None) -> None:
             "your program, before any tensor is created on or moved to the GPU."
         )
     prefer_torch_cuda_runtime()
+    _core.check_cuda_config(text)  # loads the runtime torch was built against
     try:
         _core.configure(text)
     except RuntimeError as e:
