@@ -80,7 +80,8 @@ std::unique_ptr<Backend> make_virtual_backend(std::size_t capacity_bytes);
 // memory API), so that release() takes page ranges (releases_ranges());
 // throws when the driver or device cannot.
 std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments = false);
-// Why `device` cannot have VMM segments; "" when it can. Creates no context.
+// Why `device` cannot have VMM segments; "" when it can. Creates no context;
+// throws like make_cuda_backend when there is no such device.
 std::string cuda_vmm_unavailable(int device);
 // The cuda backend `config` asks for: VMM segments where unmap_pages
 // resolves on (auto: under the dtralloc policy with a budget) and the device

@@ -633,7 +633,11 @@ int cuda_device_count() {
   }
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments) {
+namespace {
+
+// The runtime, once `device` is known to exist; throws naming the fix
+// otherwise.
+const LoadedRuntime& runtime_for_device(int device) {
   const LoadedRuntime& runtime = load_runtime();
   int count = 0;
   cudaError_t err = query_device_count(runtime.api, count);
@@ -654,6 +658,13 @@ std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments) {
         std::to_string(count - 1) +
         ". Pass a valid index or check CUDA_VISIBLE_DEVICES.");
   }
+  return runtime;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments) {
+  const LoadedRuntime& runtime = runtime_for_device(device);
   if (vmm_segments) {
     const std::string why = vmm_unavailable(runtime.api, device);
     if (!why.empty()) throw std::runtime_error("dtralloc: no VMM segments on CUDA device " + std::to_string(device) + ": " + why);
@@ -662,8 +673,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments) {
 }
 
 std::string cuda_vmm_unavailable(int device) {
-  const LoadedRuntime& runtime = load_runtime();
-  return vmm_unavailable(runtime.api, device);
+  return vmm_unavailable(runtime_for_device(device).api, device);
 }
 
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device) {

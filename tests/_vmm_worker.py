@@ -112,6 +112,12 @@ def scenario_without_vmm_auto_falls_back_and_on_is_refused():
         raise AssertionError("a 4 MiB granularity was accepted")
     fake.set_vmm(True)
     _core.check_cuda_config("unmap_pages:on")
+    try:  # a device that does not exist is named as such, not as missing VMM
+        dtralloc.Pool("cuda", conf="unmap_pages:on", device=3)
+    except RuntimeError as e:
+        check("CUDA device 3 does not exist" in str(e), str(e))
+    else:
+        raise AssertionError("Pool('cuda', device=3) was created on a one-device runtime")
     no_vmm_leak()
 
 
