@@ -388,6 +388,7 @@ def vmm_pages() -> dict:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return {
+        "vmm_unavailable": dtralloc._core.cuda_vmm_unavailable(0),
         "sums": sums,
         "page_releases": releases,
         "grad_ok": grad_ok,

@@ -897,7 +897,7 @@ FAKECUDA_EXPORT void fakecuda_set_device_count(int count) {
 }
 
 // Capacity of every device. Lowering it below what is in use only makes the
-// next cudaMalloc fail; nothing is taken away.
+// next cudaMalloc or cuMemCreate fail; nothing is taken away.
 FAKECUDA_EXPORT void fakecuda_set_capacity(std::size_t bytes) {
   Lock lock;
   g_state.capacity = bytes;
