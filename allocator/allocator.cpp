@@ -83,6 +83,12 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
     throw_oom(size, size, stream);
   }
   const std::size_t rounded = BlockPool::round_size(size, config_);
+  // Hands `b` out (called under the lock).
+  auto serve = [&](Block* b) {
+    b->owner = owner;
+    record(TraceAction::kAlloc, b->addr, size, stream, b->size);
+    return reinterpret_cast<void*>(b->addr);
+  };
   for (int round = 0;; ++round) {
     std::shared_ptr<EvictionHook> hook;
     {
@@ -90,18 +96,10 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
       stamp();
       // Homes are spared on the first try only: the request an eviction made
       // room for may take the room its victims left.
-      if (Block* b = try_allocate(rounded, size, stream, round == 0)) {
-        b->owner = owner;
-        record(TraceAction::kAlloc, b->addr, size, stream, b->size);
-        return reinterpret_cast<void*>(b->addr);
-      }
+      if (Block* b = try_allocate(rounded, size, stream, round == 0)) return serve(b);
       if (round < kMaxEvictionRounds) hook = hook_;
       if (!hook) {  // steps 1-4 failed; no step 5
-        if (Block* b = release_free_pages(rounded, size, stream)) {
-          b->owner = owner;
-          record(TraceAction::kAlloc, b->addr, size, stream, b->size);
-          return reinterpret_cast<void*>(b->addr);
-        }
+        if (Block* b = release_free_pages(rounded, size, stream)) return serve(b);
         throw_oom(size, rounded, stream);
       }
       ++pool_.stats().num_eviction_calls;
@@ -112,11 +110,7 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
     stamp();
     // Step 6: no eviction can make room (every run and segment that would
     // do holds a pinned or locked block); unmap_pages may.
-    if (Block* b = release_free_pages(rounded, size, stream)) {
-      b->owner = owner;
-      record(TraceAction::kAlloc, b->addr, size, stream, b->size);
-      return reinterpret_cast<void*>(b->addr);
-    }
+    if (Block* b = release_free_pages(rounded, size, stream)) return serve(b);
     throw_oom(size, rounded, stream);
   }
 }

@@ -75,18 +75,18 @@ std::unique_ptr<Backend> make_host_backend(std::size_t capacity_bytes);
 std::unique_ptr<Backend> make_virtual_backend(std::size_t capacity_bytes);
 // Loads the CUDA runtime on first use (see backend_cuda.cpp for the search
 // order). Throws std::runtime_error naming the library and the fix when no
-// runtime can be loaded. With `vmm_segments` every segment is a reserved
-// address range with its 2 MiB pages mapped one by one (CUDA's virtual
-// memory API), so that release() takes page ranges (releases_ranges());
-// throws when the driver or device cannot.
-std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments = false);
+// runtime can be loaded. Its segments come from cudaMalloc.
+std::unique_ptr<Backend> make_cuda_backend(int device);
 // Why `device` cannot have VMM segments; "" when it can. Creates no context;
 // throws like make_cuda_backend when there is no such device.
 std::string cuda_vmm_unavailable(int device);
 // The cuda backend `config` asks for: VMM segments where unmap_pages
 // resolves on (auto: under the dtralloc policy with a budget) and the device
-// can have them. unmap_pages:on where it cannot throws ConfigError; auto
-// falls back to cudaMalloc'd segments and the Allocator resolves it off.
+// can have them. Each such segment is a reserved address range with its
+// 2 MiB pages mapped one by one (CUDA's virtual memory API), so that
+// release() takes page ranges (releases_ranges()). unmap_pages:on where the
+// device cannot throws ConfigError; auto falls back to cudaMalloc'd
+// segments and the Allocator resolves it off.
 struct Config;
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device);
 // Throws ConfigError naming why unmap_pages:on cannot run on `device`.

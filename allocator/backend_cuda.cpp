@@ -26,7 +26,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <iterator>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -36,6 +35,7 @@
 #include "backend.h"
 #include "config.h"
 #include "cudart_api.h"
+#include "range_ledger.h"
 
 namespace dtralloc {
 namespace {
@@ -486,11 +486,6 @@ class CudaBackend final : public Backend {
   // frees the memory when its mapping goes (cuMemRelease, cuda.h). The
   // reservation is freed once its last page is unmapped.
 
-  struct Reservation {
-    std::size_t bytes = 0;        // as reserved
-    std::size_t mapped_pages = 0;
-  };
-
   [[noreturn]] void fail_driver(cudrv::CUresult result, const std::string& what) const {
     api_.GetLastError();
     throw std::runtime_error("dtralloc: " + what + " on CUDA device " + std::to_string(device_) +
@@ -550,34 +545,26 @@ class CudaBackend final : public Backend {
     access.flags = cudrv::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     r = vmm.MemSetAccess(base, bytes, &access, 1);
     if (r != cudrv::CUDA_SUCCESS) return abandon(base, bytes, pages, r, "cuMemSetAccess");
-    reservations_.emplace(base, Reservation{bytes, pages});
+    reservations_.add(base, bytes);
     return reinterpret_cast<void*>(base);
   }
 
   // A whole segment or, for unmap_pages, whole pages of one.
   void vmm_release(void* ptr, std::size_t bytes) {
     const auto start = static_cast<cudrv::CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr));
-    auto it = reservations_.upper_bound(start);
-    if (it == reservations_.begin() || bytes == 0 || bytes % kVmmPage != 0 ||
-        (start - std::prev(it)->first) % kVmmPage != 0 ||
-        start + bytes > std::prev(it)->first + std::prev(it)->second.bytes)
+    const RangeLedger::Allocation segment = reservations_.holding(start, bytes, name());
+    if (bytes % kVmmPage != 0 || (start - segment.addr) % kVmmPage != 0)
       throw std::logic_error("dtralloc: cuda VMM release of " + std::to_string(bytes) + " bytes at " +
-                             std::to_string(start) + " is not whole pages of one segment");
-    --it;
+                             std::to_string(start) + " is not whole pages");
     ensure_context();
     // cudaFree waits for the device; cuMemUnmap is not documented to wait
     // for kernels still using the pages, so wait here.
     cudaError_t err = api_.DeviceSynchronize();
     if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize before cuMemUnmap");
-    const std::size_t pages = bytes / kVmmPage;
-    unmap_pages(start, pages);
-    Reservation& reservation = it->second;
-    if (pages > reservation.mapped_pages)
-      throw std::logic_error("dtralloc: cuda VMM release of more pages than the segment has mapped");
-    reservation.mapped_pages -= pages;
-    if (reservation.mapped_pages > 0) return;
-    cudrv::CUresult r = api_.vmm.MemAddressFree(it->first, reservation.bytes);
-    reservations_.erase(it);
+    unmap_pages(start, bytes / kVmmPage);
+    const RangeLedger::Allocation whole = reservations_.release(start, bytes, name());
+    if (!whole.size) return;
+    cudrv::CUresult r = api_.vmm.MemAddressFree(whole.addr, whole.size);
     if (r != cudrv::CUDA_SUCCESS) fail_driver(r, "cuMemAddressFree");
   }
 
@@ -585,8 +572,8 @@ class CudaBackend final : public Backend {
   const int device_;
   const bool vmm_;
   const cudrv::CUmemAllocationProp page_prop_;
-  // Start of each reservation -> its size and the pages still mapped in it.
-  std::map<cudrv::CUdeviceptr, Reservation> reservations_;
+  // Each segment's address reservation, freed once all its pages are unmapped.
+  RangeLedger reservations_;
 };
 
 // Device count, or the runtime's error (already cleared from "last error").
@@ -663,34 +650,40 @@ const LoadedRuntime& runtime_for_device(int device) {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device, bool vmm_segments) {
-  const LoadedRuntime& runtime = runtime_for_device(device);
-  if (vmm_segments) {
-    const std::string why = vmm_unavailable(runtime.api, device);
-    if (!why.empty()) throw std::runtime_error("dtralloc: no VMM segments on CUDA device " + std::to_string(device) + ": " + why);
-  }
-  return std::make_unique<CudaBackend>(runtime.api, device, vmm_segments);
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  return std::make_unique<CudaBackend>(runtime_for_device(device).api, device, false);
 }
 
 std::string cuda_vmm_unavailable(int device) {
   return vmm_unavailable(runtime_for_device(device).api, device);
 }
 
+namespace {
+
+[[noreturn]] void refuse_unmap_pages(const std::string& why) {
+  throw ConfigError("DTRALLOC_CONF: unmap_pages:on gives back pages of CUDA memory through CUDA's virtual "
+                    "memory API, and here it cannot: " + why +
+                    ". Leave unmap_pages at auto (it then stays off here) or off.");
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device) {
+  const LoadedRuntime& runtime = runtime_for_device(device);
   // Resolved as for a backend that can give back pages: on means the
   // settings want VMM segments.
-  if (resolve_config(config, true).unmap_pages != Switch::kOn) return make_cuda_backend(device, false);
-  if (cuda_vmm_unavailable(device).empty()) return make_cuda_backend(device, true);
-  if (config.unmap_pages == Switch::kOn) check_cuda_unmap_pages(device);  // throws
-  return make_cuda_backend(device, false);  // auto: the Allocator resolves it off
+  bool vmm = resolve_config(config, true).unmap_pages == Switch::kOn;
+  if (vmm) {
+    const std::string why = vmm_unavailable(runtime.api, device);
+    if (!why.empty() && config.unmap_pages == Switch::kOn) refuse_unmap_pages(why);
+    vmm = why.empty();  // else auto: cudaMalloc'd segments, and the Allocator resolves it off
+  }
+  return std::make_unique<CudaBackend>(runtime.api, device, vmm);
 }
 
 void check_cuda_unmap_pages(int device) {
   const std::string why = cuda_vmm_unavailable(device);
-  if (!why.empty())
-    throw ConfigError("DTRALLOC_CONF: unmap_pages:on gives back pages of CUDA memory through CUDA's virtual "
-                      "memory API, and here it cannot: " + why +
-                      ". Leave unmap_pages at auto (it then stays off here) or off.");
+  if (!why.empty()) refuse_unmap_pages(why);
 }
 
 }  // namespace dtralloc

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backend.h"
+#include "range_ledger.h"
 
 namespace dtralloc {
 namespace {
@@ -101,31 +102,20 @@ class HostBackend final : public SimulatedBackend {
       unreserve(bytes);
       return nullptr;
     }
-    live_.emplace(reinterpret_cast<std::uintptr_t>(p), Allocation{bytes, bytes});
+    allocations_.add(reinterpret_cast<std::uintptr_t>(p), bytes);
     return p;
   }
   // A range of an allocation (releases_ranges): host memory is freed when
   // the last of its bytes is released, as a device frees page by page.
   void release(void* ptr, std::size_t bytes) override {
-    const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-    auto it = live_.upper_bound(addr);
-    if (it == live_.begin() || addr + bytes > std::prev(it)->first + std::prev(it)->second.size)
-      throw std::runtime_error("host backend: release of memory it did not allocate");
-    --it;
-    it->second.unreleased -= bytes;
-    if (it->second.unreleased == 0) {
-      std::free(reinterpret_cast<void*>(it->first));
-      live_.erase(it);
-    }
+    const RangeLedger::Allocation whole =
+        allocations_.release(reinterpret_cast<std::uintptr_t>(ptr), bytes, name());
+    if (whole.size) std::free(reinterpret_cast<void*>(whole.addr));
     unreserve(bytes);
   }
 
  private:
-  struct Allocation {
-    std::size_t size;
-    std::size_t unreleased;
-  };
-  std::map<std::uintptr_t, Allocation> live_;  // by address
+  RangeLedger allocations_;
 };
 
 // Addresses only: a first-fit allocator over a large address range, so a

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import types
 
+import _scenario_main
 import dtralloc
 from dtralloc import _core
 from dtralloc.testing import FakeCudaRuntime
@@ -1137,17 +1138,5 @@ def scenario_live_sessions_end_in_any_order():
     del b
 
 
-SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[1] not in SCENARIOS:
-        print(f"usage: {argv[0]} {{{','.join(sorted(SCENARIOS))}}}", file=sys.stderr)
-        return 2
-    SCENARIOS[argv[1]]()
-    print(f"PASS {argv[1]}", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(_scenario_main.run(globals(), sys.argv))

@@ -15,6 +15,7 @@ import ctypes
 import sys
 import threading
 
+import _scenario_main
 import dtralloc
 from dtralloc import _core
 from dtralloc._native import library_path
@@ -197,17 +198,5 @@ def scenario_torch_entry_points_get_vmm_segments():
     check(dtralloc.memory_stats()["num_device_alloc"] == 1, "stats do not show the segment")
 
 
-SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[1] not in SCENARIOS:
-        print(f"usage: {argv[0]} {{{','.join(sorted(SCENARIOS))}}}", file=sys.stderr)
-        return 2
-    SCENARIOS[argv[1]]()
-    print(f"PASS {argv[1]}", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(_scenario_main.run(globals(), sys.argv))
