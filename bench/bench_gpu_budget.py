@@ -319,6 +319,7 @@ class Worker:
         smoke = self.spec["smoke"]
         ladder = [f * base for f in (SMOKE_LADDER if smoke else LADDER)]
         step = max(1, base // (2 if smoke else 8))
+        self.fitted = {b for b, good in known.items() if good}
         probed = False
         # The first probe runs whatever the deadline says: a search that
         # measured nothing would read as "none fits".
@@ -341,6 +342,7 @@ class Worker:
             probed = True
             if record["ok"]:
                 ok = nxt
+                self.fitted.add(nxt)
             else:
                 bad = nxt if bad is None else min(bad, nxt)
         return ok
@@ -424,13 +426,20 @@ def worker_main(spec: dict, emit=_print) -> int:
     largest = w.search(spec["base"], known, deadline)
     if spec["config"] == "dtr" and spec.get("check"):
         # At 2B when dtr fits there (it must evict: plain needs about 2M),
-        # else at the largest batch that fits.
-        size = min(spec["check"], largest)
-        if size:
+        # else at the largest batch that fits. Which values dtr evicts follows
+        # the op times it measures, and those vary from run to run: a batch
+        # that fitted in its probe may not fit in the check. Then the check
+        # moves down to the next batch that fitted, and says so.
+        for size in sorted((b for b in w.fitted if b <= spec["check"]), reverse=True):
             try:
                 emit(w.check(size))
+                break
             except Exception as e:  # noqa: BLE001 - reported, the search results stand
-                emit({"event": "check_failed", "batch": size, "error": f"{type(e).__name__}: {e}"[:400]})
+                w._clean()
+                event = "check_oom" if _is_oom(e) else "check_failed"
+                emit({"event": event, "batch": size, "error": f"{type(e).__name__}: {e}"[:400]})
+                if event == "check_failed":
+                    break
     emit({"event": "done"})
     return 0
 
@@ -615,6 +624,13 @@ def report(results: list, args, command: str, elapsed: float) -> str:
         lines.append("```")
         dtr_row = s["rows"].get("dtr")
         if dtr_row:
+            for r in dtr_row["other"]:
+                if r["event"] == "check_oom":
+                    lines += ["", f"The bit-exactness check ran out of memory at batch {r['batch']}, which fitted "
+                              "in its probe (what dtr evicts follows measured op times, which vary from run to "
+                              f"run): {r['error'].splitlines()[0][:200]}"]
+                elif r["event"] == "check_failed":
+                    lines += ["", f"The bit-exactness check failed at batch {r['batch']}: {r['error']}"]
             check = next((r for r in dtr_row["other"] if r["event"] == "check"), None)
             if check:
                 verdict = ("bit-exact" if check["dtr_vs_plain"] else "DIFFERS") if check["plain_vs_plain"] else \

@@ -37,6 +37,10 @@ def test_smoke_run_on_cpu(tmp_path):
     assert largest["plain"] < 2 * base  # M is plain's peak at B: 2B cannot fit in it
     assert largest["dtr"] >= largest["plain"]
     (check,) = [r for r in res["configs"]["dtr"] if r["event"] == "check"]
+    # A batch that fitted in its probe may run out in the check (eviction
+    # choices follow measured op times); the check then moves down.
+    assert all(r["batch"] > check["batch"] for r in res["configs"]["dtr"] if r["event"] == "check_oom")
+    assert check["batch"] in [r["batch"] for r in res["configs"]["dtr"] if r["event"] == "probe" and r["ok"]]
     assert check["plain_vs_plain"] and check["dtr_vs_plain"], check
     report = out.read_text()
     assert report.startswith("# Largest batch in a fixed memory") and "command: `python bench/bench_gpu_budget.py" in report
@@ -86,3 +90,42 @@ def test_a_crashed_worker_is_reported_by_its_fatal_error_and_frame():
     assert reason == 'Fatal Python error: Segmentation fault; File "/x/torch/_ops.py", line 1402 in _get_packet'
     assert _bench().death_reason("a\nValueError: bad\n") == "ValueError: bad"
     assert _bench().death_reason("") == "(no output)"
+
+
+def test_a_check_that_runs_out_of_memory_moves_down_to_the_next_batch_that_fitted(monkeypatch):
+    """CI once saw the check at 2B run out where the probe at 2B had fitted:
+    which values dtr evicts follows the op times it measures."""
+    bench = _bench()
+    import dtralloc
+
+    calls = []
+
+    class Worker:
+        def __init__(self, spec, emit):
+            self.fitted = set()
+
+        def search(self, base, known, deadline):
+            self.fitted = {4, 6, 8, 12}
+            return 12
+
+        def check(self, size):
+            calls.append(size)
+            if size > 6:
+                raise dtralloc.OutOfMemoryError(f"dtralloc.dtr: out of memory at {size}")
+            return {"event": "check", "batch": size}
+
+        def _clean(self):
+            pass
+
+    monkeypatch.setattr(bench, "Worker", Worker)
+    records = []
+    bench.worker_main({"config": "dtr", "base": 4, "deadline_s": 1.0, "check": 8}, records.append)
+    assert calls == [8, 6]
+    assert [(r["event"], r["batch"]) for r in records[:-1]] == [("check_oom", 8), ("check", 6)]
+    res = {"model": "resnet50", "base": 4, "measure_records": [],
+           "measure": {"cap_bytes": 1 << 20, "peak_allocated": None, "step_s": 0.1, "description": "d",
+                       "device": "cpu", "torch": "x"},
+           "configs": {"dtr": [{"event": "probe", "batch": 4, "ok": True, "step_s": 0.1, "peak_bytes": 1,
+                                "evictions": 0, "remats": 0}, records[0]]}}
+    report = bench.report([res], bench.argparse.Namespace(device="cpu", smoke=True), "cmd", 1.0)
+    assert "ran out of memory at batch 8" in report, report
