@@ -63,6 +63,15 @@ class Backend {
   // Deferred backends: mark every recorded event complete. No-op for cuda.
   virtual void complete_events() {}
 
+  // Timing events, recorded and destroyed like the events above: what the
+  // live session times a GPU's ops with (op_timer.h), since an op returns
+  // to the host once launched. nullptr where the backend has none (host and
+  // virtual: the session times their ops with a clock).
+  virtual EventHandle create_timing_event() { return nullptr; }
+  // Milliseconds from `start`'s completion to `end`'s; negative while either
+  // is still pending.
+  virtual double elapsed_ms(EventHandle /*start*/, EventHandle /*end*/) { return -1; }
+
   // True while `stream` is capturing a CUDA graph (or, for the legacy default
   // stream 0, while a blocking stream of the device is): then the pool must
   // not call cudaMalloc, cudaFree or query events (Allocator::malloc). The

@@ -184,6 +184,7 @@ void resolve_all(void* handle, const std::string& library,
   resolve(handle, "cudaEventQuery", library, api.EventQuery);
   resolve(handle, "cudaEventSynchronize", library, api.EventSynchronize);
   resolve(handle, "cudaEventDestroy", library, api.EventDestroy);
+  resolve(handle, "cudaEventElapsedTime", library, api.EventElapsedTime);
   resolve(handle, "cudaGetLastError", library, api.GetLastError);
   resolve(handle, "cudaGetErrorString", library, api.GetErrorString);
   resolve(handle, "cudaRuntimeGetVersion", library, api.RuntimeGetVersion);
@@ -419,6 +420,25 @@ class CudaBackend final : public Backend {
       return false;
     }
     fail(err, "cudaEventQuery");
+  }
+
+  EventHandle create_timing_event() override {
+    DeviceGuard guard(api_, device_);
+    cudaEvent_t event = nullptr;
+    cudaError_t err = api_.EventCreateWithFlags(&event, 0);  // cudaEventDefault: timed
+    if (err != cudaSuccess) fail(err, "cudaEventCreateWithFlags");
+    return event;
+  }
+
+  double elapsed_ms(EventHandle start, EventHandle end) override {
+    float ms = 0;
+    cudaError_t err = api_.EventElapsedTime(&ms, as_event(start), as_event(end));
+    if (err == cudaSuccess) return ms;
+    if (err == cudaErrorNotReady) {
+      api_.GetLastError();  // an answer, as in event_completed
+      return -1;
+    }
+    fail(err, "cudaEventElapsedTime");
   }
 
   void synchronize_event(EventHandle event) override {

@@ -142,6 +142,9 @@ struct CudaRuntimeApi {
   Err (*EventQuery)(Event event);
   Err (*EventSynchronize)(Event event);
   Err (*EventDestroy)(Event event);
+  // Milliseconds between two completed events made without
+  // cudaEventDisableTiming (the live session's op costs on a GPU, OpTimer).
+  Err (*EventElapsedTime)(float* ms, Event start, Event end);
   Err (*GetLastError)();
   const char* (*GetErrorString)(Err error);
   Err (*RuntimeGetVersion)(int* runtime_version);

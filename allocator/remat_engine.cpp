@@ -82,6 +82,7 @@ int RematEngine::begin_op(const OpCall& call) {
   OpRecord rec;
   rec.cost = call.cost;
   rec.random = call.random;
+  rec.first_value = static_cast<int>(values_.size());
   rec.writes = call.writes;
   ops_.push_back(std::move(rec));
   counters_.base_cost += call.cost;
@@ -513,6 +514,29 @@ void RematEngine::end_op(int op, double cost) {
       if (values_[v].producer == op) values_[v].cost = cost;
   }
   for (int v : locked) unlock(v);
+}
+
+void RematEngine::set_cost(int op, double cost) {
+  assert(op >= 0 && op < static_cast<int>(ops_.size()) && cost >= 0);
+  OpRecord& rec = ops_[op];
+  assert(rec.locked.empty());  // after end_op
+  const double delta = cost - rec.cost;
+  if (delta == 0) return;
+  rec.cost = cost;
+  counters_.base_cost += delta;
+  const int end = op + 1 < static_cast<int>(ops_.size()) ? ops_[op + 1].first_value : static_cast<int>(values_.size());
+  for (int v = rec.first_value; v < end; ++v) {
+    Value& x = values_[v];
+    if (x.producer != op) continue;  // an initial value added between two ops
+    // Recomputes already counted at the old cost: the same total as if the
+    // cost had been known from the start.
+    counters_.remat_cost += delta * x.recomputes;
+    if (x.state == ValueState::kEvicted || x.state == ValueState::kDeadNeeded) {
+      const int root = find(v);
+      uf_cost_[root] = std::max(0.0, uf_cost_[root] + (cost - x.cost));
+    }
+    x.cost = cost;
+  }
 }
 
 // A dead value brought back for a recompute stays resident afterwards, an

@@ -133,6 +133,7 @@ struct alignas(64) Value {
 struct OpRecord {
   double cost = 0;
   bool random = false;
+  int first_value = 0;           // values_.size() at begin_op: the op's outputs are at or after it
   std::vector<int> inputs;       // values read (locked while the op runs)
   std::vector<int> writes;       // values written in place (their old versions)
   std::vector<int> locked;       // everything locked for this op
@@ -192,6 +193,10 @@ class RematEngine {
   // Unlocks everything locked for the op. cost >= 0 replaces the cost given
   // to begin_op (the live driver measures it while the op runs).
   void end_op(int op, double cost = -1);
+  // The op's cost, measured after end_op (the live driver on a GPU: the op's
+  // time there is known only once it has run, well after its launch). Its
+  // values, the classes of evicted ones and the cost counters follow.
+  void set_cost(int op, double cost);
   // The program dropped its reference to `v`.
   void kill(int v);
   // Makes `v` resident (recomputing as needed) and locks it, outside any op

@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | generator | oom | device_thread
+    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | op_costs
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import gc
 import json
 import sys
 import threading
+import time
 
 MiB = 1 << 20
 
@@ -286,7 +287,30 @@ def device_thread() -> dict:
     return {"peak": peak, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
 
 
+def op_costs() -> dict:
+    """A CUDA op returns to the host once launched: the session must price
+    ops by their time on the GPU (timing events, allocator/op_timer.h), not by
+    the launch the host sees."""
+    dtralloc, torch = _setup()
+    a = torch.randn(8192, 8192, device="cuda")
+    b = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    with dtralloc.dtr() as s:
+        start = time.perf_counter()
+        outs = [a @ b for _ in range(4)]  # about 20 ms each in fp32 without TF32
+        launched = time.perf_counter() - start
+        torch.cuda.synchronize()
+        ran = time.perf_counter() - start
+        # A recorded op after the GPU finished: its mark collects the matmuls'.
+        outs.append(outs[-1].sum())
+    stats = s.stats()
+    del outs
+    return {"launched_s": launched, "ran_s": ran, "op_seconds": stats["op_seconds"],
+            "gpu_timed_ops": stats["gpu_timed_ops"], "pool_ok": _pool_ok(dtralloc)}
+
+
 SCENARIOS = {
+    "op_costs": op_costs,
     "dropout": dropout,
     "flash_dropout": flash_dropout,
     "generator": generator,

@@ -361,10 +361,12 @@ def test_stats_and_arguments():
         a.exp().sum().backward()
     stats = s.stats()
     for key in ("evictions", "remats", "rng_replays", "hold_restarts", "peak_bytes", "budget_bytes", "recompute_seconds",
-                "ops", "compute_overhead", "policy", "device"):
+                "ops", "compute_overhead", "op_seconds", "gpu_timed_ops", "policy", "device"):
         assert key in stats
     assert stats["budget_bytes"] == 64 * MiB and stats["policy"] == "dtr" and stats["device"] == "cpu"
     assert stats["ops"] > 0
+    # On a CPU the ops ran when called: the clock prices them, no GPU does.
+    assert stats["op_seconds"] > 0 and stats["gpu_timed_ops"] == 0
     with pytest.raises(TypeError, match="512M"):
         dtr(budget=0.5, device="cpu")
     with pytest.raises(ValueError, match="positive"):

@@ -74,3 +74,13 @@ def test_backward_on_the_device_thread_evicts_and_stays_exact():
         assert x["peak_bytes"] <= x["budget"], x
     assert any(x["evictions"] > x["evictions_in_forward"] for x in runs), \
         f"no budget made backward (on the device thread) evict: {r}"
+
+
+def test_ops_are_priced_by_their_time_on_the_gpu():
+    r = run("op_costs")
+    assert r["launched_s"] < 0.25 * r["ran_s"], f"the matmuls did not run asynchronously: {r}"
+    assert r["gpu_timed_ops"] >= 4, r
+    # A clock around each launch would give a small fraction of the time the
+    # GPU took; the events give about all of it.
+    assert 0.7 * r["ran_s"] <= r["op_seconds"] <= 1.2 * r["ran_s"], r
+    assert r["pool_ok"]

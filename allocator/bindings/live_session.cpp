@@ -109,6 +109,9 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   config.policy = options.policy;
   if (options.cuda) {
     pool_ = &global::allocator(options.device);
+    current_stream_ = helpers["current_stream"];
+    if (!current_stream_.is_none()) timer_ = std::make_unique<OpTimer>(pool_->backend());
+    device_index_ = py::int_(options.device);
   } else {
     config.budget = Budget{};
     config.budget.bytes = options.budget_bytes;
@@ -179,6 +182,7 @@ void LiveSession::start() {
   // allocates its outputs before record() sees it).
   pool_->set_op_stamp(engine_->current_op() + 1);
   ooms_at_start_ = pool_->stats_report().stats.num_ooms;
+  mark_op(-1);  // the first op's interval starts here
 }
 
 // `dtralloc top PID` shows the mirror as it shows an installed pool (on CUDA
@@ -569,6 +573,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     made.push_back({std::move(storage), py::reinterpret_borrow<py::object>(t), cdata, nbytes, index});
   });
   if (made.empty() && written.empty()) {
+    mark_op(-1);  // what it launched is no engine op's
     if (options_.chaos) engine_->evict_all();
     return;  // views, detach, scalar reads: nothing for the engine
   }
@@ -635,7 +640,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     throw;
   }
   sample_op(op, func, flags);  // as the replay samples: outputs allocated, inputs still locked
-  engine_->end_op(op, cost);
+  engine_->end_op(op, cost);  // on a GPU the clock's cost stands until the GPU's arrives (mark_op)
+  mark_op(op);
   for (int r : call.reads) own_for_recipes(r);
   // How often owned values are polled: often enough that memory the program
   // let go of is not held much longer than a few hundred ops, rarely enough
@@ -681,6 +687,22 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   if (mirror_ && !publishing_ && op + 1 == static_cast<int>(kPublishAfterOps)) start_publishing();
   publish_counts();
   if (options_.check_invariants) check_invariants();
+}
+
+// CUDA: marks the end of `op`'s launches on the current stream, and hands
+// the engine every op cost the GPU has measured since (op_timer.h).
+void LiveSession::mark_op(int op) {
+  if (!timer_ || !timer_->active()) return;
+  const std::size_t remats = engine_->counters().remats;
+  const bool clean = remats == remats_at_mark_;  // no recompute launched since the last mark
+  remats_at_mark_ = remats;
+  PyObject* raw = PyObject_CallOneArg(current_stream_.ptr(), device_index_.ptr());
+  if (!raw) throw py::error_already_set();
+  void* stream = PyLong_AsVoidPtr(raw);
+  Py_DECREF(raw);
+  if (!stream && PyErr_Occurred()) throw py::error_already_set();
+  timer_->mark(op, reinterpret_cast<Stream>(stream), clean);
+  stats_.gpu_timed_ops += timer_->collect([&](int o, double ns) { engine_->set_cost(o, ns); });
 }
 
 // ---- eviction and reports ---------------------------------------------------------
@@ -815,7 +837,9 @@ py::dict LiveSession::stats() {
   d["saved"] = stats_.saved;
   d["unpacked"] = stats_.unpacked;
   d["recompute_seconds"] = stats_.recompute_seconds;
+  d["gpu_timed_ops"] = stats_.gpu_timed_ops;
   d["compute_overhead"] = c.base_cost > 0 ? c.remat_cost / c.base_cost : 0.0;
+  d["op_seconds"] = c.base_cost * 1e-9;  // every recorded op once, as the engine prices them
   d["budget_bytes"] = pool_->budget_bytes();
   d["reserved_bytes"] = r.stats.reserved_bytes[kStatAll].current;
   d["allocated_bytes"] = r.stats.allocated_bytes[kStatAll].current;

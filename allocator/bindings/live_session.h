@@ -54,6 +54,7 @@
 #include "event_log.h"
 #include "evictor.h"
 #include "op_series.h"
+#include "op_timer.h"
 #include "remat_engine.h"
 
 namespace dtralloc::live {
@@ -142,6 +143,7 @@ struct LiveStats {
   std::size_t saved = 0;            // handles handed to autograd
   std::size_t unpacked = 0;
   double recompute_seconds = 0;     // wall time in the runner
+  std::size_t gpu_timed_ops = 0;    // ops whose cost the GPU measured (OpTimer)
   std::size_t series_dropped = 0;   // engine ops past Options::series_ops, not sampled
 };
 
@@ -253,6 +255,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   Phase phase_of(std::uint32_t flags);
   void publish_counts();
   void start_publishing();
+  void mark_op(int op);
   static PyObject* storage_died(PyObject* self, PyObject* weakref);
 
   Options options_;
@@ -263,6 +266,12 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unique_ptr<Driver> driver_;
   std::unique_ptr<RematEngine> engine_;
   std::shared_ptr<Evictor> evictor_;
+  // CUDA: op costs measured on the GPU (op_timer.h), on the stream torch's
+  // current_stream_(device_index_) names; remats_at_mark_ tells an interval
+  // a recompute ran in.
+  std::unique_ptr<OpTimer> timer_;
+  py::object current_stream_, device_index_;
+  std::size_t remats_at_mark_ = 0;
   void apply_budget(struct OnPool& on_pool);
   std::shared_ptr<OnPool> on_pool_;  // while started
   bool started_ = false;

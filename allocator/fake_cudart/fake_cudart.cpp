@@ -24,6 +24,12 @@
 //     fakecuda_complete_events() (all). An event never recorded is complete.
 //     Recording on stream 0 from another device than the event's fails, as it
 //     does on a GPU, which catches a missing cudaSetDevice.
+//   * Timing: an event made without cudaEventDisableTiming takes the fake
+//     device's clock when recorded (the fake runs work as it is enqueued):
+//     the host's monotonic clock, or the time fakecuda_set_clock_ns froze.
+//     cudaEventElapsedTime answers as documented: an invalid handle for an
+//     event never recorded or made without timing, "not ready" while either
+//     is pending.
 //   * cudaFree does not complete events (the real one synchronizes).
 //   * Stream capture (CUDA graphs), as in cudaStreamCaptureModeGlobal:
 //     fakecuda_set_stream_capture(stream, status) marks a stream of the
@@ -63,6 +69,7 @@
 // controls. Internals have internal linkage; the lock is a pthread mutex.
 #include <pthread.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -93,7 +100,7 @@ enum Function {
   kDeviceSynchronize, kStreamSynchronize, kStreamWaitEvent,
   kEventCreateWithFlags, kEventRecord, kEventQuery, kEventSynchronize,
   kEventDestroy, kGetLastError, kGetErrorString, kRuntimeGetVersion,
-  kStreamIsCapturing, kDevicePrimaryCtxGetState,
+  kStreamIsCapturing, kEventElapsedTime, kDevicePrimaryCtxGetState,
   kDeviceGet, kDeviceGetAttribute, kCtxGetCurrent, kMemGetAllocationGranularity,
   kMemAddressReserve, kMemAddressFree, kMemCreate, kMemRelease, kMemMap,
   kMemUnmap, kMemSetAccess, kDriverGetErrorString,
@@ -106,7 +113,7 @@ constexpr const char* kFunctionNames[kFunctionCount] = {
     "cudaStreamSynchronize", "cudaStreamWaitEvent", "cudaEventCreateWithFlags",
     "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize",
     "cudaEventDestroy", "cudaGetLastError", "cudaGetErrorString",
-    "cudaRuntimeGetVersion", "cudaStreamIsCapturing",
+    "cudaRuntimeGetVersion", "cudaStreamIsCapturing", "cudaEventElapsedTime",
     "cuDevicePrimaryCtxGetState", "cuDeviceGet", "cuDeviceGetAttribute",
     "cuCtxGetCurrent", "cuMemGetAllocationGranularity", "cuMemAddressReserve",
     "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap",
@@ -227,6 +234,9 @@ struct EventState {
   int device;
   cudaStream_t stream;
   bool pending;
+  bool timed;     // made without cudaEventDisableTiming
+  bool recorded;
+  long long ns;   // the device clock when recorded (fake_clock_ns)
 };
 
 struct Capture {
@@ -246,6 +256,7 @@ struct State {
   Capture captures[kMaxCaptures] = {};
   int failing_mallocs = 0;
   std::uintptr_t events_created = 0;
+  long long frozen_clock_ns = -1;  // fakecuda_set_clock_ns; negative: the host's clock
   PointerMap<Allocation> allocations;
   PointerMap<EventState> events;
   // VMM
@@ -260,6 +271,14 @@ struct State {
 
 State g_state;
 long g_calls[kFunctionCount];  // touched only through __atomic builtins
+
+// Under the lock.
+long long fake_clock_ns() {
+  if (g_state.frozen_clock_ns >= 0) return g_state.frozen_clock_ns;
+  timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<long long>(now.tv_sec) * 1000000000LL + now.tv_nsec;
+}
 
 // Per thread, like the real runtime's current device and last error.
 thread_local int t_device = 0;
@@ -506,13 +525,13 @@ FAKECUDA_EXPORT cudaError_t cudaStreamIsCapturing(
 }
 
 FAKECUDA_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event,
-                                                     unsigned int /*flags*/) {
+                                                     unsigned int flags) {
   count_call(kEventCreateWithFlags);
   if (event == nullptr) return fail(cudaErrorInvalidValue);
   Lock lock;
   if (cudaError_t err = use_current_device()) return fail(err);
   cudaEvent_t handle = new_event_handle();
-  if (!g_state.events.insert(handle, EventState{t_device, nullptr, false})) {
+  if (!g_state.events.insert(handle, EventState{t_device, nullptr, false, (flags & cudaEventDisableTiming) == 0, false, 0})) {
     return fail(cudaErrorMemoryAllocation);
   }
   *event = handle;
@@ -532,6 +551,8 @@ FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
   g_state.context[state->device] = true;
   state->stream = stream;
   state->pending = true;
+  state->recorded = true;
+  state->ns = fake_clock_ns();
   return cudaSuccess;
 }
 
@@ -551,6 +572,25 @@ FAKECUDA_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   EventState* state = g_state.events.find(event);
   if (state == nullptr) return fail(cudaErrorInvalidResourceHandle);
   state->pending = false;
+  return cudaSuccess;
+}
+
+// The documented answers, in the documented order: an event never recorded
+// or made with cudaEventDisableTiming is an invalid handle; one still
+// pending is "not ready".
+FAKECUDA_EXPORT cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
+                                                 cudaEvent_t end) {
+  count_call(kEventElapsedTime);
+  if (ms == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  const EventState* a = g_state.events.find(start);
+  const EventState* b = g_state.events.find(end);
+  if (a == nullptr || b == nullptr || !a->timed || !b->timed ||
+      !a->recorded || !b->recorded) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  if (a->pending || b->pending) return fail(cudaErrorNotReady);
+  *ms = static_cast<float>(static_cast<double>(b->ns - a->ns) / 1e6);
   return cudaSuccess;
 }
 
@@ -940,6 +980,14 @@ FAKECUDA_EXPORT int fakecuda_set_stream_capture(void* stream, int status) {
   return 0;
 }
 
+// The fake device's clock, which timing events read when recorded (the fake
+// runs work as it is enqueued): `ns` >= 0 freezes it there, so a test sets
+// exact times; negative lets it follow the host's monotonic clock again.
+FAKECUDA_EXPORT void fakecuda_set_clock_ns(long long ns) {
+  Lock lock;
+  g_state.frozen_clock_ns = ns;
+}
+
 FAKECUDA_EXPORT void fakecuda_complete_events() {
   Lock lock;
   complete_events_where([](const EventState&) { return true; });
@@ -959,6 +1007,7 @@ FAKECUDA_EXPORT void fakecuda_reset() {
   g_state.failing_creates = 0;
   g_state.vmm_supported = true;
   g_state.vmm_granularity = kDefaultVmmGranularity;
+  g_state.frozen_clock_ns = -1;
   for (bool& context : g_state.context) context = false;
   t_context_current = false;
   for (Capture& capture : g_state.captures) capture.stream = nullptr;

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -30,6 +31,7 @@
 #include "check.h"
 #include "config.h"
 #include "cudart_api.h"
+#include "op_timer.h"
 
 namespace {
 
@@ -50,6 +52,7 @@ struct FakeControls {
   int (*live_events)();
   std::size_t (*used_bytes)(int);
   int (*set_stream_capture)(void* stream, int status);
+  void (*set_clock_ns)(long long ns);
   // The driver API's query (cuda.h), which the fake exports too.
   int (*primary_ctx_get_state)(int device, unsigned int* flags, int* active);
 
@@ -85,6 +88,7 @@ FakeControls load_controls(const std::string& fake_path) {
   resolve(library, "fakecuda_live_events", fake.live_events);
   resolve(library, "fakecuda_used_bytes", fake.used_bytes);
   resolve(library, "fakecuda_set_stream_capture", fake.set_stream_capture);
+  resolve(library, "fakecuda_set_clock_ns", fake.set_clock_ns);
   resolve(library, "cuDevicePrimaryCtxGetState", fake.primary_ctx_get_state);
   return fake;
 }
@@ -266,6 +270,93 @@ void test_events(const FakeControls& fake) {
   CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { backend->event_completed(event); }),
                  "cudaErrorInvalidResourceHandle");
   CHECK(api.GetLastError() == cudaSuccess);
+}
+
+// Timing events: elapsed time once both completed, "not ready" (negative)
+// before; an event made for record_stream (no timing) is refused, as
+// cudaEventElapsedTime documents.
+void test_timing_events(const FakeControls& fake) {
+  fake.reset();
+  auto backend = make_cuda_backend(0);
+  EventHandle a = backend->create_timing_event();
+  EventHandle b = backend->create_timing_event();
+  CHECK(a != nullptr && b != nullptr);
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { backend->elapsed_ms(a, b); }),
+                 "cudaErrorInvalidResourceHandle");  // never recorded
+  fake.set_clock_ns(1000000);
+  backend->record_event(a, 7);
+  fake.set_clock_ns(6000000);
+  backend->record_event(b, 7);
+  CHECK(backend->elapsed_ms(a, b) < 0);
+  CHECK(cuda_runtime().GetLastError() == cudaSuccess);  // "not ready" is an answer
+  fake.complete_events();
+  CHECK_EQ(backend->elapsed_ms(a, b), 5.0);
+  EventHandle untimed = backend->create_event();
+  backend->record_event(untimed, 7);
+  fake.complete_events();
+  CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { backend->elapsed_ms(a, untimed); }),
+                 "cudaErrorInvalidResourceHandle");
+  for (EventHandle e : {a, b, untimed}) backend->destroy_event(e);
+  CHECK(fake.live_events() == 0);
+  fake.reset();
+}
+
+// OpTimer: an op's cost is the GPU time from the previous mark on its stream
+// to its own, handed over once both marks completed, in order; intervals
+// another op, a recompute or a second stream shares measure nothing; the
+// events are reused, bounded, and all destroyed with the timer.
+void test_op_timer(const FakeControls& fake) {
+  // cudaEventElapsedTime answers in float milliseconds.
+  auto near_ns = [](double ns, double expected) { return std::abs(ns - expected) < 1.0; };
+  fake.reset();
+  auto backend = make_cuda_backend(0);
+  std::vector<std::pair<int, double>> got;
+  auto collect = [&](OpTimer& t) { return t.collect([&](int op, double ns) { got.emplace_back(op, ns); }); };
+  {
+    OpTimer timer(*backend);
+    CHECK(timer.active());
+    auto at = [&](long long us) { fake.set_clock_ns(us * 1000); };
+    at(0), timer.mark(0, 7, true);      // op 0: no previous mark, nothing to measure
+    at(10), timer.mark(1, 7, true);     // op 1: 10 us
+    at(30), timer.mark(-1, 7, true);    // no engine op (a scalar read)
+    at(35), timer.mark(2, 7, true);     // op 2: its interval measures 5 us
+    at(50), timer.mark(3, 7, false);    // op 3: a recompute ran before it
+    at(60), timer.mark(4, 9, true);     // op 4: on another stream than the last mark
+    at(64), timer.mark(5, 9, true);     // op 5: 4 us
+    CHECK(collect(timer) == 0);         // nothing has completed
+    CHECK(timer.pending() == 6);
+    fake.complete_events();
+    CHECK(collect(timer) == 3);
+    CHECK(got.size() == 3);
+    CHECK(got[0].first == 1 && got[1].first == 2 && got[2].first == 5);
+    CHECK(near_ns(got[0].second, 10000));
+    CHECK(near_ns(got[1].second, 5000));
+    CHECK(near_ns(got[2].second, 4000));
+    CHECK(timer.pending() == 0);
+    // Completed events are recorded again: no new ones per op.
+    const long created = fake.call_count("cudaEventCreateWithFlags");
+    for (int op = 6; op < 12; ++op) {
+      at(100 + op), timer.mark(op, 9, true);
+      fake.complete_events();
+      collect(timer);
+    }
+    CHECK(fake.call_count("cudaEventCreateWithFlags") <= created + 1);
+    CHECK(got.size() == 3 + 6);
+    CHECK(near_ns(got.back().second, 1000));
+    // A GPU far behind: the oldest marks are dropped, never waited for.
+    for (std::size_t op = 0; op < OpTimer::kMaxMarks + 10; ++op) timer.mark(static_cast<int>(op), 9, true);
+    CHECK(timer.pending() == OpTimer::kMaxMarks - 1);
+    CHECK(fake.live_events() <= static_cast<int>(OpTimer::kMaxMarks) + 2);
+  }
+  CHECK(fake.live_events() == 0);
+  fake.set_clock_ns(-1);
+  // A host backend has no timing events: the caller's clock stands.
+  auto host = make_host_backend(std::size_t{1} << 30);
+  OpTimer none(*host);
+  CHECK(!none.active());
+  none.mark(0, 0, true);
+  CHECK(none.collect([](int, double) { CHECK(false); }) == 0);
+  fake.reset();
 }
 
 // Every call lands on the backend's device and the caller's device survives.
@@ -525,6 +616,8 @@ int main(int argc, char** argv) {
   test_capacity_exhaustion(fake);
   test_injected_failures(fake);
   test_events(fake);
+  test_timing_events(fake);
+  test_op_timer(fake);
   test_device_guard(fake);
   test_device_guard_makes_no_stray_context(fake);
   test_capture_is_refused_before_any_illegal_call(fake);

@@ -365,6 +365,44 @@ void test_adopted_pinned_and_late_cost() {
   e.release_all();
 }
 
+// A cost measured after the op ended (the live session on a GPU): the op's
+// values, the class an evicted one sits in and the counters follow, as if
+// the cost had been known from the start; an initial value added between
+// the op's outputs and the next op is not the op's.
+void test_cost_measured_after_the_op() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(512);
+  const int op = e.begin_op(call(0, {x}));
+  const int a = e.add_output(op, 512);
+  const int a2 = e.add_output(op, 512);
+  e.end_op(op, 3.0);  // the clock's provisional cost
+  const int late = e.add_initial(512);
+  const int b = apply(e, {a}, 512, 5);
+  const int c = apply(e, {b}, 512, 7);
+  CHECK(e.evict(a));
+  CHECK(e.evict(c));
+  CHECK_EQ(e.estar_eq(b), 5.0 + 3.0 + 7.0);
+  read(e, {a});  // a recomputed once at the provisional cost
+  CHECK_EQ(e.value(a).recomputes, 1);
+  CHECK_EQ(e.counters().remat_cost, 3.0);
+  CHECK(e.evict(a));
+  e.set_cost(op, 11.0);
+  CHECK_EQ(e.value(a).cost, 11.0);
+  CHECK_EQ(e.value(a2).cost, 11.0);
+  CHECK_EQ(e.value(late).cost, 0.0);
+  CHECK_EQ(e.estar_eq(b), 5.0 + 11.0 + 7.0);  // a's class follows
+  CHECK_EQ(e.counters().base_cost, 11.0 + 5.0 + 7.0 + 1.0);  // the read op costs 1
+  CHECK_EQ(e.counters().remat_cost, 11.0);
+  const int b_op = e.value(b).producer;
+  e.set_cost(b_op, 2.0);
+  CHECK_EQ(e.value(b).cost, 2.0);
+  CHECK_EQ(e.value(c).cost, 7.0);
+  CHECK_EQ(e.counters().base_cost, 11.0 + 2.0 + 7.0 + 1.0);
+  e.check_invariants();
+  e.release_all();
+}
+
 int main() {
   test_states_and_release();
   test_evict_and_recompute_chain();
@@ -377,5 +415,6 @@ int main() {
   test_deep_chain_recomputes_without_recursion();
   test_oom_during_recompute_unwinds();
   test_adopted_pinned_and_late_cost();
+  test_cost_measured_after_the_op();
   return check::check_summary("test_remat_engine");
 }

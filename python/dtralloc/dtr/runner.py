@@ -126,4 +126,7 @@ def _accessors() -> dict:
 def helpers(device: str) -> dict:
     return {"view": view, "detached": detached, "run": run, "new_storage": new_storage, "use_count": use_count,
             "version_error": version_error, "tensor_type": torch.Tensor,
-            "device": device, "accessors": _accessors()}
+            "device": device, "accessors": _accessors(),
+            # CUDA: the raw handle of torch's current stream on a device,
+            # where the session marks each op's end (op costs, op_timer.h).
+            "current_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None)}
