@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <deque>
 #include <exception>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -52,26 +53,36 @@ class OpTimer {
 
   // What was launched on `stream` since the previous mark was `op`'s (-1:
   // no op's). `clean` false: something else was launched in between, so
-  // the interval measures nothing.
-  void mark(int op, Stream stream, bool clean) {
-    if (!active()) return;
+  // the interval measures nothing. Returns whether it marked: not while the
+  // stream captures a CUDA graph, when querying events would invalidate the
+  // capture (and what it launches runs later, as a graph); collect() only
+  // after a mark.
+  bool mark(int op, Stream stream, bool clean) {
+    if (!active()) return false;
+    bool marked = false;
     guard([&] {
+      if (backend_.stream_capturing(stream)) {
+        after_capture_ = true;
+        return;
+      }
       if (marks_.size() >= kMaxMarks) {
         backend_.destroy_event(marks_.front().event);  // may still be pending: destroyed once it completes
         marks_.pop_front();
       }
-      EventHandle event = take();
-      backend_.record_event(event, stream);
-      marks_.push_back({event, op, stream, clean && op >= 0});
+      marks_.push_back({take(), op, stream, clean && op >= 0 && !after_capture_});  // first: clear() destroys it on an error
+      after_capture_ = false;
+      backend_.record_event(marks_.back().event, stream);
+      marked = true;
     });
+    return marked;
   }
 
   // done(op, ns) for each measured interval whose marks have completed,
   // oldest first; returns how many.
   template <typename Done>
   std::size_t collect(Done&& done) {
-    std::size_t n = 0;
-    if (state_ != kActive) return n;
+    if (state_ != kActive) return 0;
+    measured_.clear();
     guard([&] {
       while (marks_.size() >= 2) {
         const Mark& start = marks_[0];
@@ -79,8 +90,7 @@ class OpTimer {
         if (end.measures && end.stream == start.stream) {
           const double ms = backend_.elapsed_ms(start.event, end.event);
           if (ms < 0) break;  // still pending
-          done(end.op, ms * 1e6);
-          ++n;
+          measured_.emplace_back(end.op, ms * 1e6);
         } else if (!backend_.event_completed(end.event)) {
           break;
         }
@@ -88,7 +98,9 @@ class OpTimer {
         marks_.pop_front();
       }
     });
-    return n;
+    // Outside the guard: what `done` throws is the caller's, not a device error.
+    for (const auto& [op, ns] : measured_) done(op, ns);
+    return measured_.size();
   }
 
   std::size_t pending() const { return marks_.empty() ? 0 : marks_.size() - 1; }
@@ -141,7 +153,9 @@ class OpTimer {
   Backend& backend_;
   std::deque<Mark> marks_;  // front: the start of the oldest interval not yet collected
   std::vector<EventHandle> spare_;
+  std::vector<std::pair<int, double>> measured_;  // collect()'s, kept for its capacity
   State state_ = kUnknown;
+  bool after_capture_ = false;  // a mark was skipped for a capture: the next interval measures nothing
 };
 
 }  // namespace dtralloc

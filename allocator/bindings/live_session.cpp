@@ -701,8 +701,8 @@ void LiveSession::mark_op(int op) {
   void* stream = PyLong_AsVoidPtr(raw);
   Py_DECREF(raw);
   if (!stream && PyErr_Occurred()) throw py::error_already_set();
-  timer_->mark(op, reinterpret_cast<Stream>(stream), clean);
-  stats_.gpu_timed_ops += timer_->collect([&](int o, double ns) { engine_->set_cost(o, ns); });
+  if (timer_->mark(op, reinterpret_cast<Stream>(stream), clean))
+    stats_.gpu_timed_ops += timer_->collect([&](int o, double ns) { engine_->set_cost(o, ns); });
 }
 
 // ---- eviction and reports ---------------------------------------------------------

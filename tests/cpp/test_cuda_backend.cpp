@@ -311,11 +311,11 @@ void test_op_timer(const FakeControls& fake) {
   fake.reset();
   auto backend = make_cuda_backend(0);
   std::vector<std::pair<int, double>> got;
+  auto at = [&](long long us) { fake.set_clock_ns(us * 1000); };
   auto collect = [&](OpTimer& t) { return t.collect([&](int op, double ns) { got.emplace_back(op, ns); }); };
   {
     OpTimer timer(*backend);
     CHECK(timer.active());
-    auto at = [&](long long us) { fake.set_clock_ns(us * 1000); };
     at(0), timer.mark(0, 7, true);      // op 0: no previous mark, nothing to measure
     at(10), timer.mark(1, 7, true);     // op 1: 10 us
     at(30), timer.mark(-1, 7, true);    // no engine op (a scalar read)
@@ -347,6 +347,28 @@ void test_op_timer(const FakeControls& fake) {
     for (std::size_t op = 0; op < OpTimer::kMaxMarks + 10; ++op) timer.mark(static_cast<int>(op), 9, true);
     CHECK(timer.pending() == OpTimer::kMaxMarks - 1);
     CHECK(fake.live_events() <= static_cast<int>(OpTimer::kMaxMarks) + 2);
+  }
+  CHECK(fake.live_events() == 0);
+  {
+    // While a stream captures a CUDA graph no event is touched (a query would
+    // invalidate the capture), and the interval after it measures nothing.
+    OpTimer timer(*backend);
+    got.clear();
+    at(0); CHECK(timer.mark(0, 7, true));
+    void* const captured = reinterpret_cast<void*>(7);
+    CHECK(fake.set_stream_capture(captured, cudaStreamCaptureStatusActive) == 0);
+    const long records = fake.call_count("cudaEventRecord");
+    at(5); CHECK(!timer.mark(1, 7, true));
+    CHECK(fake.call_count("cudaEventRecord") == records);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    CHECK(cuda_runtime().StreamIsCapturing(reinterpret_cast<cudaStream_t>(captured), &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusActive);  // not invalidated
+    CHECK(fake.set_stream_capture(captured, cudaStreamCaptureStatusNone) == 0);
+    at(9); CHECK(timer.mark(2, 7, true));
+    at(12); CHECK(timer.mark(3, 7, true));
+    fake.complete_events();
+    CHECK(timer.collect([&](int op, double ns) { got.emplace_back(op, ns); }) == 1);
+    CHECK(got.size() == 1 && got[0].first == 3 && near_ns(got[0].second, 3000));
   }
   CHECK(fake.live_events() == 0);
   fake.set_clock_ns(-1);
