@@ -222,14 +222,15 @@ class Worker:
         self.config = spec["config"]
         self.cuda = spec["device"] == "cuda"
         self.cap = spec.get("cap_bytes")
+        conf = spec.get("conf") or ""
         if self.cuda and self.config == "dtr":
             import dtralloc
 
-            dtralloc.install()  # no pool budget: the session's budget is the cap
+            dtralloc.install(conf)  # no pool budget: the session's budget is the cap
         elif self.cuda and self.config == "plain-dtralloc":
             import dtralloc
 
-            dtralloc.install(f"budget:{self.cap}B")
+            dtralloc.install(",".join(filter(None, (conf, f"budget:{self.cap}B"))))
         import torch
 
         self.torch = torch
@@ -520,7 +521,7 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
     base = args.base or (SMOKE_BATCH if smoke else BASE_BATCH)[name]
     configs = CONFIGS_GPU if device == "cuda" else CONFIGS_CPU
     started = time.monotonic()
-    common = {"model": name, "device": device, "smoke": smoke, "base": base}
+    common = {"model": name, "device": device, "smoke": smoke, "base": base, "conf": args.conf}
     in_process = args.in_process
     measured = run_config({**common, "config": "measure", "deadline_s": budget_s}, budget_s * 0.3, in_process)
     m = next((r for r in measured if r["event"] == "measure"), None)
@@ -673,6 +674,9 @@ def main(argv=None) -> int:
                              "starting probes when their share is spent")
     parser.add_argument("--in-process", action="store_true",
                         help="CPU only: run the configurations in this process, not one process each")
+    parser.add_argument("--conf", default="",
+                        help="GPU only: settings (DTRALLOC_CONF's syntax) for the install() of the dtralloc "
+                             "configurations, e.g. unmap_pages:off (cudaMalloc segments instead of VMM ones)")
     parser.add_argument("--out", help="also write the report (markdown) here, and its data next to it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -684,6 +688,16 @@ def main(argv=None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.in_process and args.device != "cpu":
         parser.error("--in-process is for --device cpu: on CUDA each configuration installs its own allocator")
+    if args.conf:
+        if args.device != "cuda":
+            parser.error("--conf sets what the dtralloc configurations install() on a GPU; on CPU they "
+                         "install nothing")
+        from dtralloc import _core
+
+        try:
+            _core.describe_config(args.conf)
+        except Exception as e:  # noqa: BLE001 - the parser's own words name the bad setting
+            parser.error(f"--conf: {e}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for name in models:
         if name not in BASE_BATCH:

@@ -17,6 +17,8 @@
 #   GPU_SESSION_SKIP_BUILD=1 bash bench/gpu_session.sh    # already built (pip install --no-build-isolation -e .)
 #   GPU_SESSION_ONLY=gpu_budget bash bench/gpu_session.sh # build, then only these steps (comma-separated:
 #                           # pytest_gpu, gpu_budget, hot_path, replay_fragmentation), each with all the time left
+#   GPU_SESSION_BENCH_CONF=unmap_pages:off bash bench/gpu_session.sh  # the budget bench's dtralloc
+#                           # configurations install() these settings (here: cudaMalloc segments, not VMM)
 #   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,
 #                           # with the bench in --smoke --device cpu mode, no build, no other benches
 #
@@ -107,7 +109,7 @@ bench_limit=$(( $(left) - 220 ))
 [ "$bench_limit" -gt 240 ] && bench_limit=240
 [ -n "${GPU_SESSION_ONLY:-}" ] && bench_limit=$(( $(left) - 40 ))  # the step alone: all but its margin
 step gpu_budget $((bench_limit + 40)) 200 \
-  "$PY bench/bench_gpu_budget.py $BENCH_ARGS --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
+  "$PY bench/bench_gpu_budget.py $BENCH_ARGS ${GPU_SESSION_BENCH_CONF:+--conf '$GPU_SESSION_BENCH_CONF'} --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
 
 # 4. The other benchmarks with a GPU part, while time is left.
 [ -n "$REHEARSAL" ] && TOTAL=0  # (their CPU parts alone take minutes)

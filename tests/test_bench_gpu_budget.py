@@ -129,3 +129,14 @@ def test_a_check_that_runs_out_of_memory_moves_down_to_the_next_batch_that_fitte
                                 "evictions": 0, "remats": 0}, records[0]]}}
     report = bench.report([res], bench.argparse.Namespace(device="cpu", smoke=True), "cmd", 1.0)
     assert "ran out of memory at batch 8" in report, report
+
+
+def test_conf_is_checked_before_anything_runs():
+    def fails(*args):
+        proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        return proc.stderr
+
+    assert "install nothing" in fails("--device", "cpu", "--conf", "unmap_pages:off")
+    assert "unknown key 'unmap_pagez'" in fails("--device", "cuda", "--conf", "unmap_pagez:off")
