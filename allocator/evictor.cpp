@@ -64,6 +64,11 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
     const std::size_t reserved = static_cast<std::size_t>(bp.stats().reserved_bytes[kStatAll].current);
     const std::size_t budget = allocator_.budget_bytes();
     headroom_ = budget > reserved ? budget - reserved : 0;
+    // kRecoverableShare (policies.h): what could not come back is kept.
+    keep_above_ = std::numeric_limits<double>::infinity();
+    if (traits_.recoverable && budget > 0)
+      keep_above_ = kRecoverableShare *
+                    std::max(0.0, static_cast<double>(budget) - static_cast<double>(engine_.kept_resident_bytes()));
     for (const auto& entry : bp.segments()) {
       const Segment* seg = entry.second;
       if (seg->stream != stream || (large_only && seg->pool != kLargePool)) continue;
@@ -80,7 +85,9 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
           int v = b->owner;
           if (v < 0 || static_cast<std::size_t>(v) >= engine_.num_values() || engine_.value(v).addr != b->addr)
             v = engine_.value_at(b->addr);
-          if (v >= 0 && engine_.evictable(v)) value = v;
+          if (v >= 0 && engine_.evictable(v) &&
+              !(traits_.recoverable && engine_.recompute_need_bytes(v) > keep_above_))
+            value = v;
         }
         span.blocked |= value == kBlocked;
         if (span.blocked && useless_if_blocked) break;

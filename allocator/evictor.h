@@ -130,6 +130,7 @@ class Evictor : public EvictionHook {
   std::vector<Item> items_;                 // reused between calls
   std::vector<SegSpan> segs_;
   std::size_t headroom_ = 0;                // budget - reserved at the walk
+  double keep_above_ = 0;                   // recompute need past which a value is kept
   std::vector<std::size_t> starts_;         // window starts (choose_window)
   std::vector<double> weight_;              // per item of the walk; < 0: not yet computed
   struct Candidate {                        // a segment choose_release may release

@@ -742,6 +742,39 @@ std::size_t RematEngine::unevictable_resident_bytes() const {
   return total;
 }
 
+std::size_t RematEngine::kept_resident_bytes() const {
+  std::size_t total = 0;
+  for (int v : resident_) {
+    const Value& x = values_[v];
+    // An external value's memory is not the pool's: the budget does not count it.
+    if (!x.external && (x.pinned || driver_.held_elsewhere(v))) total += x.nbytes;
+  }
+  return total;
+}
+
+double RematEngine::recompute_need_bytes(int v, int cap) {
+  const std::uint32_t epoch = next_epoch();
+  walk_.assign(1, v);
+  mark_[v] = epoch;
+  int visited = 1;
+  double need = 0;
+  while (!walk_.empty()) {
+    const int x = walk_.back();
+    walk_.pop_back();
+    double at_x = static_cast<double>(values_[x].nbytes);
+    for (int r : values_[x].recipe) {
+      if (!values_[r].pinned) at_x += static_cast<double>(values_[r].nbytes);
+      if (values_[r].state != ValueState::kResident && mark_[r] != epoch && visited < cap) {
+        mark_[r] = epoch;
+        ++visited;
+        walk_.push_back(r);
+      }
+    }
+    need = std::max(need, at_x);
+  }
+  return need;
+}
+
 std::size_t RematEngine::evictable_resident_bytes() const {
   std::size_t total = 0;
   for (int v : resident_)

@@ -227,6 +227,17 @@ class RematEngine {
   std::size_t unevictable_resident_bytes() const;
   // Bytes of resident values the evictor may take now.
   std::size_t evictable_resident_bytes() const;
+  // Bytes of resident values no eviction will take while they live: pinned
+  // ones (parameters, inputs, gradients the step leaves behind, what cannot
+  // be recomputed) and those the program holds (held_elsewhere: in a live
+  // session, a parameter's .grad, a tensor the user keeps). External values
+  // (memory outside the pool) are not counted: the budget does not hold them.
+  std::size_t kept_resident_bytes() const;
+  // What bringing `v` back would hold at once beside the kept values, were
+  // it evicted now: the most any op of its recompute (v's producer and those
+  // of its missing ancestors) holds while it runs, its output and its
+  // unpinned inputs. Walks at most `cap` values (a lower bound past that).
+  double recompute_need_bytes(int v, int cap = 256);
 
   const Value& value(int v) const { return values_[v]; }
   const OpRecord& op(int o) const { return ops_[o]; }

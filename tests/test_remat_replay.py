@@ -84,12 +84,14 @@ def test_dtralloc_fits_segments_to_their_tensors(traces):
     # segments of whole copies of themselves, so gpt2's 9 and 2.25 MiB weights,
     # gradients and Adam state strand no 2 MiB tails. At 0.32 of the peak
     # those tails are what the budget lacks (0.34 until the engine's hold
-    # order and retry made room elsewhere).
+    # order and retry made room elsewhere). Gradients pinned, as a live
+    # session finds them: with them recomputable (pin_outliving=False) 0.32
+    # thrashes in the optimizer step since dtralloc keeps what could not come
+    # back (kRecoverableShare), whose room then counts no gradient.
     # (small_in_large off in both: it also rescues this budget, see below.)
     trace = traces["gpt2"]
-    fit = dtralloc.replay(trace, budget=0.32, policy="dtralloc", conf="small_in_large:off", **AS_BEFORE)
-    torch_sizes = dtralloc.replay(trace, budget=0.32, policy="dtralloc", conf="segment_fit:off,small_in_large:off",
-                                  **AS_BEFORE)
+    fit = dtralloc.replay(trace, budget=0.32, policy="dtralloc", conf="small_in_large:off")
+    torch_sizes = dtralloc.replay(trace, budget=0.32, policy="dtralloc", conf="segment_fit:off,small_in_large:off")
     assert fit.segment_fit and not torch_sizes.segment_fit
     assert not dtralloc.replay(trace, budget=0.9, policy="msps").segment_fit
     assert fit.feasible and not torch_sizes.feasible, torch_sizes.oom_message
@@ -114,16 +116,11 @@ def test_dtralloc_lets_small_tensors_into_the_large_pool_under_its_budget(traces
     mixed = dtralloc.replay(trace, budget=0.6, policy="dtralloc", conf="unmap_pages:off")
     apart = dtralloc.replay(trace, budget=0.6, policy="dtralloc", conf="small_in_large:off,unmap_pages:off")
     assert mixed.feasible and not apart.feasible, apart.oom_message
-    # At GPU scale it can save recomputing: gpt2 at its lowest budget, 0.315
-    # of its peak (8.3 against 21.5). Just above, which of the two recomputes
-    # less flips from one budget to the next (0.32: 7.8 against 6.7; 0.33:
-    # 7.8 against 2.8 since dtralloc spares just-used values; 0.34 and up:
-    # within 5%), so this pins the budget where the small segment the budget
-    # lacks matters most.
-    mixed = dtralloc.replay(traces["gpt2"], budget=0.315, policy="dtralloc", **AS_BEFORE)
-    apart = dtralloc.replay(traces["gpt2"], budget=0.315, policy="dtralloc", conf="small_in_large:off", **AS_BEFORE)
-    assert mixed.feasible and apart.feasible
-    assert mixed.compute_overhead < apart.compute_overhead / 2
+    # It also saved recomputing at GPU scale: gpt2 at 0.315 with gradients
+    # recomputable (pin_outliving=False), compute overhead 0.84 against 8.58
+    # with it off. That was an evicted gradient that could not come back,
+    # which dtralloc no longer evicts (kRecoverableShare): both now recompute
+    # alike there (0.84 and 0.85), so nothing is asserted about it.
 
 
 def test_policy_from_conf_and_errors(traces):

@@ -211,6 +211,8 @@ void bind_replay(py::module_& m) {
       d["thorough"] = t.thorough;
       d["recency"] = t.recency;
       d["recent_ops"] = kRecentOps;
+      d["recoverable"] = t.recoverable;
+      d["recoverable_share"] = kRecoverableShare;
       out.append(d);
     }
     return out;

@@ -138,6 +138,45 @@ void test_dtralloc_charges_the_recompute_chain() {
   CHECK(coop_ev.choose(1 << 20, 0) == (std::vector<int>{q}));
 }
 
+// dtralloc keeps a value whose recompute could not fit beside the kept
+// values (kRecoverableShare of the room they leave): in one 2 MiB segment,
+//   X  Y  Z  (cost 100 each)  V = g(X, Y, Z) (cost 1), 512 KiB each.
+// Recomputing V holds all four, the whole budget: V is the cheapest victim,
+// but evicting it would leave an op that reads it nothing to run with once
+// anything else is resident. Coop (no such rule) still takes it.
+void test_dtralloc_keeps_what_could_not_come_back() {
+  Graph g("budget:2M");
+  const int x = g.make(100, -1, kQuarter), y = g.make(100, -1, kQuarter), z = g.make(100, -1, kQuarter);
+  OpCall call;
+  call.cost = 1;
+  call.reads = {x, y, z};
+  const int op = g.engine.begin_op(call);
+  const int v = g.engine.add_output(op, kQuarter);
+  g.engine.end_op(op);
+  CHECK_EQ(g.engine.recompute_need_bytes(v), 4.0 * kQuarter);
+  CHECK(4.0 * kQuarter > kRecoverableShare * (2 << 20));
+  Evictor dtralloc_ev(g.allocator, g.engine, Policy::kDtralloc, g.allocator.config());
+  const std::vector<int> taken = dtralloc_ev.choose(kQuarter, 0);
+  CHECK_EQ(taken.size(), std::size_t{1});
+  CHECK(taken.front() != v);
+  Evictor coop_ev(g.allocator, g.engine, Policy::kCoop, g.allocator.config());
+  CHECK(coop_ev.choose(kQuarter, 0) == std::vector<int>{v});
+  // With X evicted V's recompute needs no more (X's own op holds only X).
+  CHECK(g.engine.evict(x));
+  CHECK_EQ(g.engine.recompute_need_bytes(v), 4.0 * kQuarter);
+
+  // The room is what the kept values leave: with 1.5 MiB of parameters
+  // beside A (cost 1, no inputs), A's recompute needs 512 KiB, more than 0.9
+  // of the 512 KiB left, and dtralloc finds nothing to evict.
+  Graph p("budget:2M");
+  for (int i = 0; i < 3; ++i) p.engine.add_initial(kQuarter);
+  const int a = p.make(1, -1, kQuarter);
+  CHECK_EQ(p.engine.kept_resident_bytes(), 3 * kQuarter);
+  CHECK(Evictor(p.allocator, p.engine, Policy::kDtralloc, p.allocator.config()).choose(kQuarter, 0).empty());
+  CHECK(Evictor(p.allocator, p.engine, Policy::kCoop, p.allocator.config()).choose(kQuarter, 0) ==
+        std::vector<int>{a});
+}
+
 void test_make_room_serves_request() {
   Layout l;
   auto ev = std::make_shared<Evictor>(l.allocator, l.engine, Policy::kDtralloc, l.allocator.config());
@@ -259,11 +298,12 @@ void test_release_plan_costs_chains() {
   CHECK(both == (std::vector<int>{q, r}));
 }
 
-// Thorough search (dtralloc): a pinned 18 MiB tensor L, an evictable 20 MiB X
-// in its own segment, four evictable quarters S in one small segment.
+// Thorough search (dtralloc): an 18 MiB tensor L held (acquired: locked, not
+// pinned, so the room recomputes have is the whole budget), an evictable
+// 20 MiB X in its own segment, four evictable quarters S in one small segment.
 //   - 2.5 MiB under a budget leaving 2 MiB of headroom: its own 4 MiB
 //     segment needs one small segment released; the large pool offers
-//     nothing (L's segment is pinned, X's is dearer per byte than the
+//     nothing (L's segment is held, X's is dearer per byte than the
 //     quarters). Requests under 20 MiB walk the small pool at once.
 //   - 22 MiB with no headroom: X's segment alone is 2 MiB short. The first
 //     search (large pool only) finds no plan; the second, over every pool,
@@ -274,7 +314,7 @@ void test_thorough_search() {
   constexpr std::size_t k18 = 18 << 20, k20 = 20 << 20;
   for (const char* budget : {"42M", "40M"}) {
     Graph g(std::string("budget:") + budget);
-    g.engine.add_initial(k18);
+    g.engine.acquire(g.make(1000, -1, k18));
     const int x = g.make(50, -1, k20);
     std::vector<int> quarters;
     for (int i = 0; i < 4; ++i) quarters.push_back(g.make(1, -1, kQuarter));
@@ -318,6 +358,7 @@ int main() {
   test_window_policies();
   test_dtralloc_recompute_penalty();
   test_dtralloc_charges_the_recompute_chain();
+  test_dtralloc_keeps_what_could_not_come_back();
   test_make_room_serves_request();
   test_release_plans();
   test_release_plan_costs_chains();

@@ -238,6 +238,35 @@ void test_missing_inputs() {
   e.release_all();
 }
 
+// recompute_need_bytes: the most one op of the recompute chain holds at once,
+// its output and its unpinned inputs (a pinned input is counted with the
+// kept values, kept_resident_bytes: pinned or held by the program).
+void test_recompute_need_bytes() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int w = e.add_initial(4096);  // a parameter: pinned
+  const int a = leaf(e, 1000, 1);
+  const int b = apply(e, {a, w}, 3000, 1);
+  const int c = apply(e, {b}, 500, 1);
+  CHECK_EQ(e.kept_resident_bytes(), std::size_t{4096});
+  // Every input resident: c's own op, c and b.
+  CHECK_EQ(e.recompute_need_bytes(c), 3500.0);
+  CHECK_EQ(e.recompute_need_bytes(b), 4000.0);  // b and a; w is pinned
+  CHECK(e.evict(b));
+  // b is missing now: bringing c back first runs b's op (b, a) then c's (c, b).
+  CHECK_EQ(e.recompute_need_bytes(c), 4000.0);
+  CHECK(e.evict(a));
+  CHECK_EQ(e.recompute_need_bytes(c), 4000.0);  // a's own op holds only a
+  CHECK_EQ(e.kept_resident_bytes(), std::size_t{4096});
+  mem.held.insert(c);  // the program holds c: kept, though not pinned
+  CHECK_EQ(e.kept_resident_bytes(), std::size_t{4096 + 500});
+  mem.held.clear();
+  e.add_external(1 << 20);  // memory outside the pool: not the budget's
+  CHECK_EQ(e.kept_resident_bytes(), std::size_t{4096});
+  e.check_invariants();
+  e.release_all();
+}
+
 // An op's resident inputs are locked only once its missing inputs are back:
 // while b (and a, for b's recipe) is recomputed, c stays evictable, and the
 // evictor may take it; hold() then brings c back in a second round.
@@ -411,6 +440,7 @@ int main() {
   test_write_to_pinned_value();
   test_locked_never_evicted_and_random();
   test_missing_inputs();
+  test_recompute_need_bytes();
   test_inputs_locked_after_recompute();
   test_deep_chain_recomputes_without_recursion();
   test_oom_during_recompute_unwinds();
