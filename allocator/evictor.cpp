@@ -66,9 +66,11 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
     headroom_ = budget > reserved ? budget - reserved : 0;
     // kRecoverableShare (policies.h): what could not come back is kept.
     keep_above_ = std::numeric_limits<double>::infinity();
-    if (traits_.recoverable && budget > 0)
+    if (traits_.recoverable && budget > 0) {
       keep_above_ = kRecoverableShare *
                     std::max(0.0, static_cast<double>(budget) - static_cast<double>(engine_.kept_resident_bytes()));
+      engine_.begin_need_pass();  // nothing changes state during the walk
+    }
     for (const auto& entry : bp.segments()) {
       const Segment* seg = entry.second;
       if (seg->stream != stream || (large_only && seg->pool != kLargePool)) continue;
@@ -85,9 +87,7 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
           int v = b->owner;
           if (v < 0 || static_cast<std::size_t>(v) >= engine_.num_values() || engine_.value(v).addr != b->addr)
             v = engine_.value_at(b->addr);
-          if (v >= 0 && engine_.evictable(v) &&
-              !(traits_.recoverable && engine_.recompute_need_bytes(v) > keep_above_))
-            value = v;
+          if (v >= 0 && engine_.evictable(v) && recoverable(v)) value = v;
         }
         span.blocked |= value == kBlocked;
         if (span.blocked && useless_if_blocked) break;
@@ -101,6 +101,17 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
       segs_.push_back(span);
     }
   });
+}
+
+// Whether `v` could come back once evicted (kRecoverableShare): always,
+// unless the policy keeps what could not. Most values need no walk: with
+// every input resident, the value and its whole recipe fitting bounds what
+// its recompute holds.
+bool Evictor::recoverable(int v) {
+  if (!traits_.recoverable) return true;
+  const Value& x = engine_.value(v);
+  if (x.missing == 0 && static_cast<double>(x.nbytes + x.recipe_bytes) <= keep_above_) return true;
+  return engine_.recompute_need_bytes(v, false) <= keep_above_;
 }
 
 // Bytes of item j if it is a free block of `segment` (j may be out of range).

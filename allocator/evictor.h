@@ -110,6 +110,7 @@ class Evictor : public EvictionHook {
   double victim_cost(int v);
   double single_score(int v, std::size_t free_around);
   double window_weight(int v);
+  bool recoverable(int v);  // walk() only: within its need pass
   double weight(std::size_t i);
   double lower_weight(std::size_t i, bool* exact);
   std::vector<int> choose_single();

@@ -392,6 +392,7 @@ void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
     if (mark_[r] == epoch) continue;
     mark_[r] = epoch;
     values_[v].recipe.push_back(r);
+    values_[v].recipe_bytes += values_[r].nbytes;
     values_[r].dependents.push_back(v);
     ++values_[r].needed_by;
     if (values_[r].state != ValueState::kResident) ++values_[v].missing;
@@ -752,27 +753,52 @@ std::size_t RematEngine::kept_resident_bytes() const {
   return total;
 }
 
-double RematEngine::recompute_need_bytes(int v, int cap) {
-  const std::uint32_t epoch = next_epoch();
-  walk_.assign(1, v);
-  mark_[v] = epoch;
-  int visited = 1;
-  double need = 0;
-  while (!walk_.empty()) {
-    const int x = walk_.back();
-    walk_.pop_back();
-    double at_x = static_cast<double>(values_[x].nbytes);
-    for (int r : values_[x].recipe) {
-      if (!values_[r].pinned) at_x += static_cast<double>(values_[r].nbytes);
-      if (values_[r].state != ValueState::kResident && mark_[r] != epoch && visited < cap) {
-        mark_[r] = epoch;
-        ++visited;
-        walk_.push_back(r);
-      }
-    }
-    need = std::max(need, at_x);
+void RematEngine::begin_need_pass() {
+  if (++need_pass_ == 0) {  // wrapped: no stale mark may match the new pass
+    std::fill(need_done_.begin(), need_done_.end(), 0);
+    need_pass_ = 1;
   }
-  return need;
+}
+
+double RematEngine::recompute_need_bytes(int v, bool fresh) {
+  if (fresh || need_pass_ == 0) begin_need_pass();
+  if (need_done_.size() < values_.size()) need_.resize(values_.size()), need_done_.resize(values_.size(), 0);
+  auto own_op = [&](int x) {  // x's producer while it runs: x and its unpinned inputs
+    double at_x = static_cast<double>(values_[x].nbytes);
+    for (int r : values_[x].recipe)
+      if (!values_[r].pinned) at_x += static_cast<double>(values_[r].nbytes);
+    return at_x;
+  };
+  if (need_done_[v] == need_pass_) return need_[v];
+  // need(x) = max(own_op(x), need(r) for every missing r of its recipe), in
+  // post-order on an explicit stack (chains may be thousands of values deep).
+  // Recipes point back in time, so a value on the stack is never met again
+  // below itself.
+  need_stack_.assign(1, {v, 0});
+  need_[v] = own_op(v);
+  while (!need_stack_.empty()) {
+    auto& [x, next] = need_stack_.back();
+    const std::vector<int>& recipe = values_[x].recipe;
+    if (values_[x].missing > 0 && next < recipe.size()) {
+      const int r = recipe[next++];
+      if (values_[r].state == ValueState::kResident) continue;
+      if (need_done_[r] != need_pass_) {
+        need_[r] = own_op(r);
+        need_stack_.push_back({r, 0});  // invalidates x, next
+        continue;
+      }
+      need_[x] = std::max(need_[x], need_[r]);
+      continue;
+    }
+    const int done = x;
+    need_done_[done] = need_pass_;
+    need_stack_.pop_back();
+    if (!need_stack_.empty()) {
+      const int parent = need_stack_.back().first;
+      need_[parent] = std::max(need_[parent], need_[done]);
+    }
+  }
+  return need_[v];
 }
 
 std::size_t RematEngine::evictable_resident_bytes() const {

@@ -126,6 +126,7 @@ struct alignas(64) Value {
   bool pinned = false;           // not recomputable: never evicted
   bool external = false;         // memory outside the pool (live driver only)
   bool home = false;             // evicted, its room kept by the driver (keep_home said so)
+  std::size_t recipe_bytes = 0;  // what the recipe's values take, pinned ones too
   std::vector<int> recipe;       // values the producer read (at those versions)
   std::vector<int> dependents;   // values whose recipe contains this one
 };
@@ -236,8 +237,12 @@ class RematEngine {
   // What bringing `v` back would hold at once beside the kept values, were
   // it evicted now: the most any op of its recompute (v's producer and those
   // of its missing ancestors) holds while it runs, its output and its
-  // unpinned inputs. Walks at most `cap` values (a lower bound past that).
-  double recompute_need_bytes(int v, int cap = 256);
+  // unpinned inputs. `fresh`: forget what earlier calls found; false reuses
+  // what calls since begin_need_pass() found, for a batch of calls with no
+  // value changing state in between (the evictor's walk), so that ancestors
+  // shared by many chains are walked once.
+  double recompute_need_bytes(int v, bool fresh = true);
+  void begin_need_pass();
 
   const Value& value(int v) const { return values_[v]; }
   const OpRecord& op(int o) const { return ops_[o]; }
@@ -328,6 +333,12 @@ class RematEngine {
   std::vector<std::uint32_t> mark_;  // visit marks of reachable_cost
   std::uint32_t epoch_ = 0;
   std::vector<int> walk_;
+  // recompute_need_bytes' memo: a value's need, valid while need_done_ holds
+  // the current pass; the explicit stack of its depth-first walk.
+  std::vector<double> need_;
+  std::vector<std::uint32_t> need_done_;
+  std::uint32_t need_pass_ = 0;
+  std::vector<std::pair<int, std::size_t>> need_stack_;
   std::uint64_t clock_ = 1;
   EngineCounters counters_;
 };

@@ -263,7 +263,26 @@ void test_recompute_need_bytes() {
   mem.held.clear();
   e.add_external(1 << 20);  // memory outside the pool: not the budget's
   CHECK_EQ(e.kept_resident_bytes(), std::size_t{4096});
+  // Reused within a pass: a stale answer until a fresh call (c's chain now
+  // starts at b's op again, 4000, after b came back and a was evicted: 3500).
+  e.begin_need_pass();
+  CHECK_EQ(e.recompute_need_bytes(c, false), 4000.0);
+  read(e, {b});
+  CHECK_EQ(e.recompute_need_bytes(c, false), 4000.0);
+  CHECK_EQ(e.recompute_need_bytes(c), 3500.0);
   e.check_invariants();
+  e.release_all();
+}
+
+// A chain 20,000 values deep, all evicted but the first, walks without
+// recursion; its largest op (one 4 KiB value among 1 KiB ones) is found.
+void test_recompute_need_of_a_deep_chain() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  std::vector<int> chain{leaf(e, 1024, 1)};
+  for (int i = 1; i < 20000; ++i) chain.push_back(apply(e, {chain.back()}, i == 7 ? 4096 : 1024, 1));
+  for (int i = 1; i + 1 < 20000; ++i) CHECK(e.evict(chain[i]));
+  CHECK_EQ(e.recompute_need_bytes(chain.back()), 4096.0 + 1024.0);  // value 7's op: 7 and 6
   e.release_all();
 }
 
@@ -441,6 +460,7 @@ int main() {
   test_locked_never_evicted_and_random();
   test_missing_inputs();
   test_recompute_need_bytes();
+  test_recompute_need_of_a_deep_chain();
   test_inputs_locked_after_recompute();
   test_deep_chain_recomputes_without_recursion();
   test_oom_during_recompute_unwinds();
