@@ -83,12 +83,12 @@ inline constexpr double kRecentOps = 3.0;
 // A `recoverable` policy does not evict a value whose recompute would need
 // more than this share of the room that the values no eviction takes
 // (pinned or held by the program: RematEngine::kept_resident_bytes) leave
-// under the budget (RematEngine::recompute_need_bytes: the most its
-// recompute chain holds at once). Evicting it turns its next use into an OOM: gpt2's
-// tied embedding gradient (147 MiB, from the 393 MiB log-softmax gradient,
-// itself from two more of that size) was evicted in backward and could not
-// come back where the embedding's backward adds to it; its budget failed from
-// 0.32 to 0.34 of the peak and ran at 0.315. Not the whole room: the
+// under the budget (RematEngine::recompute_need_bytes: the most one op of
+// its recompute chain holds at once). Evicting it turns its next use into
+// an OOM: gpt2's tied embedding gradient (147 MiB, from the 393 MiB
+// log-softmax gradient, itself from two more of that size) was evicted in
+// backward and could not come back where the embedding's backward adds to
+// it; its budget failed from 0.32 to 0.34 of the peak and ran at 0.315. Not the whole room: the
 // gradients pinned while backward runs on and the consumer's other inputs
 // take part of it. At the eviction that broke gpt2's third recording the
 // chain needed 0.985 of the room. Over the 48 recordings of
