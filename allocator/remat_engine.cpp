@@ -736,21 +736,24 @@ double RematEngine::chain_bytes(int v, double* largest, double* peak, int cap) {
   });
 }
 
-std::size_t RematEngine::unevictable_resident_bytes() const {
+template <typename Pred>
+std::size_t RematEngine::resident_bytes_if(Pred pred) const {
   std::size_t total = 0;
   for (int v : resident_)
-    if (!evictable(v)) total += values_[v].nbytes;
+    if (pred(v)) total += values_[v].nbytes;
   return total;
 }
 
+std::size_t RematEngine::unevictable_resident_bytes() const {
+  return resident_bytes_if([&](int v) { return !evictable(v); });
+}
+
 std::size_t RematEngine::kept_resident_bytes() const {
-  std::size_t total = 0;
-  for (int v : resident_) {
+  // An external value's memory is not the pool's: the budget does not count it.
+  return resident_bytes_if([&](int v) {
     const Value& x = values_[v];
-    // An external value's memory is not the pool's: the budget does not count it.
-    if (!x.external && (x.pinned || driver_.held_elsewhere(v))) total += x.nbytes;
-  }
-  return total;
+    return !x.external && (x.pinned || driver_.held_elsewhere(v));
+  });
 }
 
 void RematEngine::begin_need_pass() {
@@ -802,10 +805,7 @@ double RematEngine::recompute_need_bytes(int v, bool fresh) {
 }
 
 std::size_t RematEngine::evictable_resident_bytes() const {
-  std::size_t total = 0;
-  for (int v : resident_)
-    if (evictable(v)) total += values_[v].nbytes;
-  return total;
+  return resident_bytes_if([&](int v) { return evictable(v); });
 }
 
 int RematEngine::value_at(std::uintptr_t addr) const {

@@ -287,6 +287,9 @@ class RematEngine {
   int new_value(std::size_t nbytes, int producer, double cost);
   void set_recipe(int v, int op, const std::vector<int>& not_read);
   std::uint32_t next_epoch();
+  // Bytes of the resident values for which pred(v) holds.
+  template <typename Pred>
+  std::size_t resident_bytes_if(Pred pred) const;
   // Makes every value of `vs` resident and locked, recomputing missing ones
   // (and what they need) on an explicit stack. On an exception every lock it
   // took is released before the exception leaves.
