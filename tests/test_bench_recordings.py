@@ -36,9 +36,29 @@ def test_report_on_a_bundled_trace_and_a_saved_one(tmp_path):
     ours = dtralloc.min_feasible_budget("lstm-compact", tolerance=0.005, method="scan")
     assert rows["lstm-compact (rec)"][2].split()[0] == f"{ours:.3f}"
     assert "2 traces; dtralloc holes in all:" in text
+    # lstm-compact recomputes its workspace over and over at 0.6 of its peak
+    # (4.4x its compute) and 0.24x a step above: a spike, with that replay's figure.
+    spiked = dtralloc.replay("lstm-compact", budget=0.6, policy="dtralloc")
+    assert spiked.feasible and spiked.compute_overhead > 1
+    assert f"0.6 ({spiked.compute_overhead:.2f} / " in rows["lstm-compact (rec)"][8]
+    assert rows["mlp (bundled)"][8].strip(" |") == "-"
+    assert "dtralloc's overhead spikes in all: " in text
     family_rows = [line for line in text.splitlines() if line.startswith("| lstm-compact | 1 |")]
     assert len(family_rows) == 1 and family_rows[0].endswith(" of 1 |")
     assert "command: `python bench/replay_recordings.py --traces mlp" in text
+
+
+def test_spikes_are_budgets_far_dearer_than_just_above():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from replay_recordings import spikes
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    grid = {0.5: 0.2, 0.505: 0.25, 0.51: 4.0, 0.515: 0.3, 0.52: None, 0.525: 2.9, 0.53: 1.0, 0.6: 0.1}
+    # 0.51: 4.0 > 1 and > 3 x 0.25 just above; 0.525: 2.9 < 3 x 1.0 (0.53 is all that lies within 0.025 above)
+    assert spikes(grid) == [(0.51, 4.0, 0.3)]
+    assert spikes({0.5: 5.0}) == []  # nothing above to compare with
+    assert spikes({0.5: 0.9, 0.505: 0.1}) == []  # not dearer than the step's own compute
 
 
 def test_bad_arguments_are_named():
