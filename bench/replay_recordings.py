@@ -156,7 +156,7 @@ def report(traces, results, conf, command, note=None) -> str:
 
     missed, holes, spiked = [], 0, 0
     for t in traces:
-        found = results[(t, "dtralloc")].get("spikes", [])
+        found = results[(t, "dtralloc")]["spikes"]  # dtralloc is always measured here, never loaded
         spiked += len(found)
         spike_text = ", ".join(f"{b:g} ({o:.2f} / {low:.2f})" for b, o, low in found) or "-"
         worst, _, met = verdict(t, grid, floors)
