@@ -81,20 +81,21 @@ def measure(job):
     t0 = time.perf_counter()
     trace = dtralloc.trace.load(trace_arg) if trace_arg.endswith(".dtrace") else load_bundled(trace_arg)
     floor = dtralloc.resident_floor(trace)
+    # One replay per grid point gives feasibility, holes, the overheads at
+    # BUDGETS (on the grid: k * FINE_STEP, the same bytes as replay(budget=b))
+    # and the spikes.
+    on_grid = dtralloc.overhead_grid(trace, policy, conf=conf, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP))
     overhead = {}
     for b in BUDGETS:
-        r = dtralloc.replay(trace, budget=b, policy=policy, conf=conf)
-        overhead[b] = r.compute_overhead if r.feasible else None
-    grid = dtralloc.feasible_budgets(trace, policy, conf=conf, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP))
+        if b in on_grid:
+            overhead[b] = on_grid[b]
+        else:  # below the grid, under the floor: replayed all the same, not assumed to fail
+            r = dtralloc.replay(trace, budget=b, policy=policy, conf=conf)
+            overhead[b] = r.compute_overhead if r.feasible else None
+    grid = {f: o is not None for f, o in on_grid.items()}
     lowest = min((f for f, fits in grid.items() if fits), default=None)
-    found = []
-    if policy == "dtralloc":  # the grid's overheads: its feasible budgets replayed again, in bytes as it ran them
-        reference = dtralloc.replay(trace, budget=1.0, policy=policy, conf=conf).no_eviction_peak_reserved_bytes
-        on_grid = {f: dtralloc.replay(trace, budget=max(1, int(f * reference)), policy=policy,
-                                      conf=conf).compute_overhead if fits else None for f, fits in grid.items()}
-        found = spikes(on_grid)
     return trace_arg, policy, dict(floor=floor, overhead=overhead, scan=scan_of(grid), lowest=lowest,
-                                   holes=dtralloc.feasibility_holes(grid), spikes=found,
+                                   holes=dtralloc.feasibility_holes(grid), spikes=spikes(on_grid),
                                    seconds=time.perf_counter() - t0)
 
 

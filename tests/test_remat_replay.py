@@ -346,6 +346,24 @@ def test_spare_evicted_keeps_the_room_an_evicted_value_left(traces):
             assert "Tried to allocate 22.8 MiB" in best_fit.oom_message
 
 
+def test_overhead_grid_is_the_feasibility_grid_with_each_replays_overhead(traces):
+    # lstm-compact from 0.58 up: 0.595-0.605 run at 4.38x their compute, the
+    # rest at about 0.25 (bench/results/replay_recordings-2026-11-24-cpu.md).
+    trace = traces["lstm-compact"]
+    grid = dtralloc.overhead_grid(trace, "dtralloc", lowest=0.575)
+    assert list(grid) == sorted(grid, reverse=True) and min(grid) == 0.575
+    assert {f: o is not None for f, o in grid.items()} == dtralloc.feasible_budgets(trace, "dtralloc", lowest=0.575)
+    for fraction in (0.9, 0.6, 0.58):  # the grid's fractions are replay's
+        r = dtralloc.replay(trace, budget=fraction, policy="dtralloc")
+        assert r.feasible and grid[fraction] == r.compute_overhead
+    assert grid[0.9] < 0.1 and grid[0.6] > 4 and grid[0.62] < 0.3
+    assert grid[0.575] is None  # below its lowest budget: the step runs out
+    with pytest.raises(ValueError, match="dtralloc.overhead_grid: step must be in"):
+        dtralloc.overhead_grid(trace, step=1.5)
+    with pytest.raises(ValueError, match="dtralloc.overhead_grid: needs an eviction policy"):
+        dtralloc.overhead_grid(trace, "none")
+
+
 def test_feasible_budgets_rejects_bad_arguments(traces):
     trace = traces["mlp"]
     with pytest.raises(ValueError, match="step must be in"):

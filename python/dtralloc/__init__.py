@@ -26,7 +26,8 @@ from .cupy_hooks import cupy_allocator, install_cupy
 from .dashboard import dashboard
 from .dtr import dtr
 from .pool import Pool
-from .replay import POLICIES, ReplayResult, feasibility_holes, feasible_budgets, min_feasible_budget, replay, resident_floor
+from .replay import (POLICIES, ReplayResult, feasibility_holes, feasible_budgets, min_feasible_budget, overhead_grid,
+                     replay, resident_floor)
 from .stats import (
     empty_cache,
     memory_stats,
@@ -74,6 +75,7 @@ __all__ = [
     "memory_stats",
     "memory_summary",
     "min_feasible_budget",
+    "overhead_grid",
     "record_memory_history",
     "replay",
     "reset_accumulated_memory_stats",

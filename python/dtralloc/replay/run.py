@@ -166,9 +166,9 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outlivin
     return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
 
 
-def _feasibility(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str,
-                 pin_outliving: bool):
-    """(trace, feasible(fraction) -> bool) for the budget searches, arguments checked."""
+def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str,
+              pin_outliving: bool):
+    """(trace, run_at(fraction) -> ReplayResult) for the budget searches, arguments checked."""
     trace = _as_trace(trace)
     if policy == "none":
         raise ValueError(f"dtralloc.{caller}: needs an eviction policy, not 'none'")
@@ -181,10 +181,10 @@ def _feasibility(trace, policy: str, conf: ConfLike, reference_bytes: Optional[i
         raise ValueError(f"dtralloc.{caller}: reference_bytes must be a positive int, not {reference_bytes!r}")
     reference = reference_bytes or _run(columns, 0, "none", text, False, None).peak_reserved_bytes
 
-    def feasible(fraction: float) -> bool:
-        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None).feasible
+    def run_at(fraction: float) -> ReplayResult:
+        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None)
 
-    return trace, feasible
+    return trace, run_at
 
 
 def _check_step(step: float, caller: str, name: str) -> int:
@@ -229,8 +229,11 @@ def min_feasible_budget(
     if method not in ("bisect", "scan"):
         raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
     steps = _check_step(tolerance, "min_feasible_budget", "tolerance")
-    trace, feasible = _feasibility(trace, policy, conf, reference_bytes, "min_feasible_budget",
-                                    pin_outliving)
+    trace, run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving)
+
+    def feasible(fraction: float) -> bool:
+        return run_at(fraction).feasible
+
     if not feasible(1.0):
         return None
     if method == "scan":
@@ -259,21 +262,41 @@ def feasible_budgets(
     grid of `step`, from 1.0 down to `lowest` (say the trace's
     :func:`resident_floor`, below which no policy runs): {fraction: feasible},
     highest first. A *hole* is a failing fraction above the lowest feasible
-    one: more memory, and the step ran out. One replay per grid point.
+    one: more memory, and the step ran out. One replay per grid point
+    (:func:`overhead_grid` keeps what each one cost as well).
 
     Fractions, `conf`, `reference_bytes` and `pin_outliving` as in
     :func:`min_feasible_budget`."""
-    steps = _check_step(step, "feasible_budgets", "step")
+    grid = _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "feasible_budgets")
+    return {fraction: overhead is not None for fraction, overhead in grid.items()}
+
+
+def overhead_grid(
+    trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, step: float = 0.005,
+    lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True,
+) -> dict[float, Optional[float]]:
+    """The grid of :func:`feasible_budgets` with what each budget costs:
+    {fraction: the replay's ``compute_overhead``, or None where the step
+    runs out}, highest first, from the same replays (one per grid point).
+    An *overhead spike* is a budget that runs but recomputes far more than
+    one a little above it (bench/replay_recordings.py lists them).
+
+    Arguments as in :func:`feasible_budgets`."""
+    return _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "overhead_grid")
+
+
+def _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, caller) -> dict[float, Optional[float]]:
+    steps = _check_step(step, caller, "step")
     if not 0 <= lowest <= 1:
-        raise ValueError(f"dtralloc.feasible_budgets: lowest must be in [0, 1], not {lowest!r}")
-    trace, feasible = _feasibility(trace, policy, conf, reference_bytes, "feasible_budgets",
-                                    pin_outliving)
+        raise ValueError(f"dtralloc.{caller}: lowest must be in [0, 1], not {lowest!r}")
+    trace, run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving)
     out = {}
     for k in range(steps, 0, -1):
         fraction = k / steps
         if fraction < lowest:
             break
-        out[fraction] = feasible(fraction)
+        result = run_at(fraction)
+        out[fraction] = result.compute_overhead if result.feasible else None
     return out
 
 
