@@ -17,6 +17,8 @@ Evictor::Evictor(Allocator& allocator, RematEngine& engine, Policy policy, const
       cutoff_bytes_(config.small_tensor_cutoff),
       sample_threshold_(config.eviction_sample_threshold),
       rng_(config.eviction_seed * 0x9e3779b97f4a7c15ull + 0x2545f4914f6cdd1dull) {
+  // The engine's half of the policy: what a hold does with spent values.
+  engine_.set_drop_spent(traits_.drop_spent);
   // Scratch for the address walk, sized up front: the first forced eviction
   // should not also pay for growing it.
   items_.reserve(4096);

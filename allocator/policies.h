@@ -60,6 +60,8 @@ struct PolicyTraits {
                           // last few ops costs more (kRecentOps, below)
   bool recoverable;       // windows: a value whose recompute could not fit beside
                           // the kept values is kept too (kRecoverableShare, below)
+  bool drop_spent;        // a dead value a hold brought back for its recomputes is
+                          // evicted once they have read it (RematEngine::set_drop_spent)
 };
 
 // A `recency` policy weighs a value never recomputed and last used s ops
@@ -103,34 +105,34 @@ inline constexpr double kRecoverableShare = 0.9;
 // X(enumerator, name, traits, doc). The doc is one line; it is what users read.
 #define DTRALLOC_POLICIES(X)                                                            \
   X(kNone, none, (PolicyTraits{VictimChoice::kNone, VictimCost::kNone,                  \
-                               false, false, false, false, false, false, false, false}), \
+                               false, false, false, false, false, false, false, false, false}), \
     "no eviction: a request over the budget is an out-of-memory error")                 \
   X(kLru, lru, (PolicyTraits{VictimChoice::kSingle, VictimCost::kLastAccess,            \
-                             false, false, false, false, false, false, false, false}), \
+                             false, false, false, false, false, false, false, false, false}), \
     "least recently used tensor first")                                                 \
   X(kSize, size, (PolicyTraits{VictimChoice::kSingle, VictimCost::kUnit,                \
-                               true, false, false, false, false, false, false, false}), \
+                               true, false, false, false, false, false, false, false, false}), \
     "largest tensor first")                                                             \
   X(kMsps, msps, (PolicyTraits{VictimChoice::kSingle, VictimCost::kChain,               \
-                               true, false, false, false, false, false, false, false}), \
+                               true, false, false, false, false, false, false, false, false}), \
     "Capuchin: recompute time of the tensor's chain per byte saved")                    \
   X(kDtr, dtr, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarExact,            \
-                             true, false, true, false, false, false, false, false}),   \
+                             true, false, true, false, false, false, false, false, false}),   \
     "DTR's h_DTR: e* / (size * staleness), e* walking the evicted neighbourhood")       \
   X(kDtrEq, dtr_eq, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,          \
-                                  true, false, true, false, false, false, false, false}), \
+                                  true, false, true, false, false, false, false, false, false}), \
     "DTR's h_DTR-eq: e* from union-find classes / (size * staleness)")                  \
   X(kDtrLocal, dtr_local, (PolicyTraits{VictimChoice::kSingle, VictimCost::kProducer,   \
-                                        true, false, true, false, false, false, false, false}), \
+                                        true, false, true, false, false, false, false, false, false}), \
     "DTR's h_DTR-local: producer cost / (size * staleness), no neighbourhood")          \
   X(kDte, dte, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,               \
-                             true, true, true, false, false, false, false, false}),    \
+                             true, true, true, false, false, false, false, false, false}),    \
     "MegEngine's DTE: e* / ((size + free neighbours) * staleness)")                     \
   X(kCoop, coop, (PolicyTraits{VictimChoice::kWindow, VictimCost::kProducer,            \
-                               false, false, false, false, false, false, false, false}), \
+                               false, false, false, false, false, false, false, false, false}), \
     "Coop: the run of adjacent free + evictable blocks with the least total op cost")   \
   X(kDtralloc, dtralloc, (PolicyTraits{VictimChoice::kWindow, VictimCost::kChain,       \
-                                       true, true, false, true, true, true, true, true}), \
+                                       true, true, false, true, true, true, true, true, true}), \
     "ours: the run of adjacent blocks (or whole segments) with the least recompute "    \
     "chain cost per byte freed, free neighbours counted")
 

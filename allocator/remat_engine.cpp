@@ -124,11 +124,16 @@ void RematEngine::hold(const std::vector<int>& vs) {
     return;
   }
   in_hold_ = true;
+  if (++hold_id_ == 0) {  // wrapped: no stale mark may match a new hold
+    std::fill(dropped_in_.begin(), dropped_in_.end(), 0);
+    hold_id_ = 1;
+  }
   attempt_ = 0;
   std::vector<Frame> stack;
   for (;;) {
     retried_.clear();
     stack.clear();
+    if (drop_spent_) plan_hold(vs);  // again after a restart: what is missing changed
     stack.push_back(Frame{});
     stack.back().vs = vs;
     stack.back().held.assign(vs.size(), 0);
@@ -188,9 +193,52 @@ void RematEngine::restart_hold() {
 }
 
 void RematEngine::end_hold() {
+  clear_plan();
   if (attempt_ >= 2) driver_.tight_placement(false);
   attempt_ = 0;
   in_hold_ = false;
+}
+
+void RematEngine::clear_plan() {
+  for (int v : planned_) plan_uses_[v] = 0;
+  planned_.clear();
+}
+
+void RematEngine::plan_hold(const std::vector<int>& vs) {
+  clear_plan();
+  if (plan_uses_.size() < values_.size()) plan_uses_.resize(values_.size(), 0);
+  const std::uint32_t epoch = next_epoch();  // marks the missing values walked
+  walk_.clear();
+  for (int v : vs)
+    if (values_[v].state != ValueState::kResident && mark_[v] != epoch) mark_[v] = epoch, walk_.push_back(v);
+  while (!walk_.empty()) {
+    const int x = walk_.back();
+    walk_.pop_back();
+    for (int r : values_[x].recipe) {
+      if (plan_uses_[r]++ == 0) planned_.push_back(r);
+      if (values_[r].state != ValueState::kResident && mark_[r] != epoch) mark_[r] = epoch, walk_.push_back(r);
+    }
+  }
+}
+
+// The recompute that read `recipe` has run (its locks are gone): a dead
+// input no recompute left in the hold reads is evicted now. Left resident,
+// it takes room until the evictor finds it, and the evictor needs a
+// contiguous run: on unet near its lowest budget the op that reads the
+// skip-connection gradient brought back 6 forward activations of 64 MiB
+// twelve times each, a chain evicting the room the next one needed, and
+// the step failed or ran at 2.5-3x its compute. Once per value and hold: a
+// value dropped and read again (a resident consumer was evicted meanwhile,
+// and its recompute reads it) is needed after all, and dropping it again
+// is how a hold thrashes (convbn-compact: 1440 recomputes in one op).
+void RematEngine::drop_spent(const std::vector<int>& recipe) {
+  if (dropped_in_.size() < values_.size()) dropped_in_.resize(values_.size(), 0);
+  for (int r : recipe) {
+    const Value& x = values_[r];
+    if (plan_uses_[r] != 0 || x.alive || x.recomputes == 0 || dropped_in_[r] == hold_id_ || !evictable(r)) continue;
+    dropped_in_[r] = hold_id_;
+    evict(r);
+  }
 }
 
 void RematEngine::evict_all() {
@@ -328,10 +376,14 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   const int root = find(v);
   uf_cost_[root] = std::max(0.0, uf_cost_[root] - x.cost);
   const std::vector<int> recipe = std::move(f.vs);
+  if (!planned_.empty())
+    for (int r : recipe)
+      if (plan_uses_[r] > 0) --plan_uses_[r];
   const int slot = f.parent_slot;
   stack.pop_back();
   for (int r : recipe) unlock(r);
   stack.back().held[slot] = 1;  // v comes back locked
+  if (!planned_.empty()) drop_spent(recipe);
 }
 
 // Unlocks what the hold frames on the stack have brought back or locked so
@@ -608,6 +660,11 @@ bool RematEngine::evict(int v) {
     if (values_[v].locks > 0) ++counters_.refused_locked;
     return false;
   }
+  // A value the hold's recomputes still read, evicted: its own recompute
+  // will read its recipe once more (plan_hold's counts stay true).
+  if (!planned_.empty() && plan_uses_[v] > 0)
+    for (int r : values_[v].recipe)
+      if (plan_uses_[r]++ == 0) planned_.push_back(r);
   const std::uintptr_t addr = drop_block(v);
   Value& x = values_[v];
   x.state = x.alive ? ValueState::kEvicted : ValueState::kDeadNeeded;

@@ -215,6 +215,13 @@ class RematEngine {
   bool evict(int v);
   // Evicts every value evictable now (a hold's restart; live chaos mode).
   void evict_all();
+  // Spent values (the window policies that say so: PolicyTraits::drop_spent).
+  // Inside a hold that recomputes, a value brought back only as a recipe
+  // input (the program holds no reference: dead, kept for recomputes) is
+  // evicted as soon as the last recompute of the hold that reads it has
+  // run, once per value and hold, instead of staying resident until the
+  // evictor takes it (remat_engine.cpp, step_remat).
+  void set_drop_spent(bool on) { drop_spent_ = on; }
   // Makes `v` not recomputable from now on (its data left the engine's sight:
   // a raw pointer, numpy). Its recipe is dropped.
   void pin(int v);
@@ -298,6 +305,12 @@ class RematEngine {
   // over (restart_hold), and put the placement back when the hold ends.
   void restart_hold();
   void end_hold();
+  // drop_spent: counts, for each value, the recomputes of the hold's missing
+  // closure (every missing value of `vs` and, through recipes, every missing
+  // ancestor) that read it (plan_uses_); clear_plan() zeroes them.
+  void plan_hold(const std::vector<int>& vs);
+  void clear_plan();
+  void drop_spent(const std::vector<int>& recipe);
   void step_hold(std::vector<Frame>& stack);
   void step_remat(std::vector<Frame>& stack);
   void unwind(std::vector<Frame>& stack);
@@ -327,6 +340,11 @@ class RematEngine {
   static constexpr double kRestartRematsPerValue = 4;
   std::size_t restart_remats_ = 0;  // counters_.remats when the hold last restarted
   std::vector<int> retried_;        // values recomputed again after unlock_held, this hold()
+  bool drop_spent_ = false;         // set_drop_spent
+  std::vector<int> plan_uses_;      // per value: recomputes left in this hold that read it
+  std::vector<int> planned_;        // the values whose plan_uses_ this hold set
+  std::vector<std::uint32_t> dropped_in_;  // per value: the hold that last dropped it (hold_id_)
+  std::uint32_t hold_id_ = 0;       // holds that recomputed so far
   std::vector<Value> values_;
   std::vector<OpRecord> ops_;
   std::vector<int> resident_;

@@ -36,11 +36,13 @@ def test_report_on_a_bundled_trace_and_a_saved_one(tmp_path):
     ours = dtralloc.min_feasible_budget("lstm-compact", tolerance=0.005, method="scan")
     assert rows["lstm-compact (rec)"][2].split()[0] == f"{ours:.3f}"
     assert "2 traces; dtralloc holes in all:" in text
-    # lstm-compact recomputes its workspace over and over at 0.6 of its peak
-    # (4.4x its compute) and 0.24x a step above: a spike, with that replay's figure.
-    spiked = dtralloc.replay("lstm-compact", budget=0.6, policy="dtralloc")
-    assert spiked.feasible and spiked.compute_overhead > 1
-    assert f"0.6 ({spiked.compute_overhead:.2f} / " in rows["lstm-compact (rec)"][8]
+    # lstm-compact recomputed its workspace over and over at 0.595-0.605 of
+    # its peak (4.4x its compute, 0.24x a step above: a spike) until holds
+    # dropped spent values; now no budget of it spikes (the rule itself is
+    # tested on a hand-made grid below).
+    at = dtralloc.replay("lstm-compact", budget=0.6, policy="dtralloc")
+    assert at.feasible and at.compute_overhead < 1
+    assert rows["lstm-compact (rec)"][8].strip(" |") == "-"
     assert rows["mlp (bundled)"][8].strip(" |") == "-"
     assert "dtralloc's overhead spikes in all: " in text
     family_rows = [line for line in text.splitlines() if line.startswith("| lstm-compact | 1 |")]

@@ -213,6 +213,7 @@ void bind_replay(py::module_& m) {
       d["recent_ops"] = kRecentOps;
       d["recoverable"] = t.recoverable;
       d["recoverable_share"] = kRecoverableShare;
+      d["drop_spent"] = t.drop_spent;
       out.append(d);
     }
     return out;
