@@ -221,8 +221,9 @@ void RematEngine::plan_hold(const std::vector<int>& vs) {
   }
 }
 
-// The recompute that read `recipe` has run (its locks are gone): a dead
-// input no recompute left in the hold reads is evicted now. Left resident,
+// The recompute that read `recipe` has run (its locks are gone): its reads
+// come off the hold's counts, and a dead input no recompute left in the
+// hold reads is evicted now. Left resident,
 // it takes room until the evictor finds it, and the evictor needs a
 // contiguous run: on unet near its lowest budget the op that reads the
 // skip-connection gradient brought back 6 forward activations of 64 MiB
@@ -231,7 +232,9 @@ void RematEngine::plan_hold(const std::vector<int>& vs) {
 // value dropped and read again (a resident consumer was evicted meanwhile,
 // and its recompute reads it) is needed after all, and dropping it again
 // is how a hold thrashes (convbn-compact: 1440 recomputes in one op).
-void RematEngine::drop_spent(const std::vector<int>& recipe) {
+void RematEngine::spend(const std::vector<int>& recipe) {
+  for (int r : recipe)
+    if (plan_uses_[r] > 0) --plan_uses_[r];
   if (dropped_in_.size() < values_.size()) dropped_in_.resize(values_.size(), 0);
   for (int r : recipe) {
     const Value& x = values_[r];
@@ -376,14 +379,11 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   const int root = find(v);
   uf_cost_[root] = std::max(0.0, uf_cost_[root] - x.cost);
   const std::vector<int> recipe = std::move(f.vs);
-  if (!planned_.empty())
-    for (int r : recipe)
-      if (plan_uses_[r] > 0) --plan_uses_[r];
   const int slot = f.parent_slot;
   stack.pop_back();
   for (int r : recipe) unlock(r);
   stack.back().held[slot] = 1;  // v comes back locked
-  if (!planned_.empty()) drop_spent(recipe);
+  if (!planned_.empty()) spend(recipe);
 }
 
 // Unlocks what the hold frames on the stack have brought back or locked so
@@ -594,7 +594,8 @@ void RematEngine::set_cost(int op, double cost) {
 
 // A dead value brought back for a recompute stays resident afterwards, an
 // ordinary eviction candidate (as in DTR): dropping it at once would make
-// every later recompute that reads it pay for it again.
+// every later recompute that reads it pay for it again. (Under drop_spent a
+// hold evicts it once no recompute left in that hold reads it: spend().)
 void RematEngine::unlock(int v) {
   Value& x = values_[v];
   if (x.locks <= 0) broken(v, "unlocked more often than locked");

@@ -310,7 +310,7 @@ class RematEngine {
   // ancestor) that read it (plan_uses_); clear_plan() zeroes them.
   void plan_hold(const std::vector<int>& vs);
   void clear_plan();
-  void drop_spent(const std::vector<int>& recipe);
+  void spend(const std::vector<int>& recipe);  // a recompute read it (drop_spent)
   void step_hold(std::vector<Frame>& stack);
   void step_remat(std::vector<Frame>& stack);
   void unwind(std::vector<Frame>& stack);

@@ -18,5 +18,5 @@ from .run import (feasibility_holes, feasible_budgets, min_feasible_budget, over
                   resident_floor)
 
 __all__ = ["POLICIES", "POLICY_TABLE", "ReplayResult", "feasibility_holes", "feasible_budgets",
-           "format_policies_markdown", "format_results", "min_feasible_budget", "overhead_grid", "replay", "replay_columns",
-           "resident_floor", "table_row"]
+           "format_policies_markdown", "format_results", "min_feasible_budget", "overhead_grid", "replay",
+           "replay_columns", "resident_floor", "table_row"]

@@ -168,7 +168,7 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outlivin
 
 def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str,
               pin_outliving: bool):
-    """(trace, run_at(fraction) -> ReplayResult) for the budget searches, arguments checked."""
+    """run_at(fraction) -> ReplayResult for the budget searches, arguments checked."""
     trace = _as_trace(trace)
     if policy == "none":
         raise ValueError(f"dtralloc.{caller}: needs an eviction policy, not 'none'")
@@ -184,7 +184,7 @@ def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int]
     def run_at(fraction: float) -> ReplayResult:
         return _run(columns, max(1, int(fraction * reference)), policy, text, False, None)
 
-    return trace, run_at
+    return run_at
 
 
 def _check_step(step: float, caller: str, name: str) -> int:
@@ -229,7 +229,7 @@ def min_feasible_budget(
     if method not in ("bisect", "scan"):
         raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
     steps = _check_step(tolerance, "min_feasible_budget", "tolerance")
-    trace, run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving)
+    run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving)
 
     def feasible(fraction: float) -> bool:
         return run_at(fraction).feasible
@@ -289,7 +289,7 @@ def _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, cal
     steps = _check_step(step, caller, "step")
     if not 0 <= lowest <= 1:
         raise ValueError(f"dtralloc.{caller}: lowest must be in [0, 1], not {lowest!r}")
-    trace, run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving)
+    run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving)
     out = {}
     for k in range(steps, 0, -1):
         fraction = k / steps
