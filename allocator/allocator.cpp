@@ -99,9 +99,12 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
       if (Block* b = try_allocate(rounded, size, stream, round == 0)) return serve(b);
       if (round < kMaxEvictionRounds) hook = hook_;
       if (!hook) {  // steps 1-4 failed; no step 5
-        if (Block* b = release_free_pages(rounded, size, stream)) return serve(b);
+        if (Block* b = release_free_pages(rounded, size, stream, false)) return serve(b);
         throw_oom(size, rounded, stream);
       }
+      // Step 5a: free pages before any eviction, where they make room
+      // without the rooms spared for evicted values (Note [unmap_pages]).
+      if (Block* b = release_free_pages(rounded, size, stream, true)) return serve(b);
       ++pool_.stats().num_eviction_calls;
     }
     // Step 5, outside the lock: the hook frees blocks through free().
@@ -109,8 +112,8 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
     std::lock_guard<std::mutex> lock(mutex_);
     stamp();
     // Step 6: no eviction can make room (every run and segment that would
-    // do holds a pinned or locked block); unmap_pages may.
-    if (Block* b = release_free_pages(rounded, size, stream)) return serve(b);
+    // do holds a pinned or locked block); the spared rooms' pages may.
+    if (Block* b = release_free_pages(rounded, size, stream, false)) return serve(b);
     throw_oom(size, rounded, stream);
   }
 }
@@ -250,7 +253,8 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
   return pool_.allocate_from(b, rounded, requested);
 }
 
-Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream) {
+Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,
+                                     bool spare_homes) {
   if (config_.unmap_pages != Switch::kOn) return nullptr;
   // The segment the request gets under a tight budget (allocate_segment).
   const std::size_t need = BlockPool::own_segment_size(rounded);
@@ -261,7 +265,7 @@ Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested,
   std::size_t total = 0;
   for (const auto& entry : pool_.segments())
     for (Block* b = entry.second->head; b; b = b->next)
-      if (b->in_free_set)
+      if (b->in_free_set && !(spare_homes && in_home(b)))
         if (const std::size_t n = BlockPool::free_pages(b, kRoundLarge).size) {
           pages.emplace_back(n, b);
           total += n;

@@ -293,11 +293,14 @@ class Allocator {
   void synchronize_and_free_events();
   void retire_event(const PendingEvent& p);
   void finish_free(Block* block);
-  // unmap_pages, after every other step failed: cuts the whole free pages of
+  // unmap_pages, when steps 1-4 failed: cuts the whole free pages of
   // segments out (largest first) until the budget has room for the segment
   // `rounded` needs, then allocates. nullptr (and nothing given back) when
-  // even all of them would not make room.
-  Block* release_free_pages(std::size_t rounded, std::size_t requested, Stream stream);
+  // the budget has that room already or even all of them would not make it.
+  // `spare_homes`: free blocks in a room spared for an evicted value
+  // (spare_evicted) keep their pages.
+  Block* release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,
+                            bool spare_homes);
   std::string oom_message(std::size_t size, std::size_t rounded, Stream stream);
   [[noreturn]] void throw_oom(std::size_t size, std::size_t rounded, Stream stream);
   // Reads the clock once per public operation; record() stamps entries with it.

@@ -343,8 +343,10 @@ Config parse_config(const std::string& text) {
 // best fit in a segment among activations pins the segment, and the free
 // memory beside it can serve no request larger than that free block. With
 // the pages given back, those budgets run: over 48 recordings, holes 12 -> 9
-// and lower minimums on 10 traces, none higher, and no budget that ran
-// before runs differently (replay_recordings-2026-11-23e-cpu.md).
+// and lower minimums on 10 traces, none higher (replay_recordings-2026-11-
+// 23e-cpu.md). Since holds drop spent values the pages also go back before
+// the evictor is asked, sparing evicted values' rooms: holes 7 -> 5, traces
+// missing a target 6 -> 3 (-24c; docs/allocator.md, Note [unmap_pages]).
 //
 // spare_evicted:auto too (Allocator::try_allocate, step 1): best fit hands
 // the room an evicted value left to whatever request comes next, and a

@@ -87,13 +87,13 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "to a contiguous room when it is recomputed; off: best fit only (torch); " \
     "auto = on under the dtralloc policy with a budget, else off")             \
   X(unmap_pages, SwitchOption, Switch::kAuto,                                  \
-    "on: before an out-of-memory error, give the device back the whole 2 MB "  \
-    "pages of free blocks in segments that also hold tensors, so the budget "  \
-    "has room for the request's own segment (a step that fits runs as with "  \
-    "off); needs a backend that frees part of a segment: host, virtual "       \
-    "(replay, CPU sessions) and cuda through VMM segments (CUDA's virtual "     \
-    "memory API); auto = on under the dtralloc policy with a budget where the " \
-    "backend can, else off")                                                   \
+    "on: where the budget has no room for a request's own segment, give the "  \
+    "device back the whole 2 MB pages of free blocks in segments that also "   \
+    "hold tensors until it has, before evicting (sparing the rooms evicted "   \
+    "values left) and again before an out-of-memory error; needs a backend "  \
+    "that frees part of a segment: host, virtual (replay, CPU sessions) and "  \
+    "cuda through VMM segments (CUDA's virtual memory API); auto = on under " \
+    "the dtralloc policy with a budget where the backend can, else off")      \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \

@@ -320,6 +320,79 @@ void test_spare_evicted() {
   CHECK(make_virtual("policy:dtralloc,budget:1G,spare_evicted:off")->config().spare_evicted == Switch::kOff);
 }
 
+// A hook that frees nothing, counting its calls.
+class EmptyHook : public EvictionHook {
+ public:
+  bool make_room(std::size_t, Stream) override {
+    ++calls;
+    return false;
+  }
+  int calls = 0;
+};
+
+// unmap_pages gives whole free pages back before the evictor is asked, but
+// not the pages of a room spared for an evicted value; those go back only
+// once the evictor has found nothing (docs/allocator.md, Note [unmap_pages]).
+void test_pages_before_eviction() {
+  for (bool both_homes : {false, true}) {
+    auto a = make_virtual("budget:44M,segment_fit:off,unmap_pages:on,spare_evicted:on");
+    void* left = a->malloc(8 * kMiB);  // one 20 MiB segment: 8 + 2 + 10
+    void* pin = a->malloc(2 * kMiB);
+    void* right = a->malloc(10 * kMiB);
+    void* other = a->malloc(20 * kMiB);  // a second segment: 40 of 44 MiB reserved
+    CHECK_EQ(addr(pin), addr(left) + 8 * kMiB);
+    CHECK_EQ(addr(right), addr(left) + 10 * kMiB);
+    CHECK_EQ(reserved(*a), mib(40));
+    auto hook = std::make_shared<EmptyHook>();
+    a->set_eviction_hook(hook);
+    int owner = 0;
+    a->free(left);
+    CHECK(a->keep_home(&owner, 1, addr(left), 8 * kMiB));
+    a->free(right);
+    if (both_homes) CHECK(a->keep_home(&owner, 2, addr(right), 10 * kMiB));
+    // 12 MiB: no free block holds it and 4 MiB of headroom is no segment.
+    void* big = a->malloc(12 * kMiB);
+    CHECK(big != nullptr);
+    a->check_invariants();
+    CHECK_EQ(stats(*a).num_page_releases, 1);
+    TraceEntry cut = last_entry(*a, TraceAction::kSegmentUnmap);
+    if (!both_homes) {
+      // The unspared block's 10 MiB went back; the evictor was not asked.
+      CHECK_EQ(hook->calls, 0);
+      CHECK_EQ(cut.addr, addr(right));
+      CHECK_EQ(cut.size, 10 * kMiB);
+      CHECK_EQ(reserved(*a), mib(42));
+    } else {
+      // Only spared rooms had pages: the evictor first, then the largest
+      // spared block's pages.
+      CHECK_EQ(hook->calls, 1);
+      CHECK_EQ(cut.addr, addr(right));
+      CHECK_EQ(cut.size, 10 * kMiB);
+    }
+    // The left room is whole: once no longer spared it is the best fit again.
+    a->drop_homes(&owner);
+    void* back = a->malloc(8 * kMiB);
+    CHECK_EQ(addr(back), addr(left));
+    for (void* p : {back, pin, other, big}) a->free(p);
+    CHECK_EQ(allocated(*a), 0);
+    a->check_invariants();
+  }
+  // Off: the evictor is asked first and, finding nothing, the step fails.
+  auto a = make_virtual("budget:44M,segment_fit:off,unmap_pages:off");
+  void* left = a->malloc(8 * kMiB);
+  void* pin = a->malloc(2 * kMiB);
+  void* right = a->malloc(10 * kMiB);
+  void* other = a->malloc(20 * kMiB);
+  auto hook = std::make_shared<EmptyHook>();
+  a->set_eviction_hook(hook);
+  a->free(right);
+  CHECK_THROWS(OutOfMemoryError, a->malloc(12 * kMiB));
+  CHECK_EQ(hook->calls, 1);
+  CHECK_EQ(stats(*a).num_page_releases, 0);
+  for (void* p : {left, pin, other}) a->free(p);
+  a->check_invariants();
+}
+
 // Step 1 before step 2: a cached block is used even when the budget would
 // allow a new segment.
 void test_cache_hit_before_new_segment() {
@@ -1116,6 +1189,7 @@ int main() {
   test_oom_message_fragmented();
   test_small_in_large();
   test_spare_evicted();
+  test_pages_before_eviction();
   test_cache_hit_before_new_segment();
   test_release_oversize_first();
   test_release_all_cached_and_retry();
