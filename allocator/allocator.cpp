@@ -255,12 +255,23 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
 
 Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,
                                      bool spare_homes) {
-  if (config_.unmap_pages != Switch::kOn) return nullptr;
+  if (!cut_pages_for(rounded, spare_homes)) return nullptr;
+  return allocate_segment(rounded, requested, stream);
+}
+
+bool Allocator::give_back_pages(std::size_t rounded) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stamp();
+  return cut_pages_for(rounded, false);
+}
+
+bool Allocator::cut_pages_for(std::size_t rounded, bool spare_homes) {
+  if (config_.unmap_pages != Switch::kOn) return false;
   // The segment the request gets under a tight budget (allocate_segment).
   const std::size_t need = BlockPool::own_segment_size(rounded);
   const std::size_t reserved = reserved_bytes();
   std::size_t room = budget_bytes_ > reserved ? budget_bytes_ - reserved : 0;
-  if (room >= need) return nullptr;  // the budget is not what failed
+  if (room >= need) return false;  // the budget is not what failed
   std::vector<std::pair<std::size_t, Block*>> pages;  // (bytes, block), every stream
   std::size_t total = 0;
   for (const auto& entry : pool_.segments())
@@ -270,7 +281,7 @@ Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested,
           pages.emplace_back(n, b);
           total += n;
         }
-  if (room + total < need) return nullptr;
+  if (room + total < need) return false;
   // Largest first (fewest cuts), then by address: the same state always
   // gives back the same pages.
   std::sort(pages.begin(), pages.end(), [](const auto& x, const auto& y) {
@@ -288,7 +299,7 @@ Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested,
     record(TraceAction::kSegmentUnmap, cut.addr, cut.size, s);
     room += cut.size;
   }
-  return allocate_segment(rounded, requested, stream);
+  return true;
 }
 
 void Allocator::release_segment(Segment* seg) {

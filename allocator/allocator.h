@@ -274,6 +274,12 @@ class Allocator {
   // The segment a new request of `rounded` bytes gets (config only: no lock).
   std::size_t segment_size(std::size_t rounded) const { return pool_.segment_size(rounded); }
   int device() const { return device_; }
+  // unmap_pages on: gives back the whole free pages of segments still in
+  // use, the rooms spared for evicted values' too, until the budget has room
+  // for the segment a `rounded` request gets. False, and nothing given back,
+  // when the budget has that room already or all of them would not make it
+  // (the evictor's alternative to a ruinous victim: PolicyTraits::spare_ruinous).
+  bool give_back_pages(std::size_t rounded);
   Backend& backend() { return *backend_; }
 
  private:
@@ -301,6 +307,8 @@ class Allocator {
   // (spare_evicted) keep their pages.
   Block* release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,
                             bool spare_homes);
+  // What both do, under the lock: true when the budget now has the room.
+  bool cut_pages_for(std::size_t rounded, bool spare_homes);
   std::string oom_message(std::size_t size, std::size_t rounded, Stream stream);
   [[noreturn]] void throw_oom(std::size_t size, std::size_t rounded, Stream stream);
   // Reads the clock once per public operation; record() stamps entries with it.

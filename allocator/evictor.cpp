@@ -48,9 +48,18 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
   if (log_)
     log_->add(engine_.current_op(), EventKind::kRoomAsked, -1, bytes, 0, last_plan_, logged_.score,
               logged_.addr, logged_.bytes);
+  if (traits_.spare_ruinous && ruinous(victims) && allocator_.give_back_pages(bytes)) {
+    ++stats_.ruinous_spared;
+    return true;
+  }
   bool freed = false;
   for (int v : victims) freed |= engine_.evict(v);
   return freed;
+}
+
+bool Evictor::ruinous(const std::vector<int>& victims) {
+  const double limit = kRuinousShare * engine_.counters().base_cost;
+  return std::any_of(victims.begin(), victims.end(), [&](int v) { return engine_.chain_cost(v) > limit; });
 }
 
 // Snapshot of the blocks, in address order, of the stream's segments (of the

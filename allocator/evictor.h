@@ -62,6 +62,8 @@ struct EvictorStats {
   std::size_t segment_releases = 0;      // calls served by a release plan
   std::size_t no_plan = 0;               // calls where no eviction could help
   std::size_t widened = 0;               // calls that searched everything (thorough policies)
+  std::size_t ruinous_spared = 0;        // calls served by free pages instead of a ruinous victim
+                                         // (PolicyTraits::spare_ruinous)
   std::vector<std::int64_t> search_ns;   // time to choose victims, per call
   std::vector<double> free_fraction;     // (budget - allocated) / budget, per call
 };
@@ -72,6 +74,9 @@ class Evictor : public EvictionHook {
   bool make_room(std::size_t bytes, Stream stream) override;
   // The victims the policy picks now for `bytes` (rounded), evicting nothing.
   std::vector<int> choose(std::size_t bytes, Stream stream);
+  // Whether one of `victims` is ruinous to bring back: its recompute chain
+  // costs over kRuinousShare of the step's compute so far (spare_ruinous).
+  bool ruinous(const std::vector<int>& victims);
   const EvictorStats& stats() const { return stats_; }
   // Where each call is logged (nullptr: nowhere); the engine logs the evictions.
   void set_event_log(EventLog* log) { log_ = log; }

@@ -62,6 +62,9 @@ struct PolicyTraits {
                           // the kept values is kept too (kRecoverableShare, below)
   bool drop_spent;        // a dead value a hold brought back for its recomputes is
                           // evicted once they have read it (RematEngine::set_drop_spent)
+  bool spare_ruinous;     // a victim whose recompute chain costs over kRuinousShare of
+                          // the step's compute so far stays where free pages, the rooms
+                          // spared for evicted values' too, make room (unmap_pages)
 };
 
 // A `recency` policy weighs a value never recomputed and last used s ops
@@ -101,38 +104,52 @@ inline constexpr double kRecentOps = 3.0;
 // recomputed, Sethi-Ullman) instead of its largest op kept too much: 8 holes.
 // It costs the walk 1.4-1.8x (search_ns_per_call; a few µs a call).
 inline constexpr double kRecoverableShare = 0.9;
+// A `spare_ruinous` policy does not evict a value whose recompute chain
+// (RematEngine::chain_cost) costs more than this share of the compute the
+// step has run so far (EngineCounters::base_cost) where giving back free
+// pages makes room instead, the pages of rooms spared for evicted values
+// included (Allocator::give_back_pages; the pages outside those rooms went
+// back before the evictor was asked). Such a value is a gradient still to be
+// summed in backward: what brings it back is the backward from the loss,
+// through the forward activations it reads. One vit recording evicted one
+// (9.2 MiB, its chain half the step) at 0.235 of the peak and recomputed 6000
+// values before running out, where 0.23 ran. Over the 48 recordings of
+// bench/replay_recordings.py that hole went and nothing else changed at 0.1,
+// 0.2 (vit's lowest budget 0.24 -> 0.23) and 0.5; 0.05 and below made holes
+// on the bundled vit (replay_recordings-2026-11-24d-cpu.md).
+inline constexpr double kRuinousShare = 0.2;
 
 // X(enumerator, name, traits, doc). The doc is one line; it is what users read.
 #define DTRALLOC_POLICIES(X)                                                            \
   X(kNone, none, (PolicyTraits{VictimChoice::kNone, VictimCost::kNone,                  \
-                               false, false, false, false, false, false, false, false, false}), \
+                               false, false, false, false, false, false, false, false, false, false}), \
     "no eviction: a request over the budget is an out-of-memory error")                 \
   X(kLru, lru, (PolicyTraits{VictimChoice::kSingle, VictimCost::kLastAccess,            \
-                             false, false, false, false, false, false, false, false, false}), \
+                             false, false, false, false, false, false, false, false, false, false}), \
     "least recently used tensor first")                                                 \
   X(kSize, size, (PolicyTraits{VictimChoice::kSingle, VictimCost::kUnit,                \
-                               true, false, false, false, false, false, false, false, false}), \
+                               true, false, false, false, false, false, false, false, false, false}), \
     "largest tensor first")                                                             \
   X(kMsps, msps, (PolicyTraits{VictimChoice::kSingle, VictimCost::kChain,               \
-                               true, false, false, false, false, false, false, false, false}), \
+                               true, false, false, false, false, false, false, false, false, false}), \
     "Capuchin: recompute time of the tensor's chain per byte saved")                    \
   X(kDtr, dtr, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarExact,            \
-                             true, false, true, false, false, false, false, false, false}),   \
+                             true, false, true, false, false, false, false, false, false, false}),   \
     "DTR's h_DTR: e* / (size * staleness), e* walking the evicted neighbourhood")       \
   X(kDtrEq, dtr_eq, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,          \
-                                  true, false, true, false, false, false, false, false, false}), \
+                                  true, false, true, false, false, false, false, false, false, false}), \
     "DTR's h_DTR-eq: e* from union-find classes / (size * staleness)")                  \
   X(kDtrLocal, dtr_local, (PolicyTraits{VictimChoice::kSingle, VictimCost::kProducer,   \
-                                        true, false, true, false, false, false, false, false, false}), \
+                                        true, false, true, false, false, false, false, false, false, false}), \
     "DTR's h_DTR-local: producer cost / (size * staleness), no neighbourhood")          \
   X(kDte, dte, (PolicyTraits{VictimChoice::kSingle, VictimCost::kEstarEq,               \
-                             true, true, true, false, false, false, false, false, false}),    \
+                             true, true, true, false, false, false, false, false, false, false}),    \
     "MegEngine's DTE: e* / ((size + free neighbours) * staleness)")                     \
   X(kCoop, coop, (PolicyTraits{VictimChoice::kWindow, VictimCost::kProducer,            \
-                               false, false, false, false, false, false, false, false, false}), \
+                               false, false, false, false, false, false, false, false, false, false}), \
     "Coop: the run of adjacent free + evictable blocks with the least total op cost")   \
   X(kDtralloc, dtralloc, (PolicyTraits{VictimChoice::kWindow, VictimCost::kChain,       \
-                                       true, true, false, true, true, true, true, true, true}), \
+                                       true, true, false, true, true, true, true, true, true, true}), \
     "ours: the run of adjacent blocks (or whole segments) with the least recompute "    \
     "chain cost per byte freed, free neighbours counted")
 

@@ -214,6 +214,8 @@ void bind_replay(py::module_& m) {
       d["recoverable"] = t.recoverable;
       d["recoverable_share"] = kRecoverableShare;
       d["drop_spent"] = t.drop_spent;
+      d["spare_ruinous"] = t.spare_ruinous;
+      d["ruinous_share"] = kRuinousShare;
       out.append(d);
     }
     return out;

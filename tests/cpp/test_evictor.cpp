@@ -177,6 +177,63 @@ void test_dtralloc_keeps_what_could_not_come_back() {
         std::vector<int>{a});
 }
 
+// dtralloc does not evict a value ruinous to bring back (its chain costs
+// over kRuinousShare of the step so far) where free pages make room, the
+// pages of a room spared for an evicted value included. Budget 44 MiB:
+//   segment A (20 MiB): H (8 MiB, cost 1, evicted: its room spared)
+//                       W (8 MiB, cost 100)  pin (4 MiB, initial)
+//   segment B (20 MiB): initial, pinned
+// A 12 MiB output: 4 MiB of headroom, no free pages outside H's room (so
+// none went back before the evictor was asked), and W is the only victim.
+void test_dtralloc_spares_a_ruinous_victim() {
+  for (Policy policy : {Policy::kDtralloc, Policy::kCoop}) {
+    Graph g("budget:44M,segment_fit:off,unmap_pages:on,spare_evicted:on");
+    constexpr std::size_t k8 = 8 << 20;
+    const int h = g.make(1, -1, k8);
+    const int w = g.make(100, -1, k8);
+    g.engine.add_initial(4 << 20);
+    g.engine.add_initial(20 << 20);
+    CHECK_EQ(g.engine.value(w).addr, g.engine.value(h).addr + k8);
+    CHECK_EQ(g.allocator.stats_report().stats.reserved_bytes[kStatAll].current, std::int64_t{40} << 20);
+    const std::uintptr_t h_addr = g.engine.value(h).addr;
+    CHECK(g.engine.evict(h));
+    CHECK(g.engine.value(h).home);
+    auto ev = std::make_shared<Evictor>(g.allocator, g.engine, policy, g.allocator.config());
+    g.allocator.set_eviction_hook(ev);
+    CHECK(ev->choose(12 << 20, 0) == std::vector<int>{w});
+    CHECK(ev->ruinous({w}));  // 100 > 0.2 * 101
+    OpCall call;
+    call.cost = 1;
+    const int op = g.engine.begin_op(call);
+    const int out = g.engine.add_output(op, 12 << 20);
+    g.engine.end_op(op);
+    const Stats st = g.allocator.stats_report().stats;
+    if (policy == Policy::kDtralloc) {
+      // H's 8 MiB of pages went back; W stays; the output got its own segment.
+      CHECK(g.engine.value(w).state == ValueState::kResident);
+      CHECK_EQ(ev->stats().ruinous_spared, std::size_t{1});
+      CHECK_EQ(st.num_page_releases, 1);
+      CHECK(g.engine.value(out).addr != h_addr);
+    } else {
+      // Coop (no such rule) evicts W and the output takes H's and W's room.
+      CHECK(g.engine.value(w).state == ValueState::kEvicted);
+      CHECK_EQ(ev->stats().ruinous_spared, std::size_t{0});
+      CHECK_EQ(st.num_page_releases, 0);
+      CHECK_EQ(g.engine.value(out).addr, h_addr);
+    }
+    CHECK_EQ(g.engine.counters().evictions, policy == Policy::kDtralloc ? 1u : 2u);
+    g.allocator.check_invariants();
+    g.engine.check_invariants();
+    g.allocator.set_eviction_hook(nullptr);
+  }
+  // Not ruinous: a chain within the share of the step so far.
+  Graph g("budget:44M");
+  const int a = g.make(10, -1, 1 << 20);
+  g.make(90, -1, 1 << 20);
+  Evictor ev(g.allocator, g.engine, Policy::kDtralloc, g.allocator.config());
+  CHECK(!ev.ruinous({a}));  // 10 <= 0.2 * 100
+}
+
 void test_make_room_serves_request() {
   Layout l;
   auto ev = std::make_shared<Evictor>(l.allocator, l.engine, Policy::kDtralloc, l.allocator.config());
@@ -359,6 +416,7 @@ int main() {
   test_dtralloc_recompute_penalty();
   test_dtralloc_charges_the_recompute_chain();
   test_dtralloc_keeps_what_could_not_come_back();
+  test_dtralloc_spares_a_ruinous_victim();
   test_make_room_serves_request();
   test_release_plans();
   test_release_plan_costs_chains();
