@@ -48,9 +48,18 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
   if (log_)
     log_->add(engine_.current_op(), EventKind::kRoomAsked, -1, bytes, 0, last_plan_, logged_.score,
               logged_.addr, logged_.bytes);
-  if (traits_.spare_ruinous && ruinous(victims) && allocator_.give_back_pages(bytes)) {
-    ++stats_.ruinous_spared;
-    return true;
+  if (traits_.spare_ruinous && ruinous(victims)) {
+    // Free pages, spared rooms' too, instead; else, in a recompute its hold
+    // will try again with what it brought back unlocked, nothing: the OOM
+    // that follows makes that retry, whose victims are then those values.
+    if (allocator_.give_back_pages(bytes)) {
+      ++stats_.ruinous_spared;
+      return true;
+    }
+    if (engine_.recompute_can_retry()) {
+      ++stats_.ruinous_spared;
+      return false;
+    }
   }
   bool freed = false;
   for (int v : victims) freed |= engine_.evict(v);

@@ -62,8 +62,8 @@ struct EvictorStats {
   std::size_t segment_releases = 0;      // calls served by a release plan
   std::size_t no_plan = 0;               // calls where no eviction could help
   std::size_t widened = 0;               // calls that searched everything (thorough policies)
-  std::size_t ruinous_spared = 0;        // calls served by free pages instead of a ruinous victim
-                                         // (PolicyTraits::spare_ruinous)
+  std::size_t ruinous_spared = 0;        // calls that spared a ruinous victim (spare_ruinous):
+                                         // free pages instead, or a hold's retry
   std::vector<std::int64_t> search_ns;   // time to choose victims, per call
   std::vector<double> free_fraction;     // (budget - allocated) / budget, per call
 };

@@ -64,7 +64,8 @@ struct PolicyTraits {
                           // evicted once they have read it (RematEngine::set_drop_spent)
   bool spare_ruinous;     // a victim whose recompute chain costs over kRuinousShare of
                           // the step's compute so far stays where free pages, the rooms
-                          // spared for evicted values' too, make room (unmap_pages)
+                          // spared for evicted values' too, make room (unmap_pages), or
+                          // where a hold's recompute can retry with what it holds unlocked
 };
 
 // A `recency` policy weighs a value never recomputed and last used s ops
@@ -116,7 +117,15 @@ inline constexpr double kRecoverableShare = 0.9;
 // values before running out, where 0.23 ran. Over the 48 recordings of
 // bench/replay_recordings.py that hole went and nothing else changed at 0.1,
 // 0.2 (vit's lowest budget 0.24 -> 0.23) and 0.5; 0.05 and below made holes
-// on the bundled vit (replay_recordings-2026-11-24d-cpu.md).
+// on the bundled vit (replay_recordings-2026-11-24d-cpu.md). Where no pages
+// make room, a recompute of a hold that can retry (RematEngine::
+// recompute_can_retry) is refused room instead: the hold then unlocks what
+// it brought back and tries again, and those values go first. resnet50 at
+// 0.21 evicted the 196 MiB gradient the next backward op adds to (its chain
+// 74% of the step) and thrashed; now it runs, and no other recording changes
+// but resnet50's second, whose lowest budget falls 0.205 -> 0.195 (-24e).
+// Refusing everywhere (with no retry to take) broke the LSTMs, whose hidden
+// states' chains are long by nature: lstm's lowest budget 0.66 -> 0.825.
 inline constexpr double kRuinousShare = 0.2;
 
 // X(enumerator, name, traits, doc). The doc is one line; it is what users read.

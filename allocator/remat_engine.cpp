@@ -197,6 +197,7 @@ void RematEngine::end_hold() {
   if (attempt_ >= 2) driver_.tight_placement(false);
   attempt_ = 0;
   in_hold_ = false;
+  retry_left_ = false;  // a driver's exception other than an OOM skipped the reset
 }
 
 void RematEngine::clear_plan() {
@@ -357,12 +358,15 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   std::uintptr_t addr = 0;
   leave_home(v);  // the room it left is its own to take again
   try {
+    retry_left_ = std::find(retried_.begin(), retried_.end(), v) == retried_.end() && any_unlockable(stack);
     addr = driver_.recompute(v, nbytes);  // may evict others; may throw
+    retry_left_ = false;
   } catch (const OutOfMemoryError&) {
     // The last resort before the OOM: what the frames below have held so far
     // is unlocked (it stays resident) and the recompute tried once more;
     // once per value and hold(), so two recomputes evicting each other's
     // values cannot loop.
+    retry_left_ = false;
     if (std::find(retried_.begin(), retried_.end(), v) != retried_.end() || !unlock_held(stack)) throw;
     retried_.push_back(v);
     addr = driver_.recompute(v, nbytes);
@@ -391,6 +395,18 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
 // end of its round, recomputing what was evicted meanwhile). Values that
 // nothing needs would be released by the unlock and stay locked. Returns
 // whether anything was unlocked.
+bool RematEngine::any_unlockable(const std::vector<Frame>& stack) const {
+  for (const Frame& f : stack) {
+    if (f.remat) continue;
+    for (std::size_t i = 0; i < f.vs.size(); ++i) {
+      if (!f.held[i]) continue;
+      const Value& x = values_[f.vs[i]];
+      if (x.alive || x.needed_by > 0) return true;
+    }
+  }
+  return false;
+}
+
 bool RematEngine::unlock_held(std::vector<Frame>& stack) {
   bool any = false;
   for (Frame& f : stack) {

@@ -262,6 +262,10 @@ class RematEngine {
   void set_event_log(EventLog* log) { log_ = log; }
   // The op in flight (or the last one), for event stamps; -1 before any.
   int current_op() const { return static_cast<int>(ops_.size()) - 1; }
+  // Whether the recompute in flight, should it run out of memory, is tried
+  // once more with what its hold has brought back so far unlocked
+  // (step_remat): false outside a recompute, and on that second try.
+  bool recompute_can_retry() const { return retry_left_; }
 
   // Frees every block still held (end of a replay).
   void release_all();
@@ -315,6 +319,7 @@ class RematEngine {
   void step_remat(std::vector<Frame>& stack);
   void unwind(std::vector<Frame>& stack);
   bool unlock_held(std::vector<Frame>& stack);
+  bool any_unlockable(const std::vector<Frame>& stack) const;  // what unlock_held would unlock
   void prepare_write(int v);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
@@ -331,6 +336,7 @@ class RematEngine {
   RematDriver& driver_;
   EventLog* log_ = nullptr;
   bool in_hold_ = false;
+  bool retry_left_ = false;         // recompute_can_retry
   int attempt_ = 0;                 // hold()'s restarts so far (restart_hold)
   // A hold starts over at most twice (restart_hold says why): one try in the
   // usual order, one from an emptied pool, one with tight placement too.

@@ -89,8 +89,9 @@ struct ReplayOptions {
   X(std::size_t, segment_releases, 0, "calls served by releasing whole segments")        \
   X(std::size_t, no_plan, 0, "calls where no eviction could serve the request")           \
   X(std::size_t, ruinous_spared, 0,                                                       \
-    "calls served by giving back free pages instead of evicting a value whose recompute " \
-    "chain costs over a fifth of the step's compute so far")                              \
+    "calls that spared a value whose recompute chain costs over a fifth of the step's "   \
+    "compute so far: free pages given back instead, or its hold's recompute retried "    \
+    "with what the hold had brought back evictable")                                      \
   X(double, search_ns, 0.0, "median time to choose victims, per call (ns)")              \
   X(double, mean_reserved_fragmentation, 0.0,                                             \
     "1 - allocated / reserved after each op, averaged over the ops")                      \

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "check.h"
+#include "allocator.h"
 #include "remat_engine.h"
 
 using namespace dtralloc;
@@ -374,6 +375,42 @@ void test_oom_during_recompute_unwinds() {
   e.release_all();
 }
 
+// recompute_can_retry: true while a recompute runs that, should it run out
+// of memory, is tried once more with what its hold brought back unlocked
+// (the evictor then spares a ruinous victim: PolicyTraits::spare_ruinous).
+// C = f(A, B), A and B from X, all three evicted; reading C recomputes A
+// (nothing held yet: no retry), B (A held: a retry) and C (its hold frame
+// holds nothing: A and B are its recipe, locked by the recompute itself).
+void test_recompute_can_retry() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int x = e.add_initial(1024);
+  const int a = apply(e, {x}, 1024, 1);
+  const int b = apply(e, {x}, 1024, 1);
+  const int c = apply(e, {a, b}, 1024, 1);
+  for (int v : {a, b, c}) CHECK(e.evict(v));
+  std::vector<std::pair<int, bool>> seen;  // (value, can retry) at each recompute's allocation
+  bool oom_once = true;
+  mem.on_allocate = [&](int v) {
+    seen.emplace_back(v, e.recompute_can_retry());
+    // B's first recompute runs out: the hold unlocks A and tries B again.
+    if (v == b && oom_once) {
+      oom_once = false;
+      throw OutOfMemoryError("fake OOM");
+    }
+  };
+  read(e, {c});
+  CHECK((seen == std::vector<std::pair<int, bool>>{{a, false}, {b, true}, {b, false}, {c, false}}));
+  CHECK(!e.recompute_can_retry());
+  // Outside a recompute (an op's own output), never.
+  seen.clear();
+  apply(e, {c}, 1024, 1);
+  CHECK_EQ(seen.size(), std::size_t{1});
+  CHECK(!seen.front().second);
+  e.check_invariants();
+  e.release_all();
+}
+
 // The live driver: outputs adopt memory it already holds, may be pinned
 // (not recomputable), and get their cost when the op has run.
 void test_adopted_pinned_and_late_cost() {
@@ -464,6 +501,7 @@ int main() {
   test_inputs_locked_after_recompute();
   test_deep_chain_recomputes_without_recursion();
   test_oom_during_recompute_unwinds();
+  test_recompute_can_retry();
   test_adopted_pinned_and_late_cost();
   test_cost_measured_after_the_op();
   return check::check_summary("test_remat_engine");
