@@ -49,9 +49,9 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
     log_->add(engine_.current_op(), EventKind::kRoomAsked, -1, bytes, 0, last_plan_, logged_.score,
               logged_.addr, logged_.bytes);
   if (traits_.spare_ruinous && ruinous(victims)) {
-    // Free pages, spared rooms' too, instead; else, in a recompute its hold
-    // will try again with what it brought back unlocked, nothing: the OOM
-    // that follows makes that retry, whose victims are then those values.
+    // Free pages, spared rooms' too, instead. Else, in a recompute that its
+    // hold will retry with what it brought back unlocked, nothing: the OOM
+    // that follows starts that retry, and those values are then the victims.
     if (allocator_.give_back_pages(bytes)) {
       ++stats_.ruinous_spared;
       return true;

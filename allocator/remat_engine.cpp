@@ -359,6 +359,7 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   leave_home(v);  // the room it left is its own to take again
   try {
     retry_left_ = std::find(retried_.begin(), retried_.end(), v) == retried_.end() && any_unlockable(stack);
+    retry_thread_ = std::this_thread::get_id();
     addr = driver_.recompute(v, nbytes);  // may evict others; may throw
     retry_left_ = false;
   } catch (const OutOfMemoryError&) {
@@ -395,18 +396,6 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
 // end of its round, recomputing what was evicted meanwhile). Values that
 // nothing needs would be released by the unlock and stay locked. Returns
 // whether anything was unlocked.
-bool RematEngine::any_unlockable(const std::vector<Frame>& stack) const {
-  for (const Frame& f : stack) {
-    if (f.remat) continue;
-    for (std::size_t i = 0; i < f.vs.size(); ++i) {
-      if (!f.held[i]) continue;
-      const Value& x = values_[f.vs[i]];
-      if (x.alive || x.needed_by > 0) return true;
-    }
-  }
-  return false;
-}
-
 bool RematEngine::unlock_held(std::vector<Frame>& stack) {
   bool any = false;
   for (Frame& f : stack) {
@@ -421,6 +410,19 @@ bool RematEngine::unlock_held(std::vector<Frame>& stack) {
     }
   }
   return any;
+}
+
+// Whether unlock_held(stack) would unlock anything (it changes nothing).
+bool RematEngine::any_unlockable(const std::vector<Frame>& stack) const {
+  for (const Frame& f : stack) {
+    if (f.remat) continue;
+    for (std::size_t i = 0; i < f.vs.size(); ++i) {
+      if (!f.held[i]) continue;
+      const Value& x = values_[f.vs[i]];
+      if (x.alive || x.needed_by > 0) return true;
+    }
+  }
+  return false;
 }
 
 // After an exception (OOM in the driver): every lock the frames took is

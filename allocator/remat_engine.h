@@ -65,6 +65,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -264,8 +265,9 @@ class RematEngine {
   int current_op() const { return static_cast<int>(ops_.size()) - 1; }
   // Whether the recompute in flight, should it run out of memory, is tried
   // once more with what its hold has brought back so far unlocked
-  // (step_remat): false outside a recompute, and on that second try.
-  bool recompute_can_retry() const { return retry_left_; }
+  // (step_remat): false outside a recompute, on that second try, and on any
+  // thread but the recompute's (another thread's request has no such retry).
+  bool recompute_can_retry() const { return retry_left_ && retry_thread_ == std::this_thread::get_id(); }
 
   // Frees every block still held (end of a replay).
   void release_all();
@@ -337,6 +339,7 @@ class RematEngine {
   EventLog* log_ = nullptr;
   bool in_hold_ = false;
   bool retry_left_ = false;         // recompute_can_retry
+  std::thread::id retry_thread_;    // the thread that recompute runs on
   int attempt_ = 0;                 // hold()'s restarts so far (restart_hold)
   // A hold starts over at most twice (restart_hold says why): one try in the
   // usual order, one from an emptied pool, one with tight placement too.

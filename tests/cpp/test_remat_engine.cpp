@@ -4,9 +4,10 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <thread>
 
-#include "check.h"
 #include "allocator.h"
+#include "check.h"
 #include "remat_engine.h"
 
 using namespace dtralloc;
@@ -391,8 +392,10 @@ void test_recompute_can_retry() {
   for (int v : {a, b, c}) CHECK(e.evict(v));
   std::vector<std::pair<int, bool>> seen;  // (value, can retry) at each recompute's allocation
   bool oom_once = true;
+  bool elsewhere = true;  // what another thread sees meanwhile: never a retry
   mem.on_allocate = [&](int v) {
     seen.emplace_back(v, e.recompute_can_retry());
+    std::thread([&] { elsewhere = elsewhere && !e.recompute_can_retry(); }).join();
     // B's first recompute runs out: the hold unlocks A and tries B again.
     if (v == b && oom_once) {
       oom_once = false;
@@ -401,6 +404,7 @@ void test_recompute_can_retry() {
   };
   read(e, {c});
   CHECK((seen == std::vector<std::pair<int, bool>>{{a, false}, {b, true}, {b, false}, {c, false}}));
+  CHECK(elsewhere);
   CHECK(!e.recompute_can_retry());
   // Outside a recompute (an op's own output), never.
   seen.clear();
