@@ -124,10 +124,7 @@ void RematEngine::hold(const std::vector<int>& vs) {
     return;
   }
   in_hold_ = true;
-  if (++hold_id_ == 0) {  // wrapped: no stale mark may match a new hold
-    std::fill(dropped_in_.begin(), dropped_in_.end(), 0);
-    hold_id_ = 1;
-  }
+  dropped_.next(values_.size());  // nothing dropped in this hold yet
   attempt_ = 0;
   std::vector<Frame> stack;
   for (;;) {
@@ -208,16 +205,16 @@ void RematEngine::clear_plan() {
 void RematEngine::plan_hold(const std::vector<int>& vs) {
   clear_plan();
   if (plan_uses_.size() < values_.size()) plan_uses_.resize(values_.size(), 0);
-  const std::uint32_t epoch = next_epoch();  // marks the missing values walked
+  visited_.next(values_.size());  // marks the missing values walked
   walk_.clear();
   for (int v : vs)
-    if (values_[v].state != ValueState::kResident && mark_[v] != epoch) mark_[v] = epoch, walk_.push_back(v);
+    if (values_[v].state != ValueState::kResident && !visited_.marked(v)) visited_.mark(v), walk_.push_back(v);
   while (!walk_.empty()) {
     const int x = walk_.back();
     walk_.pop_back();
     for (int r : values_[x].recipe) {
       if (plan_uses_[r]++ == 0) planned_.push_back(r);
-      if (values_[r].state != ValueState::kResident && mark_[r] != epoch) mark_[r] = epoch, walk_.push_back(r);
+      if (values_[r].state != ValueState::kResident && !visited_.marked(r)) visited_.mark(r), walk_.push_back(r);
     }
   }
 }
@@ -236,11 +233,11 @@ void RematEngine::plan_hold(const std::vector<int>& vs) {
 void RematEngine::spend(const std::vector<int>& recipe) {
   for (int r : recipe)
     if (plan_uses_[r] > 0) --plan_uses_[r];
-  if (dropped_in_.size() < values_.size()) dropped_in_.resize(values_.size(), 0);
+  dropped_.grow(values_.size());
   for (int r : recipe) {
     const Value& x = values_[r];
-    if (plan_uses_[r] != 0 || x.alive || x.recomputes == 0 || dropped_in_[r] == hold_id_ || !evictable(r)) continue;
-    dropped_in_[r] = hold_id_;
+    if (plan_uses_[r] != 0 || x.alive || x.recomputes == 0 || dropped_.marked(r) || !evictable(r)) continue;
+    dropped_.mark(r);
     evict(r);
   }
 }
@@ -357,8 +354,9 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
                            "(thrashing): raise the budget, or try another eviction policy");
   std::uintptr_t addr = 0;
   leave_home(v);  // the room it left is its own to take again
+  const bool first_try = std::find(retried_.begin(), retried_.end(), v) == retried_.end();
   try {
-    retry_left_ = std::find(retried_.begin(), retried_.end(), v) == retried_.end() && any_unlockable(stack);
+    retry_left_ = first_try && any_unlockable(stack);
     retry_thread_ = std::this_thread::get_id();
     addr = driver_.recompute(v, nbytes);  // may evict others; may throw
     retry_left_ = false;
@@ -368,7 +366,7 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
     // once per value and hold(), so two recomputes evicting each other's
     // values cannot loop.
     retry_left_ = false;
-    if (std::find(retried_.begin(), retried_.end(), v) != retried_.end() || !unlock_held(stack)) throw;
+    if (!first_try || !unlock_held(stack)) throw;
     retried_.push_back(v);
     addr = driver_.recompute(v, nbytes);
   }
@@ -401,9 +399,7 @@ bool RematEngine::unlock_held(std::vector<Frame>& stack) {
   for (Frame& f : stack) {
     if (f.remat) continue;
     for (std::size_t i = 0; i < f.vs.size(); ++i) {
-      if (!f.held[i]) continue;
-      const Value& x = values_[f.vs[i]];
-      if (!x.alive && x.needed_by <= 0) continue;
+      if (!unlockable(f, i)) continue;
       unlock(f.vs[i]);
       f.held[i] = 0;
       any = true;
@@ -416,13 +412,18 @@ bool RematEngine::unlock_held(std::vector<Frame>& stack) {
 bool RematEngine::any_unlockable(const std::vector<Frame>& stack) const {
   for (const Frame& f : stack) {
     if (f.remat) continue;
-    for (std::size_t i = 0; i < f.vs.size(); ++i) {
-      if (!f.held[i]) continue;
-      const Value& x = values_[f.vs[i]];
-      if (x.alive || x.needed_by > 0) return true;
-    }
+    for (std::size_t i = 0; i < f.vs.size(); ++i)
+      if (unlockable(f, i)) return true;
   }
   return false;
+}
+
+// Frame f holds its i-th value, and something still needs it: the program,
+// or a recipe (a value nothing needs would be released by the unlock).
+bool RematEngine::unlockable(const Frame& f, std::size_t i) const {
+  if (!f.held[i]) return false;
+  const Value& x = values_[f.vs[i]];
+  return x.alive || x.needed_by > 0;
 }
 
 // After an exception (OOM in the driver): every lock the frames took is
@@ -442,25 +443,14 @@ void RematEngine::unwind(std::vector<Frame>& stack) {
   }
 }
 
-// A fresh visit mark (mark_ sized to every value); marks are never cleared
-// except when the counter wraps.
-std::uint32_t RematEngine::next_epoch() {
-  if (mark_.size() < values_.size()) mark_.resize(values_.size(), 0);
-  if (++epoch_ == 0) {
-    std::fill(mark_.begin(), mark_.end(), 0);
-    epoch_ = 1;
-  }
-  return epoch_;
-}
-
 // v's recipe: the op's inputs, each once, except `not_read`. Marks instead
 // of searches: a foreach op reads hundreds of values and writes hundreds.
 void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
-  const std::uint32_t epoch = next_epoch();
-  for (int r : not_read) mark_[r] = epoch;
+  visited_.next(values_.size());
+  for (int r : not_read) visited_.mark(r);
   for (int r : ops_[op].inputs) {
-    if (mark_[r] == epoch) continue;
-    mark_[r] = epoch;
+    if (visited_.marked(r)) continue;
+    visited_.mark(r);
     values_[v].recipe.push_back(r);
     values_[v].recipe_bytes += values_[r].nbytes;
     values_[r].dependents.push_back(v);
@@ -755,21 +745,21 @@ double RematEngine::estar_eq(int v) {
 
 // Cost of `v` plus every value reachable from it through recipes (and
 // dependents, when `both_ways`) for which `counts` holds, visiting at most
-// `cap` values. Visited values are marked with a fresh epoch: no clearing,
+// `cap` values. Visited values are marked in a fresh pass: no clearing,
 // no search.
 template <typename Counts, typename Weigh>
 double RematEngine::reachable_cost(int v, int cap, bool both_ways, Counts counts, Weigh weigh) {
-  const std::uint32_t epoch = next_epoch();
+  visited_.next(values_.size());
   double total = weigh(v);
   walk_.assign(1, v);
-  mark_[v] = epoch;
+  visited_.mark(v);
   int visited = 1;
   while (!walk_.empty() && visited < cap) {
     const int x = walk_.back();
     walk_.pop_back();
     auto visit = [&](int n) {
-      if (!counts(values_[n].state) || mark_[n] == epoch) return;
-      mark_[n] = epoch;
+      if (!counts(values_[n].state) || visited_.marked(n)) return;
+      visited_.mark(n);
       ++visited;
       walk_.push_back(n);
       total += weigh(n);
@@ -832,23 +822,18 @@ std::size_t RematEngine::kept_resident_bytes() const {
   });
 }
 
-void RematEngine::begin_need_pass() {
-  if (++need_pass_ == 0) {  // wrapped: no stale mark may match the new pass
-    std::fill(need_done_.begin(), need_done_.end(), 0);
-    need_pass_ = 1;
-  }
-}
+void RematEngine::begin_need_pass() { need_done_.next(values_.size()); }
 
 double RematEngine::recompute_need_bytes(int v, bool fresh) {
-  if (fresh || need_pass_ == 0) begin_need_pass();
-  if (need_done_.size() < values_.size()) need_.resize(values_.size()), need_done_.resize(values_.size(), 0);
+  if (fresh || need_done_.pass == 0) begin_need_pass();
+  if (need_.size() < values_.size()) need_.resize(values_.size()), need_done_.grow(values_.size());
   auto own_op = [&](int x) {  // x's producer while it runs: x and its unpinned inputs
     double at_x = static_cast<double>(values_[x].nbytes);
     for (int r : values_[x].recipe)
       if (!values_[r].pinned) at_x += static_cast<double>(values_[r].nbytes);
     return at_x;
   };
-  if (need_done_[v] == need_pass_) return need_[v];
+  if (need_done_.marked(v)) return need_[v];
   // need(x) = max(own_op(x), need(r) for every missing r of its recipe), in
   // post-order on an explicit stack (chains may be thousands of values deep).
   // Recipes point back in time, so a value on the stack is never met again
@@ -861,7 +846,7 @@ double RematEngine::recompute_need_bytes(int v, bool fresh) {
     if (values_[x].missing > 0 && next < recipe.size()) {
       const int r = recipe[next++];
       if (values_[r].state == ValueState::kResident) continue;
-      if (need_done_[r] != need_pass_) {
+      if (!need_done_.marked(r)) {
         need_[r] = own_op(r);
         need_stack_.push_back({r, 0});  // invalidates x, next
         continue;
@@ -870,7 +855,7 @@ double RematEngine::recompute_need_bytes(int v, bool fresh) {
       continue;
     }
     const int done = x;
-    need_done_[done] = need_pass_;
+    need_done_.mark(done);
     need_stack_.pop_back();
     if (!need_stack_.empty()) {
       const int parent = need_stack_.back().first;

@@ -62,6 +62,7 @@
 // driver serializes every call under the GIL (dtr/ and docs/live.md).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -299,7 +300,6 @@ class RematEngine {
   double chain_bytes(int v, double* largest, double* peak, int cap = 256);
   int new_value(std::size_t nbytes, int producer, double cost);
   void set_recipe(int v, int op, const std::vector<int>& not_read);
-  std::uint32_t next_epoch();
   // Bytes of the resident values for which pred(v) holds.
   template <typename Pred>
   std::size_t resident_bytes_if(Pred pred) const;
@@ -322,6 +322,7 @@ class RematEngine {
   void unwind(std::vector<Frame>& stack);
   bool unlock_held(std::vector<Frame>& stack);
   bool any_unlockable(const std::vector<Frame>& stack) const;  // what unlock_held would unlock
+  bool unlockable(const Frame& f, std::size_t i) const;
   void prepare_write(int v);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
@@ -352,22 +353,38 @@ class RematEngine {
   bool drop_spent_ = false;         // set_drop_spent
   std::vector<int> plan_uses_;      // per value: recomputes left in this hold that read it
   std::vector<int> planned_;        // the values whose plan_uses_ this hold set
-  std::vector<std::uint32_t> dropped_in_;  // per value: the hold that last dropped it (hold_id_)
-  std::uint32_t hold_id_ = 0;       // holds that recomputed so far
+  // Per-value marks that a new pass clears all at once: v is marked in the
+  // current pass when at[v] == pass. Nothing is cleared but when the 32-bit
+  // pass counter wraps (then no stale mark may match the new pass).
+  struct PassMarks {
+    std::vector<std::uint32_t> at;
+    std::uint32_t pass = 0;
+    void next(std::size_t values) {  // a new pass, with a slot for each value
+      grow(values);
+      if (++pass == 0) {
+        std::fill(at.begin(), at.end(), 0);
+        pass = 1;
+      }
+    }
+    void grow(std::size_t values) {
+      if (at.size() < values) at.resize(values, 0);
+    }
+    bool marked(int v) const { return at[v] == pass; }
+    void mark(int v) { at[v] = pass; }
+  };
+  PassMarks dropped_;               // a pass per hold that recomputes: what spend() dropped in it
   std::vector<Value> values_;
   std::vector<OpRecord> ops_;
   std::vector<int> resident_;
   std::unordered_map<std::uintptr_t, int> by_addr_;
   std::vector<int> uf_parent_;
   std::vector<double> uf_cost_;
-  std::vector<std::uint32_t> mark_;  // visit marks of reachable_cost
-  std::uint32_t epoch_ = 0;
+  PassMarks visited_;               // a pass per walk: reachable_cost, set_recipe, plan_hold
   std::vector<int> walk_;
-  // recompute_need_bytes' memo: a value's need, valid while need_done_ holds
-  // the current pass; the explicit stack of its depth-first walk.
+  // recompute_need_bytes' memo: a value's need, valid while need_done_ marks
+  // it in the current pass (begin_need_pass); the explicit stack of its walk.
   std::vector<double> need_;
-  std::vector<std::uint32_t> need_done_;
-  std::uint32_t need_pass_ = 0;
+  PassMarks need_done_;
   std::vector<std::pair<int, std::size_t>> need_stack_;
   std::uint64_t clock_ = 1;
   EngineCounters counters_;
