@@ -172,6 +172,33 @@ std::size_t Allocator::homes() {
   return homes_.size();
 }
 
+void Allocator::expect_long_lived(const std::vector<std::size_t>& sizes) {
+  if (config_.long_lived != Switch::kOn || sizes.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  long_lived_.clear();
+  for (std::size_t size : sizes) long_lived_.push_back(BlockPool::round_size(size, config_));
+  long_lived_thread_ = std::this_thread::get_id();
+  long_lived_set_.store(true, std::memory_order_relaxed);
+}
+
+void Allocator::clear_long_lived() {
+  if (!long_lived_set_.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  long_lived_.clear();
+  long_lived_set_.store(false, std::memory_order_relaxed);
+}
+
+// Under mutex_. Whether this request is one expect_long_lived announced; it
+// is then no longer expected.
+bool Allocator::take_long_lived(std::size_t rounded) {
+  if (long_lived_.empty() || long_lived_thread_ != std::this_thread::get_id()) return false;
+  auto it = std::find(long_lived_.begin(), long_lived_.end(), rounded);
+  if (it == long_lived_.end()) return false;
+  long_lived_.erase(it);
+  ++pool_.stats().num_long_lived;
+  return true;
+}
+
 Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Stream stream, bool spare_homes) {
   // Events are polled unless the stream captures (a query would invalidate
   // the capture); their blocks then wait until after it, as in torch.
@@ -182,13 +209,14 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   };
   if (!pending_events_.empty() && !is_capturing()) process_events();
   PoolKind pool = BlockPool::pool_for(rounded);
-  // 1. cached block (one that no evicted value left, if one fits: spare_evicted)
+  // 1. cached block (one that no evicted value left, if one fits: spare_evicted),
+  // at its high end for a request expected to outlive the step (long_lived)
   if (spare_homes && !homes_.empty()) {
     if (Block* b = pool_.find_free_sparing(pool, stream, rounded, [this](const Block* c) { return in_home(c); },
                                            kSpareSearch))
-      return pool_.allocate_from(b, rounded, requested);
+      return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
   } else if (Block* b = pool_.find_free(pool, stream, rounded)) {
-    return pool_.allocate_from(b, rounded, requested);
+    return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
   }
   // Every step below may call cudaMalloc, cudaFree or wait on events.
   if (is_capturing()) refuse_capture(requested, stream);
@@ -204,7 +232,7 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
     synchronize_and_free_events();
     release_cached_segments();
     if (Block* b = pool_.find_free(pool, stream, rounded))
-      return pool_.allocate_from(b, rounded, requested);
+      return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
   // small_in_large (config.cpp): a small request takes a large-pool block.

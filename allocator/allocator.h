@@ -38,6 +38,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -202,6 +203,15 @@ class Allocator {
   void drop_home(const void* owner, int value);
   void drop_homes(const void* owner);  // every home of `owner` (its engine ends)
   std::size_t homes();                 // how many are kept (tests)
+  // Requests of these sizes, from the calling thread, until
+  // clear_long_lived(), are expected to outlive the step (config
+  // long_lived): each takes the high end of the free block best fit gives it
+  // (try_allocate, steps 1 and 4), and one size serves one request. Drivers
+  // call it around an op whose outputs a previous step kept (live) or the
+  // trace marks kept (replay). A no-op with long_lived off. The pool's lock
+  // taken; clear_long_lived takes it only when a hint is set.
+  void expect_long_lived(const std::vector<std::size_t>& sizes);
+  void clear_long_lived();
   // A live DTR session's budget (bytes, at most the capacity) in place of the
   // configured one while it runs; 0 restores the configured budget.
   void override_budget(std::size_t bytes);
@@ -330,6 +340,11 @@ class Allocator {
   std::atomic<std::size_t> budget_bytes_;
   std::shared_ptr<EvictionHook> hook_;
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
+  // expect_long_lived: rounded sizes still expected, and from which thread.
+  std::vector<std::size_t> long_lived_;
+  std::thread::id long_lived_thread_;
+  std::atomic<bool> long_lived_set_{false};
+  bool take_long_lived(std::size_t rounded);
   // keep_home: by address (homes may overlap: a value placed in another's
   // home and evicted too), and by (owner, value) to drop them.
   struct Home {

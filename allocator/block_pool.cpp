@@ -137,21 +137,33 @@ bool BlockPool::should_split(const Block* block, std::size_t rounded) const {
   return !oversize(rounded) && rest > kSmallSize;
 }
 
-Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t requested) {
+Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t requested, bool high) {
   // The rest of a split sorts just before the block's old successor (same
   // stream, smaller size) unless other sizes lie between: a good hint makes
   // its insertion O(1) instead of a tree descent.
   FreeSet::iterator hint = erase_free(block);
   if (should_split(block, rounded)) {
     Block* rest = new_block();
-    rest->addr = block->addr + rounded;
     rest->size = block->size - rounded;
     rest->stream = block->stream;
     rest->segment = block->segment;
-    rest->prev = block;
-    rest->next = block->next;
-    if (rest->next) rest->next->prev = rest;
-    block->next = rest;
+    if (high) {  // the request takes the top, the rest stays below it
+      rest->addr = block->addr;
+      rest->prev = block->prev;
+      rest->next = block;
+      if (rest->prev)
+        rest->prev->next = rest;
+      else
+        block->segment->head = rest;
+      block->prev = rest;
+      block->addr += rest->size;
+    } else {
+      rest->addr = block->addr + rounded;
+      rest->prev = block;
+      rest->next = block->next;
+      if (rest->next) rest->next->prev = rest;
+      block->next = rest;
+    }
     block->size = rounded;
     insert_free(rest, hint);
   }

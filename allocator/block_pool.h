@@ -136,9 +136,10 @@ class BlockPool {
   // not refuse, among the `limit` next; else find_free's.
   Block* find_free_sparing(PoolKind pool, Stream stream, std::size_t rounded,
                            const std::function<bool(const Block*)>& avoid, int limit) const;
-  // Takes `block` out of its free set, splits off the rest when worth it,
-  // marks it allocated. Returns the allocated block.
-  Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested);
+  // Takes `block` out of its free set, splits off the rest when worth it
+  // (the request takes the low end, or the high end when `high`), marks it
+  // allocated. Returns the allocated block.
+  Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested, bool high = false);
   // Registers a new backend segment as one free block; returns that block.
   Block* add_segment(std::uintptr_t addr, std::size_t size, Stream stream, PoolKind pool);
   // unmap_pages: the whole pages (`page` bytes, counted from the segment's

@@ -357,6 +357,17 @@ Config parse_config(const std::string& text) {
 // 0.665 of the peak). Sparing that room removed those 18 holes over three
 // recordings and lowered lstm-compact's minimum from 0.67 to 0.58
 // (bench/results/replay_recordings-2026-11-23d-cpu.md).
+//
+// long_lived:auto too (Allocator::expect_long_lived): best fit puts a block
+// at the low end of the free block it takes, wherever that is, and a
+// gradient that lands that way in a free block among activations keeps the
+// room on both of its sides apart for the rest of the step. At the high end
+// it sits against whatever held the block's upper neighbour, and the room
+// below joins what the activations free. On convbn-compact's first recording
+// the weight gradients scattered across three segments at 0.56-0.57 of the
+// peak left a 7.66 MiB request 7.32 MiB of contiguous room (the last three
+// feasibility holes of the 48 recordings); with them at the high ends they
+// pack and the step runs (bench/results/replay_recordings-2026-11-24f-cpu.md).
 Config resolve_config(Config config, bool releases_ranges) {
   const bool dtralloc_placement = config.policy == Policy::kDtralloc && !config.budget.none();
   if (config.max_split_size_mb == kAutoSplit)
@@ -367,6 +378,8 @@ Config resolve_config(Config config, bool releases_ranges) {
     config.small_in_large = dtralloc_placement ? Switch::kOn : Switch::kOff;
   if (config.spare_evicted == Switch::kAuto)
     config.spare_evicted = dtralloc_placement ? Switch::kOn : Switch::kOff;
+  if (config.long_lived == Switch::kAuto)
+    config.long_lived = dtralloc_placement ? Switch::kOn : Switch::kOff;
   // The cuda backend gives back pages through VMM segments; where the
   // driver cannot, auto stays off (make_cuda_backend_for, backend.h).
   if (config.unmap_pages == Switch::kAuto)

@@ -86,6 +86,13 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "left, when another cached block fits, so that the value can come back "   \
     "to a contiguous room when it is recomputed; off: best fit only (torch); " \
     "auto = on under the dtralloc policy with a budget, else off")             \
+  X(long_lived, SwitchOption, Switch::kAuto,                                   \
+    "on: a request expected to outlive the step (one a previous step of the "  \
+    "same ops still held at its end: gradients, optimizer state; in a replay, " \
+    "what the trace keeps) takes the high end of the free block best fit "    \
+    "gives it, so that what dies sooner packs the low ends and leaves "        \
+    "contiguous room; off: the low end always (torch); auto = on under the "   \
+    "dtralloc policy with a budget, else off")                                 \
   X(unmap_pages, SwitchOption, Switch::kAuto,                                  \
     "on: where the budget has no room for a request's own segment, give the "  \
     "device back the whole 2 MB pages of free blocks in segments that also "   \

@@ -149,7 +149,11 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
       const int op = engine.begin_op(call);
       for (int k = t.created_offsets[i]; k < t.created_offsets[i + 1]; ++k) {
         const int sid = t.created[k];
+        // What the program keeps past the step (long_lived: as a live step
+        // expects it from the step before).
+        if (kept(sid)) allocator.expect_long_lived({t.nbytes[sid]});
         current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes || kept(sid));
+        allocator.clear_long_lived();
       }
       for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) {
         const int sid = t.mutated[k];
@@ -186,6 +190,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.device_alloc_calls = report.stats.num_device_alloc;
   out.device_free_calls = report.stats.num_device_free;
   out.page_releases = report.stats.num_page_releases;
+  out.long_lived = report.stats.num_long_lived;
   out.max_split_size = allocator.config().max_split_size_mb;
   out.segment_fit = allocator.config().segment_fit == Switch::kOn;
   const EngineCounters& c = engine.counters();

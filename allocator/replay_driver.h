@@ -73,6 +73,8 @@ struct ReplayOptions {
   X(std::int64_t, device_free_calls, 0, "segments returned to the device (cudaFree)")     \
   X(std::int64_t, page_releases, 0,                                                       \
     "unmap_pages: ranges of free pages given back from segments still in use")            \
+  X(std::int64_t, long_lived, 0,                                                          \
+    "long_lived: outputs the trace keeps placed at the high end of their block")          \
   X(std::size_t, invariant_checks, 0, "times every invariant was checked")                \
   X(bool, segment_fit, false, "1-10 MiB requests got fitted segments (segment_fit:auto resolved)") \
   X(double, base_cost, 0.0, "cost of running every op once (ns, or flops)")               \

@@ -72,6 +72,8 @@ using StatArray = std::array<Stat, kNumStatIndices>;
 //                        stays 0; it is reported so torch's tools find it.
 //   num_page_releases    unmap_pages: ranges of whole free pages given back
 //                        to the backend from segments that stay in use
+//   num_long_lived       long_lived: requests served as announced to outlive
+//                        the step (at the high end of the block they split)
 #define DTRALLOC_COUNTERS(X) \
   X(num_alloc_retries)       \
   X(num_ooms)                \
@@ -81,7 +83,8 @@ using StatArray = std::array<Stat, kNumStatIndices>;
   X(num_invalid_frees)       \
   X(num_eviction_calls)      \
   X(num_oom_rejections)      \
-  X(num_page_releases)
+  X(num_page_releases)       \
+  X(num_long_lived)
 
 struct Stats {
 #define DTRALLOC_POOL_FIELD(name) StatArray name;

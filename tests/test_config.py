@@ -23,6 +23,7 @@ OPTION_NAMES = [
     "segment_fit",
     "small_in_large",
     "spare_evicted",
+    "long_lived",
     "unmap_pages",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",

@@ -68,6 +68,7 @@ DTRALLOC_EXTRA_KEYS = frozenset(
         "num_invalid_frees",
         "num_eviction_calls",
         "num_page_releases",
+        "num_long_lived",
         "fragmentation.largest_free_bytes",
         "fragmentation.free_bytes",
         "fragmentation.external",

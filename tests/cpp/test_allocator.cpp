@@ -1183,6 +1183,48 @@ void test_random_sequences() {
 
 }  // namespace
 
+// long_lived: an announced size takes the high end of the free block best
+// fit gives it, once per announcement, and only from the announcing thread;
+// what the others leave free then joins into one block. Off, it is ignored.
+void test_long_lived_takes_the_high_end() {
+  auto a = make_virtual("segment_fit:off,long_lived:on");
+  void* first = a->malloc(4 * kMiB);  // a 20 MiB segment: 4 used, 16 free
+  const std::uintptr_t base = addr(first);
+  a->expect_long_lived({2 * kMiB, 2 * kMiB});
+  void* kept = a->malloc(2 * kMiB);
+  CHECK_EQ(addr(kept), base + 18 * kMiB);
+  void* next = a->malloc(3 * kMiB);  // not announced: the low end
+  CHECK_EQ(addr(next), base + 4 * kMiB);
+  void* other = nullptr;  // another thread's request of that size was not announced
+  std::thread([&] { other = a->malloc(2 * kMiB); }).join();
+  CHECK_EQ(addr(other), base + 7 * kMiB);
+  void* second = a->malloc(2 * kMiB);
+  CHECK_EQ(addr(second), base + 16 * kMiB);
+  void* third = a->malloc(2 * kMiB);  // both announcements were taken
+  CHECK_EQ(addr(third), base + 9 * kMiB);
+  CHECK_EQ(stats(*a).num_long_lived, 2);
+  a->check_invariants();
+  a->expect_long_lived({1536 * 1024});
+  a->clear_long_lived();
+  void* cleared = a->malloc(1536 * 1024);
+  CHECK_EQ(addr(cleared), base + 11 * kMiB);
+  for (void* p : {first, next, other, third, cleared}) a->free(p);
+  void* joined = a->malloc(16 * kMiB);  // everything below the kept blocks is one free block
+  CHECK_EQ(addr(joined), base);
+  for (void* p : {joined, kept, second}) a->free(p);
+  CHECK_EQ(allocated(*a), 0);
+  a->check_invariants();
+
+  auto b = make_virtual("segment_fit:off,long_lived:off");
+  void* low = b->malloc(4 * kMiB);
+  b->expect_long_lived({2 * kMiB});
+  void* k = b->malloc(2 * kMiB);
+  CHECK_EQ(addr(k), addr(low) + 4 * kMiB);
+  CHECK_EQ(stats(*b).num_long_lived, 0);
+  b->free(k);
+  b->free(low);
+}
+
 int main() {
   test_basics();
   test_budget_and_oom_message();
@@ -1190,6 +1232,7 @@ int main() {
   test_small_in_large();
   test_spare_evicted();
   test_pages_before_eviction();
+  test_long_lived_takes_the_high_end();
   test_cache_hit_before_new_segment();
   test_release_oversize_first();
   test_release_all_cached_and_retry();
