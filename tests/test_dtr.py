@@ -115,6 +115,40 @@ def test_five_adamw_steps_under_a_budget_are_identical_to_plain():
     assert sum(x.stats()["evictions"] for x in sessions) > 0
 
 
+def test_a_step_places_what_the_step_before_kept_at_the_high_end():
+    # long_lived (docs/live.md, "What outlives the step"): each session notes
+    # which of its ops' outputs were still alive when the block ended (the
+    # gradients), and the next session on the device announces them to the
+    # pool when the same op comes round again. Placement only: still bit-exact.
+    name = "convnet_batchnorm"
+    budget = int(no_eviction_peak(name, SWEEP_BATCH[name]) * 0.6)
+    sessions = run_plain_and_live(name, 3, SWEEP_BATCH[name], budget=budget, check_invariants=True)
+    placed = [x.stats()["long_lived"] for x in sessions]
+    # Every parameter's gradient and the loss (train() keeps it), nothing else.
+    n_params = len(list(build(name)[0].parameters()))
+    assert placed[1:] == [n_params + 1] * 2, placed
+    # Another model's ops differ from the first one on: nothing announced.
+    budget = no_eviction_peak("lstm", SWEEP_BATCH["lstm"])
+    model, loss_fn = build("lstm", SWEEP_BATCH["lstm"])
+    with dtr(budget=budget, device="cpu") as s:
+        loss_fn(model).backward()
+    assert s.stats()["long_lived"] == 0
+    # With backward after the block, what the block made is all still alive
+    # when it ends (autograd holds it): such lifetimes are not used.
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with dtr(budget=budget, device="cpu") as s:
+            loss = loss_fn(model)
+        loss.backward()
+        assert s.stats()["long_lived"] == 0
+    # Policies other than dtralloc keep torch's placement (long_lived:auto).
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with dtr(budget=budget, device="cpu", policy="dtr") as s:
+            loss_fn(model).backward()
+        assert s.stats()["long_lived"] == 0
+
+
 def test_explicit_generator_is_replayed():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 64, requires_grad=True)

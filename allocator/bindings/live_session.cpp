@@ -4,6 +4,7 @@
 #include "live_session.h"
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -165,6 +166,35 @@ LiveSession::~LiveSession() {
   ops_.clear();
 }
 
+// ---- what outlives the step (long_lived) -----------------------------------
+//
+// A training step makes the same ops in the same order every time, and what
+// it still holds when it ends (gradients, optimizer state made in the step,
+// the loss) is what the next step's same ops make to keep. Best fit cannot
+// know that when it places an output, and a gradient it puts at the low end
+// of a free block among activations splits that room for the rest of the step
+// (docs/allocator.md, long_lived). So each session notes, per recorded op
+// (its ordinal: the n-th op that made or wrote a storage), which OpOverload
+// ran and how many bytes of what it made were still alive when the block
+// ended; the next session on the device announces those sizes to the pool
+// (Allocator::expect_long_lived) right before its op of the same ordinal
+// runs, if that op is the same OpOverload. Once an op differs, the steps have
+// diverged and the rest of the session goes without. A wrong guess costs
+// nothing but the side of the block it takes.
+struct Lifetimes {
+  std::vector<PyObject*> funcs;  // identity only: OpOverloads live as long as torch
+  std::unordered_map<std::size_t, std::vector<std::size_t>> kept;  // ordinal -> bytes still alive
+};
+
+namespace {
+// The last session's lifetimes per device (lifetimes_key), under the GIL.
+// Never destroyed: sessions may end during interpreter shutdown.
+std::map<int, std::shared_ptr<const Lifetimes>>& lifetimes_by_device() {
+  static auto* by_device = new std::map<int, std::shared_ptr<const Lifetimes>>();
+  return *by_device;
+}
+}  // namespace
+
 void LiveSession::start() {
   if (started_) return;
   started_ = true;
@@ -181,7 +211,15 @@ void LiveSession::start() {
   // Allocations until the next recorded op are that op's (on CUDA the op
   // allocates its outputs before record() sees it).
   pool_->set_op_stamp(engine_->current_op() + 1);
-  ooms_at_start_ = pool_->stats_report().stats.num_ooms;
+  const Stats at_start = pool_->stats_report().stats;
+  ooms_at_start_ = at_start.num_ooms;
+  long_lived_at_start_ = at_start.num_long_lived;
+  lifetimes_on_ = pool_->config().long_lived == Switch::kOn;
+  if (lifetimes_on_) {
+    auto& by_device = lifetimes_by_device();
+    auto it = by_device.find(lifetimes_key());
+    if (it != by_device.end()) lifetimes_in_ = it->second;
+  }
   mark_op(-1);  // the first op's interval starts here
 }
 
@@ -258,9 +296,43 @@ std::size_t LiveSession::live_sessions_on(Allocator* pool) {
 }
 
 void LiveSession::end_block() {
+  end_lifetimes();
   publish_counts();
   pool_->set_op_stamp(-1);  // nothing after the block is recorded
   if (mirror_ && publishing_) mirror_->publish(0, "");
+}
+
+int LiveSession::lifetimes_key() const { return options_.cuda ? options_.device : -1; }
+
+bool LiveSession::expect_long_lived(PyObject* func) {
+  if (!lifetimes_in_ || lifetimes_diverged_) return false;
+  const std::size_t ordinal = op_funcs_.size();
+  if (ordinal >= lifetimes_in_->funcs.size() || lifetimes_in_->funcs[ordinal] != func) return false;
+  auto it = lifetimes_in_->kept.find(ordinal);
+  if (it == lifetimes_in_->kept.end()) return false;
+  pool_->expect_long_lived(it->second);
+  return true;
+}
+
+void LiveSession::end_lifetimes() {
+  if (!lifetimes_on_) return;
+  lifetimes_on_ = false;  // once: ops after the block are not recorded
+  flush_deaths();
+  auto out = std::make_shared<Lifetimes>();
+  out->funcs = std::move(op_funcs_);
+  op_funcs_.clear();
+  std::size_t made = 0, kept = 0;
+  for (const MadeAt& m : made_at_) {
+    made += m.nbytes;
+    if (PyWeakref_GetObject(m.watch.ptr()) == Py_None) continue;  // died within the step
+    out->kept[m.ordinal].push_back(m.nbytes);
+    kept += m.nbytes;
+  }
+  made_at_.clear();
+  // A step whose backward runs after the block still holds its activations
+  // here: lifetimes that keep most of what it made tell nothing apart.
+  if (2 * kept > made) out->kept.clear();
+  lifetimes_by_device()[lifetimes_key()] = std::move(out);
 }
 
 Slot& LiveSession::slot(int value) {
@@ -516,6 +588,15 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
     ++stats_.ops;
     return run();
   }
+  // What the previous step's same op kept is announced until it is recorded
+  // (on CPU the mirror places its outputs in record()).
+  struct ClearLongLived {
+    Allocator* pool;
+    bool set;
+    ~ClearLongLived() {
+      if (set) pool->clear_long_lived();
+    }
+  } clear_long_lived{pool_, expect_long_lived(func)};
   const auto start = std::chrono::steady_clock::now();
   py::object result = run();
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
@@ -577,6 +658,13 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     if (options_.chaos) engine_->evict_all();
     return;  // views, detach, scalar reads: nothing for the engine
   }
+  const std::size_t ordinal = op_funcs_.size();
+  if (lifetimes_on_) {
+    if (lifetimes_in_ && !lifetimes_diverged_ &&
+        (ordinal >= lifetimes_in_->funcs.size() || lifetimes_in_->funcs[ordinal] != func.ptr()))
+      lifetimes_diverged_ = true;
+    op_funcs_.push_back(func.ptr());
+  }
   // 3. The engine's protocol, all at once: the op has already run.
   OpCall& call = scratch_call_;
   call.reads.clear();
@@ -602,6 +690,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       s.pin = foreign ? PinReason::kForeign : reason;
       s.out_index = m.out_index;
       watch(v, m.storage, m.cdata);
+      if (lifetimes_on_ && m.nbytes) made_at_.push_back({ordinal, m.nbytes, s.watch});
       if (!engine_->value(v).pinned) recomputable.push_back(v);
     }
     for (const Seen& w : written) {
@@ -850,6 +939,7 @@ py::dict LiveSession::stats() {
   d["device"] = options_.cuda ? "cuda:" + std::to_string(options_.device) : std::string("cpu");
   d["chaos"] = options_.chaos;
   d["ooms"] = r.stats.num_ooms - ooms_at_start_;
+  d["long_lived"] = r.stats.num_long_lived - long_lived_at_start_;
   d["series_ops"] = series_.size();
   d["series_dropped"] = stats_.series_dropped;
   d["history_recorded"] = pool_->history_recorded();

@@ -147,6 +147,8 @@ struct LiveStats {
   std::size_t series_dropped = 0;   // engine ops past Options::series_ops, not sampled
 };
 
+struct Lifetimes;  // live_session.cpp, "what outlives the step"
+
 class LiveSession : public std::enable_shared_from_this<LiveSession> {
  public:
   struct Options {
@@ -257,6 +259,11 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void start_publishing();
   void mark_op(int op);
   static PyObject* storage_died(PyObject* self, PyObject* weakref);
+  // long_lived (docs/live.md, "What outlives the step"): the op at `ordinal`
+  // is about to run; announce what the previous session's op there kept.
+  bool expect_long_lived(PyObject* func);
+  int lifetimes_key() const;  // the device: its index on CUDA, -1 for the CPU
+  void end_lifetimes();  // end_block: what this session kept, for the next one
 
   Options options_;
   py::object view_, detached_, empty_kwargs_, run_, new_storage_, use_count_fn_, version_error_, tensor_type_, device_,
@@ -331,6 +338,19 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::size_t published_evictions_ = 0, published_remats_ = 0;  // what `dtralloc top` has been told
   bool publishing_ = false;             // the CPU mirror has started publishing (start_publishing)
   std::int64_t ooms_at_start_ = 0;      // the pool's OOM count when the session started
+  // long_lived: the previous session's lifetimes on this device, this
+  // session's ops (each recorded op's OpOverload, by ordinal) and what they
+  // made (the ordinal, the bytes, a weakref to the storage).
+  std::shared_ptr<const Lifetimes> lifetimes_in_;
+  bool lifetimes_on_ = false;           // the pool's long_lived is on
+  bool lifetimes_diverged_ = false;     // this session's ops stopped matching the previous one's
+  std::vector<PyObject*> op_funcs_;     // identity only, never dereferenced
+  struct MadeAt {
+    std::size_t ordinal, nbytes;
+    py::object watch;
+  };
+  std::vector<MadeAt> made_at_;
+  std::int64_t long_lived_at_start_ = 0;  // the pool's num_long_lived when the session started
 };
 
 // A saved tensor as autograd holds it: the value and the view geometry.
