@@ -212,15 +212,15 @@ def min_feasible_budget(
     :func:`feasible_budgets`). Where a policy has a hole, bisection may
     report a point below a budget that fails; where it has none, both
     methods find the same boundary, to within `tolerance`. With gradients
-    replayed as recomputable (``pin_outliving=False``) the policy bench
-    (bench/results/replay_policies-*.md) found none for ``dtralloc`` on the
-    0.005 grid of any of the 16 bundled traces: before a recompute's
-    out-of-memory leaves, the engine evicts everything evictable and starts
-    the op's recomputes over (docs/engine.md). With them pinned, as live,
-    unet and lstm-compact have holes again, and other recordings of the
-    same models had a few either way (bench/results/replay_recordings-*.md);
-    off the grid a hole can remain too, so bisection can stop above the
-    scan's answer. Use the scan for a budget you can rely on.
+    pinned, as live (the default), ``dtralloc`` has no hole above the scan's
+    answer on the 0.005 grid of any of the 48 recordings of
+    bench/replay_recordings.py (bench/results/replay_recordings-2026-11-24f-
+    cpu.md), and bisection to 0.005 lands within 0.005 of the scan on 46 of
+    them. Off the grid, or below the scan's answer, a budget can still fail
+    between two that run: on one vit recording 0.225 fails while 0.219 runs
+    (bisection answers 0.219, the scan 0.23), on the bundled vit a budget
+    near 0.23 fails while 0.225 and 0.23 run (bisection answers 0.2305, the
+    scan 0.225). Use the scan for a budget you can rely on.
 
     Fractions are of the no-eviction peak reserved under `conf`, or of
     `reference_bytes` when given (to compare settings against one fixed
