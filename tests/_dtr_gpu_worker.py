@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | op_costs
+    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | op_costs | long_lived
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 MiB = 1 << 20
 
 
-def _setup():
+def _setup(conf=None):
     import dtralloc
 
-    dtralloc.install()
+    dtralloc.install(conf)
     import torch
 
     # Bit-exact comparisons need the same kernels in both runs: deterministic
@@ -287,6 +287,41 @@ def device_thread() -> dict:
     return {"peak": peak, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
 
 
+def long_lived() -> dict:
+    """long_lived on CUDA (docs/live.md, "What outlives the step"): a session
+    learns which of its ops' outputs the step kept (the gradients), and the
+    next one announces them to the device pool before the same op's kernel
+    allocates, on whichever thread runs it (backward: the device thread).
+    The pool's own configuration decides (policy dtralloc with a budget)."""
+    dtralloc, torch = _setup("policy:dtralloc,budget:0.9")
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(8)]).cuda()
+
+    batch = torch.randn(2048, 1024, device="cuda")
+
+    def loss_fn(model, x):
+        return model(x).square().mean()
+
+    with dtralloc.dtr() as s:
+        loss_fn(build(), batch).backward()
+    budget = int(s.stats()["peak_bytes"] * 0.6)
+    sessions = []
+
+    def session():
+        s = dtralloc.dtr(budget=budget)
+        sessions.append(s)
+        return s
+
+    control, diffs, _ = _plain_twice_and_live(torch, build, batch, loss_fn, 3, session)
+    stats = [s.stats() for s in sessions]
+    return {"control_diffs": control, "diffs": diffs, "long_lived": [x["long_lived"] for x in stats],
+            "evictions": [x["evictions"] for x in stats], "params": len(list(build().parameters())),
+            "pool_ok": _pool_ok(dtralloc)}
+
+
 def op_costs() -> dict:
     """A CUDA op returns to the host once launched: the session must price
     ops by their time on the GPU (timing events, allocator/op_timer.h), not by
@@ -316,6 +351,7 @@ SCENARIOS = {
     "generator": generator,
     "oom": oom,
     "device_thread": device_thread,
+    "long_lived": long_lived,
 }
 
 

@@ -76,6 +76,16 @@ def test_backward_on_the_device_thread_evicts_and_stays_exact():
         f"no budget made backward (on the device thread) evict: {r}"
 
 
+def test_a_step_places_what_the_step_before_kept_at_the_high_end_on_cuda():
+    r = run("long_lived")
+    assert r["control_diffs"] == [], f"plain runs differ from each other on this GPU: {r['control_diffs']}"
+    assert r["diffs"] == [], r
+    # Each session after the first announces every parameter's gradient
+    # (the loss too, kept by the training loop) before its kernel allocates.
+    assert all(n >= r["params"] for n in r["long_lived"][1:]), r
+    assert r["pool_ok"]
+
+
 def test_ops_are_priced_by_their_time_on_the_gpu():
     r = run("op_costs")
     assert r["launched_s"] < 0.25 * r["ran_s"], f"the matmuls did not run asynchronously: {r}"
