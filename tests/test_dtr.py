@@ -121,7 +121,7 @@ def test_a_step_places_what_the_step_before_kept_at_the_high_end():
     # gradients), and the next session on the device announces them to the
     # pool when the same op comes round again. Placement only: still bit-exact.
     name = "convnet_batchnorm"
-    budget = int(no_eviction_peak(name, SWEEP_BATCH[name]) * 0.6)
+    budget = int(no_eviction_peak(name, SWEEP_BATCH[name]) * 0.75)
     sessions = run_plain_and_live(name, 3, SWEEP_BATCH[name], budget=budget, check_invariants=True)
     placed = [x.stats()["long_lived"] for x in sessions]
     # Every parameter's gradient and the loss (train() keeps it), nothing else.
@@ -147,6 +147,26 @@ def test_a_step_places_what_the_step_before_kept_at_the_high_end():
         with dtr(budget=budget, device="cpu", policy="dtr") as s:
             loss_fn(model).backward()
         assert s.stats()["long_lived"] == 0
+
+
+def test_a_session_too_long_to_be_a_step_teaches_no_lifetimes():
+    # A session notes its first 2**17 recorded ops only; one that records
+    # more (a whole loop in one block) teaches the next session nothing.
+    b = torch.ones(4)
+
+    def loop(n):
+        with dtr(budget=1 << 40, device="cpu") as s:
+            x = torch.zeros(4)
+            for _ in range(n):
+                x = x + b
+        return s, x
+
+    short, kept = loop(8)  # the last x outlives the block
+    again, kept = loop(8)
+    assert again.stats()["long_lived"] == 1
+    long_, kept = loop((1 << 17) + 8)
+    after, kept = loop((1 << 17) + 8)
+    assert after.stats()["long_lived"] == 0
 
 
 def test_explicit_generator_is_replayed():

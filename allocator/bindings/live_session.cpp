@@ -302,6 +302,12 @@ void LiveSession::end_block() {
   if (mirror_ && publishing_) mirror_->publish(0, "");
 }
 
+// A session notes its first this many recorded ops only, and one that
+// records more teaches nothing: a block that long is not one step (a whole
+// training loop in one session), and its notes would grow with every op.
+// The zoo's steps at the bench's sizes record 127-1380.
+constexpr std::size_t kLifetimeOps = std::size_t{1} << 17;
+
 int LiveSession::lifetimes_key() const { return options_.cuda ? options_.device : -1; }
 
 bool LiveSession::expect_long_lived(PyObject* func) {
@@ -331,7 +337,7 @@ void LiveSession::end_lifetimes() {
   made_at_.clear();
   // A step whose backward runs after the block still holds its activations
   // here: lifetimes that keep most of what it made tell nothing apart.
-  if (2 * kept > made) out->kept.clear();
+  if (2 * kept > made || out->funcs.size() >= kLifetimeOps) out->kept.clear();
   lifetimes_by_device()[lifetimes_key()] = std::move(out);
 }
 
@@ -659,7 +665,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     return;  // views, detach, scalar reads: nothing for the engine
   }
   const std::size_t ordinal = op_funcs_.size();
-  if (lifetimes_on_) {
+  const bool noting = lifetimes_on_ && ordinal < kLifetimeOps;
+  if (noting) {
     if (lifetimes_in_ && !lifetimes_diverged_ &&
         (ordinal >= lifetimes_in_->funcs.size() || lifetimes_in_->funcs[ordinal] != func.ptr()))
       lifetimes_diverged_ = true;
@@ -690,7 +697,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       s.pin = foreign ? PinReason::kForeign : reason;
       s.out_index = m.out_index;
       watch(v, m.storage, m.cdata);
-      if (lifetimes_on_ && m.nbytes) made_at_.push_back({ordinal, m.nbytes, s.watch});
+      if (noting && m.nbytes) made_at_.push_back({ordinal, m.nbytes, s.watch});
       if (!engine_->value(v).pinned) recomputable.push_back(v);
     }
     for (const Seen& w : written) {
