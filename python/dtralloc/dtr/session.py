@@ -147,8 +147,9 @@ class Session:
 
     def stats(self) -> dict:
         """evictions, remats, rng_replays, hold_restarts (recomputes that ran out of
-        memory and started over from an emptied pool), peak_bytes, budget_bytes,
-        recompute_seconds, ..."""
+        memory and started over from an emptied pool), long_lived (requests
+        placed at the high end as the step before kept them: docs/live.md),
+        peak_bytes, budget_bytes, recompute_seconds, ..."""
         return self._core.stats()
 
     def series(self) -> dict:
