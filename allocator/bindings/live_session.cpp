@@ -248,6 +248,7 @@ void LiveSession::start_publishing() {
 void LiveSession::stop() {
   if (!started_) return;
   started_ = false;
+  lifetimes_on_ = false;  // stopped (torn down) before its block ended: it teaches nothing
   if (on_pool_) {
     // Called from the destructor too, where this session's weak pointers
     // have expired already: expired entries go, this one among them.
