@@ -179,8 +179,8 @@ LiveSession::~LiveSession() {
 // ended; the next session on the device announces those sizes to the pool
 // (Allocator::expect_long_lived) right before its op of the same ordinal
 // runs, if that op is the same OpOverload. Once an op differs, the steps have
-// diverged and the rest of the session goes without. A wrong guess costs
-// nothing but the side of the block it takes.
+// diverged and the rest of the session goes without. A wrong guess changes
+// only the side of the block a request takes.
 struct Lifetimes {
   std::vector<PyObject*> funcs;  // identity only: OpOverloads live as long as torch
   std::unordered_map<std::size_t, std::vector<std::size_t>> kept;  // ordinal -> bytes still alive
