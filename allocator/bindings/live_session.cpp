@@ -311,10 +311,14 @@ constexpr std::size_t kLifetimeOps = std::size_t{1} << 17;
 
 int LiveSession::lifetimes_key() const { return options_.cuda ? options_.device : -1; }
 
+bool LiveSession::ran_before(std::size_t ordinal, PyObject* func) const {
+  return ordinal < lifetimes_in_->funcs.size() && lifetimes_in_->funcs[ordinal] == func;
+}
+
 bool LiveSession::expect_long_lived(PyObject* func) {
   if (!lifetimes_in_ || lifetimes_diverged_) return false;
   const std::size_t ordinal = op_funcs_.size();
-  if (ordinal >= lifetimes_in_->funcs.size() || lifetimes_in_->funcs[ordinal] != func) return false;
+  if (!ran_before(ordinal, func)) return false;
   auto it = lifetimes_in_->kept.find(ordinal);
   if (it == lifetimes_in_->kept.end()) return false;
   pool_->expect_long_lived(it->second);
@@ -668,9 +672,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   const std::size_t ordinal = op_funcs_.size();
   const bool noting = lifetimes_on_ && ordinal < kLifetimeOps;
   if (noting) {
-    if (lifetimes_in_ && !lifetimes_diverged_ &&
-        (ordinal >= lifetimes_in_->funcs.size() || lifetimes_in_->funcs[ordinal] != func.ptr()))
-      lifetimes_diverged_ = true;
+    if (lifetimes_in_ && !lifetimes_diverged_ && !ran_before(ordinal, func.ptr())) lifetimes_diverged_ = true;
     op_funcs_.push_back(func.ptr());
   }
   // 3. The engine's protocol, all at once: the op has already run.
