@@ -48,6 +48,13 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
   if (log_)
     log_->add(engine_.current_op(), EventKind::kRoomAsked, -1, bytes, 0, last_plan_, logged_.score,
               logged_.addr, logged_.bytes);
+  // A window in the large pool for a small request (choose) is the last
+  // resort: the pool's own next step, its free pages (spared rooms' too),
+  // goes first where it makes room for a new small segment.
+  if (large_window_) {
+    if (allocator_.give_back_pages(bytes)) return true;
+    ++stats_.large_windows;
+  }
   if (traits_.spare_ruinous && ruinous(victims)) {
     // Free pages, spared rooms' too, instead. Else, in a recompute that its
     // hold will retry with what it brought back unlocked, nothing: the OOM
@@ -189,6 +196,7 @@ double Evictor::window_weight(int v) {
 
 std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
   last_plan_ = PlanKind::kNoPlan;
+  large_window_ = false;
   logged_ = Plan{};
   logged_.score = 0;
   if (traits_.choice == VictimChoice::kNone) return {};
@@ -203,7 +211,7 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
                             !(traits_.thorough && bytes < kWalkSmallBelow);
     walk(stream, large_only, bytes);
     weight_.assign(items_.size(), -1.0);
-    Plan window = choose_window(bytes, true);
+    Plan window = choose_window(bytes, true, BlockPool::pool_for(bytes));
     // Plans scored per byte can be compared with the window's score as they
     // are searched, which lets the release search skip segments dearer than
     // the window (choose_release).
@@ -221,8 +229,19 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
         walk(stream, false, bytes);
         weight_.assign(items_.size(), -1.0);
       }
-      window = choose_window(bytes, false);
+      window = choose_window(bytes, false, BlockPool::pool_for(bytes));
       release = choose_release(bytes, window_bound());
+    }
+    // A small request the small pool can neither serve nor grow for takes a
+    // large-pool block where small_in_large is on (Allocator::try_allocate,
+    // its last step): a window there serves it too. Asked only where nothing
+    // else would, so the pools stay apart as long as they can. The walk
+    // covered the large pool: a small request's always does.
+    large_window_ = false;
+    if (!window.found() && !release.found() && BlockPool::pool_for(bytes) == kSmallPool &&
+        allocator_.config().small_in_large == Switch::kOn) {
+      window = choose_window(bytes, false, kLargePool);
+      large_window_ = window.found();
     }
     if (!window.found() && !release.found()) {
       ++stats_.no_plan;
@@ -280,12 +299,11 @@ double Evictor::weight(std::size_t i) {
 }
 
 // The best minimal run of free + evictable blocks reaching `bytes` inside one
-// segment of the request's pool. Within each stretch of unblocked blocks the
+// segment of `pool`. Within each stretch of unblocked blocks the
 // shortest run that fits only moves right as its start does (two pointers),
 // so a stretch costs one pass. Coop scores a run by its total cost, dtralloc
 // by cost per byte freed, free neighbours outside the run included.
-Evictor::Plan Evictor::choose_window(std::size_t bytes, bool may_sample) {
-  const PoolKind pool = BlockPool::pool_for(bytes);
+Evictor::Plan Evictor::choose_window(std::size_t bytes, bool may_sample, PoolKind pool) {
   // Window starts: free blocks and evictable values; below the small-tensor
   // cutoff a value only joins runs (unless the request itself is that small).
   auto is_start = [&](std::size_t i) {

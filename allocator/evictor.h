@@ -62,6 +62,8 @@ struct EvictorStats {
   std::size_t segment_releases = 0;      // calls served by a release plan
   std::size_t no_plan = 0;               // calls where no eviction could help
   std::size_t widened = 0;               // calls that searched everything (thorough policies)
+  std::size_t large_windows = 0;         // calls that evicted a window in the large pool for a
+                                         // small request (small_in_large; choose())
   std::size_t ruinous_spared = 0;        // calls that spared a ruinous victim (spare_ruinous):
                                          // free pages instead, or a hold's retry
   std::vector<std::int64_t> search_ns;   // time to choose victims, per call
@@ -119,7 +121,7 @@ class Evictor : public EvictionHook {
   double weight(std::size_t i);
   double lower_weight(std::size_t i, bool* exact);
   std::vector<int> choose_single();
-  Plan choose_window(std::size_t bytes, bool may_sample);
+  Plan choose_window(std::size_t bytes, bool may_sample, PoolKind pool);
   Plan choose_release(std::size_t bytes, double bound);
   std::size_t free_at(std::size_t j, int segment) const;
   std::size_t free_beside(std::size_t i) const;
@@ -151,6 +153,7 @@ class Evictor : public EvictionHook {
   EvictorStats stats_;
   EventLog* log_ = nullptr;
   PlanKind last_plan_ = PlanKind::kNoPlan;  // what choose() found, for the log
+  bool large_window_ = false;               // choose() found a small request a large-pool window
   Plan logged_;                             // its score and range
 };
 

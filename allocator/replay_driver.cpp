@@ -206,6 +206,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.window_evictions = e.windows;
   out.segment_releases = e.segment_releases;
   out.no_plan = e.no_plan;
+  out.large_windows = e.large_windows;
   out.ruinous_spared = e.ruinous_spared;
   out.search_ns_per_call = e.search_ns;
   out.free_share_per_call = e.free_fraction;

@@ -90,6 +90,9 @@ struct ReplayOptions {
   X(std::size_t, window_evictions, 0, "calls served by a window of adjacent blocks")      \
   X(std::size_t, segment_releases, 0, "calls served by releasing whole segments")        \
   X(std::size_t, no_plan, 0, "calls where no eviction could serve the request")           \
+  X(std::size_t, large_windows, 0,                                                        \
+    "calls that evicted a window in the large pool for a small request "                \
+    "(small_in_large: the small pool could neither serve nor grow, no pages made room)") \
   X(std::size_t, ruinous_spared, 0,                                                       \
     "calls that spared a value whose recompute chain costs over a fifth of the step's "   \
     "compute so far: free pages given back instead, or its hold's recompute retried "    \

@@ -345,6 +345,62 @@ def test_an_unmeetable_budget_raises_and_everything_stays_usable():
     assert_identical(got, want)
 
 
+def _small_request_beside_a_held_large_block(session=None):
+    """A 512 KiB output when the small pool's one segment is held but for 256
+    KiB, the budget has no headroom for another, and the large pool's one
+    segment holds a saved 2 MiB value beside a held one (so it cannot be
+    released): the saved value's block is the only room there is."""
+    torch.manual_seed(0)
+    t = torch.randn(MiB // 2)  # 2 MiB, made outside
+    a = torch.randn((), requires_grad=True)
+    xs = [torch.randn(MiB // 16) for _ in range(7)] + [torch.randn(MiB // 8)]
+    big = torch.randn(MiB)
+
+    def body():
+        h = big * 2  # a 4 MiB large segment, then cached free
+        del h
+        c = t.sin()  # 2 MiB
+        part = (c * a).sum()  # c saved for a's gradient
+        del c  # only autograd's handle keeps c: evictable
+        d = t.cos()  # 2 MiB, held, beside c
+        smalls = [x * 2 for x in xs[:7]]  # 1.75 MiB of the small segment, held
+        e = xs[7] * 3  # 512 KiB
+        loss = part + e.sum() + d.sum() + sum(s.sum() for s in smalls)
+        del e, smalls, d
+        loss.backward()  # brings c back
+        return loss.detach()
+
+    if session is None:
+        loss = body()
+    else:
+        with session:
+            loss = body()
+    return loss, a.grad.clone()
+
+
+def test_a_small_request_evicts_a_window_in_the_large_pool():
+    # small_in_large (on under a dtralloc budget) lets a small request take a
+    # large-pool block when the small pool can neither serve it nor grow; the
+    # evictor makes such a block where nothing else would make room.
+    want = _small_request_beside_a_held_large_block()
+    s = dtr(device="cpu", budget=6 * MiB, policy="dtralloc")
+    got = _small_request_beside_a_held_large_block(s)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    stats = s.stats()
+    assert stats["large_windows"] == 1 and stats["evictions"] == 1 and stats["remats"] == 1, stats
+    assert stats["peak_bytes"] == 6 * MiB
+    # With the pools kept apart (torch's way) no eviction can make that room.
+    saved = dtralloc._core.config_text()
+    dtralloc._core.configure("small_in_large:off")
+    try:
+        s = dtr(device="cpu", budget=6 * MiB, policy="dtralloc")
+        with pytest.raises(dtralloc.OutOfMemoryError, match="Tried to allocate 512 KiB"):
+            _small_request_beside_a_held_large_block(s)
+        assert s.stats()["large_windows"] == 0
+    finally:
+        dtralloc._core.configure(saved)
+
+
 def test_no_leak_after_the_graph_is_dropped():
     model, loss_fn = build("transformer_sdpa_dropout")
     with dtr(budget="2M", device="cpu", chaos=False) as s:

@@ -932,6 +932,7 @@ py::dict LiveSession::stats() {
   d["hold_restarts"] = c.hold_restarts;
   d["eviction_calls"] = e.calls;
   d["no_plan"] = e.no_plan;
+  d["large_windows"] = e.large_windows;
   d["ruinous_spared"] = e.ruinous_spared;
   d["ops"] = stats_.ops;
   d["saved"] = stats_.saved;

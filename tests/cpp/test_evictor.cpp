@@ -390,6 +390,43 @@ void test_thorough_search() {
   }
 }
 
+// small_in_large: a small request that the small pool can neither serve
+// (its one segment is pinned) nor grow for (no headroom) takes a window in
+// the large pool, whose one segment cannot be released (L is held): E goes,
+// and the request lands where E was. Without small_in_large the pool could
+// not use that room, and there is no plan.
+void test_small_request_takes_a_large_window() {
+  for (const char* mix : {"on", "off"}) {
+    Graph g(std::string("budget:22M,segment_fit:off,unmap_pages:off,small_in_large:") + mix);
+    for (int i = 0; i < 4; ++i) g.engine.add_initial(kQuarter);
+    const int e = g.make(1, -1, 2 << 20);
+    const int l = g.make(1000, -1, 18 << 20);
+    g.engine.acquire(l);
+    CHECK_EQ(g.allocator.stats_report().stats.segment[kStatAll].current, 2);
+    CHECK_EQ(g.allocator.stats_report().stats.reserved_bytes[kStatAll].current, std::int64_t{22} << 20);
+    auto ev = std::make_shared<Evictor>(g.allocator, g.engine, Policy::kDtralloc, g.allocator.config());
+    const bool on = std::string(mix) == "on";
+    CHECK(ev->choose(kQuarter, 0) == (on ? std::vector<int>{e} : std::vector<int>{}));
+    CHECK_EQ(ev->stats().no_plan, on ? std::size_t{0} : std::size_t{1});
+    if (on) {  // through the allocator
+      const std::uintptr_t e_addr = g.engine.value(e).addr;
+      g.allocator.set_eviction_hook(ev);
+      OpCall call;
+      call.cost = 1;
+      const int op = g.engine.begin_op(call);
+      const int small = g.engine.add_output(op, kQuarter);
+      g.engine.end_op(op);
+      CHECK(g.engine.value(e).state == ValueState::kEvicted);
+      CHECK_EQ(g.engine.value(small).addr, e_addr);
+      CHECK_EQ(ev->stats().large_windows, std::size_t{1});
+      g.allocator.check_invariants();
+      g.engine.check_invariants();
+      g.allocator.set_eviction_hook(nullptr);
+    }
+    g.engine.unacquire(l);
+  }
+}
+
 void test_unknown_policy() {
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_policy("belady"); }), "belady");
   CHECK_CONTAINS(check::thrown_message<ConfigError>([] { parse_config("policy:belady"); }), "policy");
@@ -421,6 +458,7 @@ int main() {
   test_release_plans();
   test_release_plan_costs_chains();
   test_thorough_search();
+  test_small_request_takes_a_large_window();
   test_unknown_policy();
   return check::check_summary("test_evictor");
 }
