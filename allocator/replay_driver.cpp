@@ -55,6 +55,8 @@ void ReplayTrace::validate() const {
     throw std::invalid_argument("replay: per-storage or per-op columns differ in length");
   if (!kept.empty() && kept.size() != s)
     throw std::invalid_argument("replay: 'kept' has an entry per storage, or none");
+  for (std::uint8_t k : kept)
+    if (k > kKeptPastBackward) throw std::invalid_argument("replay: a 'kept' entry is 0, 1 or 2");
   check_csr(inputs_offsets, inputs, n, s, "inputs");
   check_csr(created_offsets, created, n, s, "created");
   check_csr(mutated_offsets, mutated, n, s, "mutated");
@@ -121,6 +123,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
 
   std::vector<int> current(t.nbytes.size(), -1);  // storage id -> its current value
   auto kept = [&](int sid) { return !t.kept.empty() && t.kept[sid] != 0; };
+  auto outlives = [&](int sid) { return !t.kept.empty() && t.kept[sid] == ReplayTrace::kKeptOutlives; };
   auto check = [&] {
     if (!options.check_invariants) return;
     allocator.check_invariants();
@@ -151,7 +154,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
         const int sid = t.created[k];
         // What the program keeps past the step (long_lived: as a live step
         // expects it from the step before).
-        if (kept(sid)) allocator.expect_long_lived({t.nbytes[sid]});
+        if (outlives(sid)) allocator.expect_long_lived({t.nbytes[sid]});
         current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes || kept(sid));
         allocator.clear_long_lived();
       }

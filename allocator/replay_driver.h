@@ -26,10 +26,14 @@ namespace dtralloc {
 struct ReplayTrace {
   std::vector<std::size_t> nbytes;     // per storage
   std::vector<std::uint8_t> initial;   // per storage
-  // Per storage, or empty (none): made during the step and still alive when
-  // it returned (Storage.outlives), so the program holds it from the op that
-  // makes it (a parameter's gradient, the loss): pinned, never evicted, as
-  // the live driver finds it (LiveSession::held_elsewhere).
+  // Per storage, or empty (none): what the program holds from the op that
+  // makes it, pinned (never evicted) as the live driver finds it
+  // (LiveSession::held_elsewhere). kKeptOutlives: made during the step and
+  // still alive when it returned (Storage.outlives: a parameter's gradient),
+  // also placed as long-lived; kKeptPastBackward: made before the step's
+  // backward ended and freed after it (the loss the step returns), which
+  // autograd no longer holds.
+  static constexpr std::uint8_t kKeptOutlives = 1, kKeptPastBackward = 2;
   std::vector<std::uint8_t> kept;
   std::vector<int> frees_before;
   std::vector<int> inputs_offsets, inputs;

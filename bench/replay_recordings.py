@@ -69,7 +69,7 @@ def spikes(overheads: dict) -> list:
 
 # What the replays here modelled, saved with the figures: a --dtr-from file
 # measured under another model does not compare (replay(pin_outliving=...)).
-MODEL_KEY, MODEL = "_replay", {"pin_outliving": True}
+MODEL_KEY, MODEL = "_replay", {"pin_outliving": True, "pin_past_backward": True}
 
 
 def measure(job):
@@ -262,9 +262,11 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             parser.error(f"--dtr-from {args.dtr_from}: {e}")
         if saved.get(MODEL_KEY) != MODEL:
-            parser.error(f"--dtr-from {args.dtr_from} was measured with what outlives the step replayed as "
-                         f"recomputable (before 2026-11-23; replay(pin_outliving=False)): its dtr figures do "
-                         f"not compare with dtralloc's now. Measure both again (drop --dtr-from) and --save them")
+            parser.error(f"--dtr-from {args.dtr_from} was measured under another model of what the program "
+                         f"holds ({saved.get(MODEL_KEY)} there, {MODEL} now: before 2026-11-23 what outlives the "
+                         f"step was recomputable; before 2026-11-24 so was what outlives the backward, the loss): "
+                         f"its dtr figures do not compare with dtralloc's now. Measure both again (drop "
+                         f"--dtr-from) and --save them")
         for t in traces:
             r = saved.get(t, {}).get("dtr")
             if r is None:

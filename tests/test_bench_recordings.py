@@ -91,7 +91,7 @@ def test_dtr_figures_can_be_reused(tmp_path):
     del figures["_replay"]
     saved.write_text(json.dumps(figures))
     proc = run("--traces", "mlp", "--dtr-from", str(saved))
-    assert proc.returncode == 2 and "replayed as recomputable" in proc.stderr
+    assert proc.returncode == 2 and "another model of what the program holds" in proc.stderr
 
 
 def test_pinned_outliving_bench(tmp_path):

@@ -103,6 +103,8 @@ void bind_replay(py::module_& m) {
       .def_readwrite("nbytes", &ReplayTrace::nbytes)
       .def_readwrite("initial", &ReplayTrace::initial)
       .def_readwrite("kept", &ReplayTrace::kept)
+      .def_readonly_static("KEPT_OUTLIVES", &ReplayTrace::kKeptOutlives)
+      .def_readonly_static("KEPT_PAST_BACKWARD", &ReplayTrace::kKeptPastBackward)
       .def_readwrite("frees_before", &ReplayTrace::frees_before)
       .def_readwrite("inputs_offsets", &ReplayTrace::inputs_offsets)
       .def_readwrite("inputs", &ReplayTrace::inputs)

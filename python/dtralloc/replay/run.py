@@ -41,7 +41,10 @@ def replay(
             it (``Storage.outlives``: the parameters' gradients, the loss)
             are held by the program from the op that makes them, so they
             are pinned, as a live session finds them (``dtralloc.dtr``
-            cannot evict what the program references). False replays them
+            cannot evict what the program references); so are storages
+            made before the step's last backward op and freed after it (the
+            loss the step returns: autograd has let go of it by then, so the
+            program holds it). False replays them
             as recomputable, as replays before 2026-11-23 did; dtralloc's
             lowest budgets were then up to 0.09 of the peak too low
             (docs/live.md, "Live against replay").
@@ -119,10 +122,12 @@ def replay_columns(trace: Trace, pin_outliving: bool = True) -> _core.ReplayTrac
     t = _core.ReplayTrace()
     t.nbytes = [s.nbytes for s in trace.storages]
     t.initial = [int(s.initial) for s in trace.storages]
-    # Made in the step and alive after it: the program holds them (gradients,
-    # the loss), so they are pinned from the op that makes them, as live.
+    # What the program holds is pinned from the op that makes it, as live
+    # finds it held: what is made in the step and alive after it (the
+    # gradients), and what is made before its backward ended and freed only
+    # after it (the loss the step returns): autograd has let go of it by then.
     if pin_outliving:
-        t.kept = [int(s.outlives and not s.initial) for s in trace.storages]
+        t.kept = kept_column(trace)
     t.frees_before = list(trace.frees_before)
     t.inputs_offsets, t.inputs = csr([o.inputs for o in ops])
     t.created_offsets, t.created = csr([o.created for o in ops])
@@ -132,6 +137,24 @@ def replay_columns(trace: Trace, pin_outliving: bool = True) -> _core.ReplayTrac
     t.cost = [float(o.duration_ns if o.duration_ns > 0 else max(o.flops, 1)) for o in ops]
     t.random = [int(o.random) for o in ops]
     return t
+
+
+def kept_column(trace: Trace) -> list[int]:
+    """ReplayTrace.kept: 1 for a storage made in the step that outlives it, 2
+    for one made before the last backward op ran and freed after it, else 0."""
+    kept = [_core.ReplayTrace.KEPT_OUTLIVES if s.outlives and not s.initial else 0 for s in trace.storages]
+    ops = trace.ops
+    last_backward = max((i for i, o in enumerate(ops) if o.backward), default=-1)
+    if last_backward < 0:
+        return kept
+    made_before = set()
+    for o in ops[: last_backward + 1]:
+        made_before.update(o.created)
+    for o in ops[last_backward + 1:]:
+        for sid in o.frees:
+            if sid in made_before and not kept[sid] and not trace.storages[sid].initial:
+                kept[sid] = _core.ReplayTrace.KEPT_PAST_BACKWARD
+    return kept
 
 
 # The pool's history ring holds at most this many events (48 bytes each).
