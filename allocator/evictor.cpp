@@ -48,26 +48,22 @@ bool Evictor::make_room(std::size_t bytes, Stream stream) {
   if (log_)
     log_->add(engine_.current_op(), EventKind::kRoomAsked, -1, bytes, 0, last_plan_, logged_.score,
               logged_.addr, logged_.bytes);
-  // A window in the large pool for a small request (choose) is the last
-  // resort: the pool's own next step, its free pages (spared rooms' too),
-  // goes first where it makes room for a new small segment.
-  if (large_window_) {
-    if (allocator_.give_back_pages(bytes)) return true;
-    ++stats_.large_windows;
+  // Free pages, spared rooms' too, go first where they make room, both for
+  // a window in the large pool for a small request (choose: the last
+  // resort; pages are the pool's own next step) and for a ruinous victim.
+  // Else, for a ruinous victim in a recompute that its hold will retry with
+  // what it brought back unlocked, nothing: the OOM that follows starts that
+  // retry, and those values are then the victims.
+  const bool ruin = traits_.spare_ruinous && ruinous(victims);
+  if ((large_window_ || ruin) && allocator_.give_back_pages(bytes)) {
+    stats_.ruinous_spared += ruin;
+    return true;
   }
-  if (traits_.spare_ruinous && ruinous(victims)) {
-    // Free pages, spared rooms' too, instead. Else, in a recompute that its
-    // hold will retry with what it brought back unlocked, nothing: the OOM
-    // that follows starts that retry, and those values are then the victims.
-    if (allocator_.give_back_pages(bytes)) {
-      ++stats_.ruinous_spared;
-      return true;
-    }
-    if (engine_.recompute_can_retry()) {
-      ++stats_.ruinous_spared;
-      return false;
-    }
+  if (ruin && engine_.recompute_can_retry()) {
+    ++stats_.ruinous_spared;
+    return false;
   }
+  stats_.large_windows += large_window_;
   bool freed = false;
   for (int v : victims) freed |= engine_.evict(v);
   return freed;
@@ -237,7 +233,6 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     // its last step): a window there serves it too. Asked only where nothing
     // else would, so the pools stay apart as long as they can. The walk
     // covered the large pool: a small request's always does.
-    large_window_ = false;
     if (!window.found() && !release.found() && BlockPool::pool_for(bytes) == kSmallPool &&
         allocator_.config().small_in_large == Switch::kOn) {
       window = choose_window(bytes, false, kLargePool);
