@@ -152,7 +152,7 @@ def kept_column(trace: Trace) -> list[int]:
         made_before.update(o.created)
     for o in ops[last_backward + 1:]:
         for sid in o.frees:
-            if sid in made_before and not kept[sid] and not trace.storages[sid].initial:
+            if sid in made_before and not kept[sid]:  # made in the step: never initial
                 kept[sid] = _core.ReplayTrace.KEPT_PAST_BACKWARD
     return kept
 
