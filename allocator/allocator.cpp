@@ -48,6 +48,7 @@ const char* trace_action_name(TraceAction action) {
 
 Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config, int device)
     : backend_(std::move(backend)),
+      requested_(config),
       config_(resolve_config(config, backend_->releases_ranges())),
       device_(device),
       pool_(config_) {
@@ -137,8 +138,9 @@ bool Allocator::in_home(const Block* block) const {
 }
 
 bool Allocator::keep_home(const void* owner, int value, std::uintptr_t addr, std::size_t size) {
-  if (config_.spare_evicted != Switch::kOn || size <= kSmallSize || !addr) return false;
+  if (size <= kSmallSize || !addr) return false;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (config_.spare_evicted != Switch::kOn) return false;
   auto [it, fresh] = home_of_.try_emplace({owner, value}, addr);
   if (!fresh) return true;  // kept already (an engine drops a home before keeping another)
   homes_.emplace(addr, Home{size, owner, value});
@@ -173,8 +175,9 @@ std::size_t Allocator::homes() {
 }
 
 void Allocator::expect_long_lived(const std::vector<std::size_t>& sizes) {
-  if (config_.long_lived != Switch::kOn || sizes.empty()) return;
+  if (sizes.empty()) return;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (config_.long_lived != Switch::kOn) return;
   long_lived_.clear();
   for (std::size_t size : sizes) long_lived_.push_back(BlockPool::round_size(size, config_));
   long_lived_thread_ = std::this_thread::get_id();
@@ -583,9 +586,45 @@ std::shared_ptr<EvictionHook> Allocator::eviction_hook() {
   return hook_;
 }
 
-void Allocator::override_budget(std::size_t bytes) {
+void Allocator::override_session(std::size_t bytes, Policy policy) {
+  Config want = requested_;
+  want.policy = policy;
+  if (bytes) {
+    want.budget = Budget{};
+    want.budget.bytes = bytes;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   budget_bytes_ = bytes ? std::min(bytes, capacity_bytes_) : config_budget_bytes_;
+  apply_resolved(resolve_config(want, backend_->releases_ranges()));
+}
+
+void Allocator::end_override() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  budget_bytes_ = config_budget_bytes_;
+  apply_resolved(resolve_config(requested_, backend_->releases_ranges()));
+}
+
+// Under mutex_. Only what resolve_config settles changes; the oversize
+// counters follow a new max_split_size_mb (BlockPool::recount_oversize).
+void Allocator::apply_resolved(const Config& resolved) {
+  config_.segment_fit = resolved.segment_fit;
+  config_.small_in_large = resolved.small_in_large;
+  config_.spare_evicted = resolved.spare_evicted;
+  config_.long_lived = resolved.long_lived;
+  config_.unmap_pages = resolved.unmap_pages;
+  if (config_.max_split_size_mb != resolved.max_split_size_mb) {
+    config_.max_split_size_mb = resolved.max_split_size_mb;
+    pool_.recount_oversize();
+  }
+  if (config_.spare_evicted != Switch::kOn) {  // no room is spared any more
+    homes_.clear();
+    home_of_.clear();
+    largest_home_ = 0;
+  }
+  if (config_.long_lived != Switch::kOn) {
+    long_lived_.clear();
+    long_lived_set_.store(false, std::memory_order_relaxed);
+  }
 }
 
 void Allocator::set_eviction_hook(std::shared_ptr<EvictionHook> hook) {

@@ -212,9 +212,17 @@ class Allocator {
   // taken; clear_long_lived takes it only when a hint is set.
   void expect_long_lived(const std::vector<std::size_t>& sizes);
   void clear_long_lived();
-  // A live DTR session's budget (bytes, at most the capacity) in place of the
-  // configured one while it runs; 0 restores the configured budget.
-  void override_budget(std::size_t bytes);
+  // A live DTR session's budget and policy in place of the configured ones
+  // while it runs: `bytes` (at most the capacity; 0 keeps the configured
+  // budget), and the settings that auto resolves by policy and budget
+  // (max_split_size_mb, segment_fit, small_in_large, spare_evicted,
+  // long_lived, unmap_pages where the backend can give back pages) resolved
+  // as for `policy` under that budget, so that a dtralloc session places as
+  // its replay does on a pool installed without a budget or a policy.
+  // Settings given on or off, or as a size, stay as given. end_override()
+  // goes back to the configured budget and settings.
+  void override_session(std::size_t bytes, Policy policy);
+  void end_override();
   // Resizes the event history ring (0 turns it off) and clears it, like
   // torch.cuda.memory._record_memory_history(max_entries=...).
   void set_history_entries(std::size_t entries);
@@ -280,6 +288,9 @@ class Allocator {
 
   std::size_t budget_bytes() const { return budget_bytes_; }
   std::size_t capacity_bytes() const { return capacity_bytes_; }
+  // The settings in force, auto resolved. override_session changes the
+  // resolved ones under the lock; a live session calls it with the GIL held,
+  // so what reads them under the lock or the GIL sees one or the other.
   const Config& config() const { return config_; }
   // The segment a new request of `rounded` bytes gets (config only: no lock).
   std::size_t segment_size(std::size_t rounded) const { return pool_.segment_size(rounded); }
@@ -298,6 +309,7 @@ class Allocator {
   Block* allocate_segment(std::size_t rounded, std::size_t requested, Stream stream);
   void release_segment(Segment* seg);
   void garbage_collect(std::size_t incoming_bytes);
+  void apply_resolved(const Config& resolved);
   bool release_oversize_segments(std::size_t rounded, Stream stream);
   void release_cached_segments();
   struct PendingEvent {
@@ -330,7 +342,8 @@ class Allocator {
 
   std::mutex mutex_;
   std::unique_ptr<Backend> backend_;
-  const Config config_;
+  const Config requested_;  // as given, auto unresolved (override_session)
+  Config config_;            // in force: requested_ resolved, or a session's
   const int device_;
   BlockPool pool_;
   std::size_t capacity_bytes_;

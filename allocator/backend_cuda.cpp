@@ -691,8 +691,13 @@ namespace {
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device) {
   const LoadedRuntime& runtime = runtime_for_device(device);
   // Resolved as for a backend that can give back pages: on means the
-  // settings want VMM segments.
-  bool vmm = resolve_config(config, true).unmap_pages == Switch::kOn;
+  // settings want VMM segments. Under the dtralloc policy without a budget
+  // too: such a pool hosts dtr(budget=...) sessions, which resolve auto as
+  // under a budget (Allocator::override_session), and the segments they give
+  // pages back from are made from the start.
+  Config want = config;
+  if (want.policy == Policy::kDtralloc && want.budget.none()) want.budget.fraction = 1.0;
+  bool vmm = resolve_config(want, true).unmap_pages == Switch::kOn;
   if (vmm) {
     const std::string why = vmm_unavailable(runtime.api, device);
     if (!why.empty() && config.unmap_pages == Switch::kOn) refuse_unmap_pages(why);

@@ -404,6 +404,21 @@ std::size_t BlockPool::free_bytes() const {
   return static_cast<std::size_t>(stats_.reserved_bytes[kStatAll].current - stats_.active_bytes[kStatAll].current);
 }
 
+void BlockPool::recount_oversize() {
+  std::int64_t allocations = 0, segments = 0;
+  for (const auto& entry : segments_) {
+    const Segment* seg = entry.second;
+    segments += oversize(seg->size);
+    for (const Block* b = seg->head; b; b = b->next) allocations += b->allocated && oversize(b->size);
+  }
+  auto set = [](Stat& stat, std::int64_t now) {
+    if (now > stat.current) stat.increase(now - stat.current);
+    if (now < stat.current) stat.decrease(stat.current - now);
+  };
+  set(stats_.oversize_allocations, allocations);
+  set(stats_.oversize_segments, segments);
+}
+
 void BlockPool::check_invariants() const {
   // What a full walk counts, per stat index, to compare with stats_ (I5).
   struct Count {

@@ -177,6 +177,10 @@ class BlockPool {
 
   // Throws std::logic_error naming the broken invariant (I1..I5).
   void check_invariants() const;
+  // After max_split_size_mb changed (Allocator::override_session): the
+  // oversize counters brought to what the new size makes of the blocks and
+  // segments there are. Blocks split under the old size stay split.
+  void recount_oversize();
 
  private:
   Block* new_block();

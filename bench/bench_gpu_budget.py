@@ -13,8 +13,10 @@ next), the largest batch whose steps all run within M:
 
 * plain           torch's allocator, capped at M (set_per_process_memory_fraction)
 * checkpoint      the same, with torch.utils.checkpoint (non-reentrant) on every block
-* plain-dtralloc  dtralloc.install("budget:M"), no DTR session: what the pool alone gives
-* dtr             dtralloc.install(), every step inside dtralloc.dtr(budget=M)
+* plain-dtralloc  dtralloc.install("policy:dtralloc,budget:M"), no DTR session: what the pool
+                  alone gives (its placement under a budget, no eviction)
+* dtr             dtralloc.install("policy:dtralloc"), every step inside dtralloc.dtr(budget=M)
+                  (the pool makes VMM segments, and each session's budget turns its placement on)
 
 Per configuration: max batch / B, and the step time per sample over plain's
 at B (the overhead), at every batch probed. The dtr process then checks one
@@ -215,6 +217,13 @@ def _print(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
+def with_policy(conf: str) -> str:
+    """`conf` for the dtralloc configurations' install(): the dtralloc policy
+    unless it names one (README: install("budget:20G,policy:dtralloc"))."""
+    keys = {part.split(":", 1)[0].strip() for part in conf.split(",") if part.strip()}
+    return conf if "policy" in keys else ",".join(filter(None, ("policy:dtralloc", conf)))
+
+
 class Worker:
     def __init__(self, spec: dict, emit=_print):
         self.spec, self.emit = spec, emit
@@ -222,7 +231,7 @@ class Worker:
         self.config = spec["config"]
         self.cuda = spec["device"] == "cuda"
         self.cap = spec.get("cap_bytes")
-        conf = spec.get("conf") or ""
+        conf = with_policy(spec.get("conf") or "")
         if self.cuda and self.config == "dtr":
             import dtralloc
 
@@ -569,8 +578,9 @@ def report(results: list, args, command: str, elapsed: float) -> str:
              f"{elapsed:.0f} s", "",
              "M = peak reserved bytes of plain training at batch B (every step, warm-up included), "
              + ("under torch's caching allocator, uncapped, in a process of its own; plain and checkpoint "
-                "are capped at M with set_per_process_memory_fraction, plain-dtralloc with the pool's budget, "
-                "dtr with dtr(budget=M). Reserved, because both caps bound reserved bytes."
+                "are capped at M with set_per_process_memory_fraction, plain-dtralloc with the pool's budget "
+                "(install('policy:dtralloc,budget:M')), dtr with dtr(budget=M) on install('policy:dtralloc'). "
+                "Reserved, because both caps bound reserved bytes."
                 if args.device == "cuda" else
                 "as the session's virtual mirror pool counts them (CPU: every configuration runs inside "
                 "dtr(device='cpu'); plain and checkpoint fit when the mirror's peak is within M, dtr has "
@@ -676,7 +686,8 @@ def main(argv=None) -> int:
                         help="CPU only: run the configurations in this process, not one process each")
     parser.add_argument("--conf", default="",
                         help="GPU only: settings (DTRALLOC_CONF's syntax) for the install() of the dtralloc "
-                             "configurations, e.g. unmap_pages:off (cudaMalloc segments instead of VMM ones)")
+                             "configurations, after policy:dtralloc unless they name a policy, e.g. "
+                             "unmap_pages:off (cudaMalloc segments instead of VMM ones)")
     parser.add_argument("--out", help="also write the report (markdown) here, and its data next to it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1097,14 +1097,18 @@ def scenario_live_sessions_end_in_any_order():
     this way) end in any order: a training loop's `with dtralloc.dtr(...) as s:`
     drops the previous step's session only after the next one has started.
     The pool's budget is the newest live session's that sets one, the pool's
-    own once none is left, and ended sessions leave nothing behind."""
+    own once none is left, and ended sessions leave nothing behind. The
+    pool's auto settings resolve for the newest session's policy under that
+    budget (max_split_size shows it: 32 MiB under dtralloc's placement,
+    none under the pool's own configuration here, which names no policy)."""
     from dtralloc.dtr.runner import helpers
 
     FakeCudaRuntime()
     own = stats()["budget_bytes"]
+    eq(stats()["max_split_size"], -1, "the pool's own max_split_size (budget:512M, no policy)")
 
-    def started(budget):
-        s = _core.LiveSession(True, 0, budget, _core.config_text(), "dtralloc", False, False, helpers("cuda:0"))
+    def started(budget, policy="dtralloc"):
+        s = _core.LiveSession(True, 0, budget, _core.config_text(), policy, False, False, helpers("cuda:0"))
         s.start()
         return s
 
@@ -1118,8 +1122,10 @@ def scenario_live_sessions_end_in_any_order():
             gc.collect()
         eq(stats()["budget_bytes"], budget, f"budget at step {step}")
         eq(_core.live_sessions_on_device(0), 1, f"live sessions at step {step}")
+        eq(stats()["max_split_size"], 32 * MiB, f"dtralloc placement at step {step}")
     del s
     eq(stats()["budget_bytes"], own, "the pool's own budget after the loop")
+    eq(stats()["max_split_size"], -1, "the pool's own placement after the loop")
     eq(_core.live_sessions_on_device(0), 0, "no live session after the loop")
 
     # Older sessions still alive (a backward after the block needs them).
@@ -1128,6 +1134,11 @@ def scenario_live_sessions_end_in_any_order():
     eq(stats()["budget_bytes"], 64 * MiB, "a session without a budget keeps the older one's")
     c = started(32 * MiB)
     eq(stats()["budget_bytes"], 32 * MiB, "the newest budget")
+    d = started(0, "dtr")
+    eq((stats()["budget_bytes"], stats()["max_split_size"]), (32 * MiB, -1),
+       "the newest session's policy (dtr places as torch) under the newest budget")
+    del d
+    eq(stats()["max_split_size"], 32 * MiB, "c's placement again")
     del a
     eq(stats()["budget_bytes"], 32 * MiB, "an older session ending leaves the newest budget")
     del c
@@ -1135,6 +1146,7 @@ def scenario_live_sessions_end_in_any_order():
     eq(_core.live_sessions_on_device(0), 1, "b is live")
     b.stop()
     eq(_core.live_sessions_on_device(0), 0, "b stopped")
+    eq(stats()["max_split_size"], -1, "the pool's own placement once none is live")
     del b
 
 

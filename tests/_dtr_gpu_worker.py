@@ -287,13 +287,16 @@ def device_thread() -> dict:
     return {"peak": peak, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
 
 
-def long_lived() -> dict:
+def long_lived(installed: str = "configured") -> dict:
     """long_lived on CUDA (docs/live.md, "What outlives the step"): a session
     learns which of its ops' outputs the step kept (the gradients), and the
     next one announces them to the device pool before the same op's kernel
     allocates, on whichever thread runs it (backward: the device thread).
-    The pool's own configuration decides (policy dtralloc with a budget)."""
-    dtralloc, torch = _setup("policy:dtralloc,budget:0.9")
+    The sessions' policy (dtralloc) under the budget in force decides, on a
+    pool installed with policy:dtralloc and a budget ("configured") as on one
+    installed with neither ("plain": dtralloc.install(), then dtr(budget=...)),
+    whose own settings resolve long_lived off."""
+    dtralloc, torch = _setup({"configured": "policy:dtralloc,budget:0.9", "plain": ""}[installed])
     from torch import nn
 
     def build():

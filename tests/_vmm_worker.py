@@ -67,17 +67,20 @@ def scenario_pages_go_back_and_the_rest_stays():
     no_vmm_leak()
 
 
-def scenario_auto_uses_vmm_only_for_the_dtralloc_policy_with_a_budget():
-    """unmap_pages:auto is on (VMM segments) under the dtralloc policy with a
-    budget, off (cudaMalloc) otherwise."""
-    plain = dtralloc.Pool("cuda", conf="")
-    plain.free(plain.malloc(MiB))
-    check(fake.calls("cuMemCreate") == 0 and fake.calls("cudaMalloc") == 1, "plain pool did not use cudaMalloc")
-    plain.empty_cache()
-    budgeted = dtralloc.Pool("cuda", conf="policy:dtralloc,budget:64M")
-    budgeted.free(budgeted.malloc(MiB))
-    check(fake.calls("cuMemCreate") == 1 and fake.calls("cudaMalloc") == 1, "budgeted pool did not use VMM")
-    budgeted.empty_cache()
+def scenario_auto_uses_vmm_only_for_the_dtralloc_policy():
+    """unmap_pages:auto makes VMM segments under the dtralloc policy, with a
+    budget or without one (a dtr(budget=...) session on it resolves auto as
+    under a budget: Allocator::override_session), and cudaMalloc'd ones
+    otherwise, a budget under no policy included."""
+    expected = {"": False, "budget:64M": False, "policy:dtr,budget:64M": False,
+                "policy:dtralloc,budget:64M": True, "policy:dtralloc": True}
+    for conf, vmm in expected.items():
+        before = (fake.calls("cuMemCreate"), fake.calls("cudaMalloc"))
+        pool = dtralloc.Pool("cuda", conf=conf)
+        pool.free(pool.malloc(MiB))
+        made = (fake.calls("cuMemCreate") - before[0], fake.calls("cudaMalloc") - before[1])
+        check(made == ((1, 0) if vmm else (0, 1)), f"conf {conf!r}: {made} (cuMemCreate, cudaMalloc) calls")
+        pool.empty_cache()
     no_vmm_leak()
 
 

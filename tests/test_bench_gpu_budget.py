@@ -140,3 +140,13 @@ def test_conf_is_checked_before_anything_runs():
 
     assert "install nothing" in fails("--device", "cpu", "--conf", "unmap_pages:off")
     assert "unknown key 'unmap_pagez'" in fails("--device", "cuda", "--conf", "unmap_pagez:off")
+
+
+def test_the_dtralloc_configurations_install_the_dtralloc_policy():
+    """The installed CUDA pool's auto settings follow its policy: without
+    policy:dtralloc the dtr configuration's pool made cudaMalloc'd segments
+    and could give no page back (Allocator::override_session, make_cuda_backend_for)."""
+    bench = _bench()
+    assert bench.with_policy("") == "policy:dtralloc"
+    assert bench.with_policy("unmap_pages:off") == "policy:dtralloc,unmap_pages:off"
+    assert bench.with_policy("budget:1G, policy:dtr") == "budget:1G, policy:dtr"

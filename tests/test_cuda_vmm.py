@@ -16,7 +16,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vmm_worker.p
 
 SCENARIOS = {
     "pages_go_back_and_the_rest_stays": None,
-    "auto_uses_vmm_only_for_the_dtralloc_policy_with_a_budget": None,
+    "auto_uses_vmm_only_for_the_dtralloc_policy": None,
     "without_vmm_auto_falls_back_and_on_is_refused": None,
     "out_of_memory_midway_leaves_nothing_behind": None,
     "a_thread_without_a_context_allocates": None,

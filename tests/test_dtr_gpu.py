@@ -76,8 +76,9 @@ def test_backward_on_the_device_thread_evicts_and_stays_exact():
         f"no budget made backward (on the device thread) evict: {r}"
 
 
-def test_a_step_places_what_the_step_before_kept_at_the_high_end_on_cuda():
-    r = run("long_lived")
+@pytest.mark.parametrize("installed", ["configured", "plain"])
+def test_a_step_places_what_the_step_before_kept_at_the_high_end_on_cuda(installed):
+    r = run("long_lived", installed)
     assert r["control_diffs"] == [], f"plain runs differ from each other on this GPU: {r['control_diffs']}"
     assert r["diffs"] == [], r
     # Each session after the first announces the parameters' gradients (the

@@ -61,7 +61,7 @@ struct LiveSession::OnPool {
   std::shared_ptr<EvictionHook> before;        // the pool's hook before the first session
   std::vector<std::weak_ptr<LiveSession>> sessions;
   std::shared_ptr<EvictionHook> hook;          // the Hook below, while it is the pool's
-  bool overridden = false;                     // a session set the pool's budget
+  bool overridden = false;                     // a session set the pool's budget and placement
 };
 
 namespace {
@@ -272,20 +272,32 @@ void LiveSession::stop() {
 }
 
 // The pool's budget: the newest live session's that sets one; when none
-// does any more, the pool's own again. On the CPU mirror the session's budget
-// is the mirror's configuration: nothing to override.
+// does any more, the pool's own again. Its auto settings (placement) resolve
+// as for the newest live session's policy under that budget, so that a
+// dtralloc session on a pool installed with neither (dtralloc.install(),
+// then dtr(budget=...)) places as its replay and the CPU mirror do
+// (Allocator::override_session). On the CPU mirror the session's budget and
+// policy are the mirror's configuration: nothing to override.
 void LiveSession::apply_budget(OnPool& on_pool) {
   if (!options_.cuda) return;
+  std::shared_ptr<LiveSession> newest;
+  std::size_t bytes = 0;
   for (auto it = on_pool.sessions.rbegin(); it != on_pool.sessions.rend(); ++it) {
     auto s = it->lock();
-    if (s && s->options_.budget_bytes) {
-      pool_->override_budget(s->options_.budget_bytes);
-      on_pool.overridden = true;
-      return;
+    if (!s) continue;
+    if (!newest) newest = s;
+    if (s->options_.budget_bytes) {
+      bytes = s->options_.budget_bytes;
+      break;
     }
   }
-  if (on_pool.overridden) pool_->override_budget(0);
-  on_pool.overridden = false;
+  if (newest) {
+    pool_->override_session(bytes, newest->options_.policy);
+    on_pool.overridden = true;
+  } else if (on_pool.overridden) {
+    pool_->end_override();
+    on_pool.overridden = false;
+  }
 }
 
 std::size_t LiveSession::live_sessions_on(Allocator* pool) {

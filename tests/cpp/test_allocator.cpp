@@ -1225,6 +1225,70 @@ void test_long_lived_takes_the_high_end() {
   b->free(low);
 }
 
+// A live session on a pool configured with neither a budget nor a policy
+// (dtralloc.install(), then dtr(budget=...)) resolves the auto settings as
+// under its policy and budget, as the CPU mirror's and the replay's pools
+// do; ending the override puts back the configured budget and settings.
+void test_session_override_resolves_placement() {
+  auto a = make_virtual("");
+  auto placement = [&] {
+    const Config& c = a->config();
+    return std::vector<int>{c.segment_fit == Switch::kOn, c.small_in_large == Switch::kOn,
+                            c.spare_evicted == Switch::kOn, c.long_lived == Switch::kOn,
+                            c.unmap_pages == Switch::kOn};
+  };
+  const std::vector<int> off{0, 0, 0, 0, 0}, on{1, 1, 1, 1, 1};
+  CHECK(placement() == off);
+  CHECK_EQ(a->config().max_split_size_mb, kNoLimit);
+  void* big = a->malloc(64 * kMiB);  // its own segment; not oversize without a limit
+  void* three = a->malloc(3 * kMiB);  // a 20 MiB segment (segment_fit off)
+  CHECK_EQ(reserved(*a), mib(84));
+  CHECK_EQ(stats(*a).oversize_allocations.current, 0);
+
+  a->override_session(256 * kMiB, Policy::kDtralloc);
+  CHECK_EQ(a->budget_bytes(), 256 * kMiB);
+  CHECK(placement() == on);
+  CHECK_EQ(a->config().max_split_size_mb, kDtrallocMaxSplit);
+  // The 64 MiB block and its segment are oversize under the new limit.
+  CHECK_EQ(stats(*a).oversize_allocations.current, 1);
+  CHECK_EQ(stats(*a).oversize_segments.current, 1);
+  a->check_invariants();
+  // segment_fit in force: a 3 MiB request now gets a segment of six copies.
+  void* threes[6] = {};
+  for (void*& p : threes) p = a->malloc(3 * kMiB);  // five fill the first segment, the sixth a new one
+  CHECK_EQ(reserved(*a), mib(84 + 18));
+  a->check_invariants();
+
+  // The dtr policy under a budget resolves auto off, as its replay does.
+  a->override_session(256 * kMiB, Policy::kDtr);
+  CHECK(placement() == off);
+  CHECK_EQ(a->config().max_split_size_mb, kNoLimit);
+  CHECK_EQ(stats(*a).oversize_allocations.current, 0);
+  a->check_invariants();
+
+  a->override_session(128 * kMiB, Policy::kDtralloc);
+  a->end_override();
+  CHECK_EQ(a->budget_bytes(), kGiB);
+  CHECK(placement() == off);
+  CHECK_EQ(stats(*a).oversize_segments.current, 0);
+  CHECK_EQ(stats(*a).oversize_segments.peak, 1);
+  a->check_invariants();
+  for (void* p : threes) a->free(p);
+  for (void* p : {big, three}) a->free(p);
+  CHECK_EQ(allocated(*a), 0);
+  a->check_invariants();
+
+  // What the configuration gives explicitly stays; 0 keeps its budget.
+  auto b = make_virtual("budget:512M,long_lived:off,max_split_size_mb:64");
+  b->override_session(0, Policy::kDtralloc);
+  CHECK_EQ(b->budget_bytes(), 512 * kMiB);
+  CHECK(b->config().long_lived == Switch::kOff && b->config().segment_fit == Switch::kOn);
+  CHECK_EQ(b->config().max_split_size_mb, 64 * kMiB);
+  b->end_override();
+  CHECK(b->config().segment_fit == Switch::kOff);
+  CHECK_EQ(b->budget_bytes(), 512 * kMiB);
+}
+
 int main() {
   test_basics();
   test_budget_and_oom_message();
@@ -1233,6 +1297,7 @@ int main() {
   test_spare_evicted();
   test_pages_before_eviction();
   test_long_lived_takes_the_high_end();
+  test_session_override_resolves_placement();
   test_cache_hit_before_new_segment();
   test_release_oversize_first();
   test_release_all_cached_and_retry();
