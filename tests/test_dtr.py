@@ -121,14 +121,28 @@ def test_a_step_places_what_the_step_before_kept_at_the_high_end():
     # gradients), and the next session on the device announces them to the
     # pool when the same op comes round again. Placement only: still bit-exact.
     name = "convnet_batchnorm"
+    lstm_budget = no_eviction_peak("lstm", SWEEP_BATCH["lstm"])  # first: its session teaches lstm's
     budget = int(no_eviction_peak(name, SWEEP_BATCH[name]) * 0.75)
     sessions = run_plain_and_live(name, 3, SWEEP_BATCH[name], budget=budget, check_invariants=True)
     placed = [x.stats()["long_lived"] for x in sessions]
     # Every parameter's gradient and the loss (train() keeps it), nothing else.
     n_params = len(list(build(name)[0].parameters()))
     assert placed[1:] == [n_params + 1] * 2, placed
+    # A step without a budget (one that measures the peak) places nothing,
+    # and teaches the step after it, the first with a budget. (Another
+    # model's step first: what the device knew before is not this one's.)
+    other, other_loss = build("lstm", SWEEP_BATCH["lstm"])
+    with dtr(budget=lstm_budget, device="cpu"):
+        other_loss(other).backward()
+    model, loss_fn = build(name, SWEEP_BATCH[name])
+    with dtr(device="cpu") as free:
+        loss_fn(model).backward()
+    model.zero_grad(set_to_none=True)
+    with dtr(budget=budget, device="cpu") as first:
+        loss_fn(model).backward()
+    assert (free.stats()["long_lived"], first.stats()["long_lived"]) == (0, n_params), placed
     # Another model's ops differ from the first one on: nothing announced.
-    budget = no_eviction_peak("lstm", SWEEP_BATCH["lstm"])
+    budget = lstm_budget
     model, loss_fn = build("lstm", SWEEP_BATCH["lstm"])
     with dtr(budget=budget, device="cpu") as s:
         loss_fn(model).backward()

@@ -108,6 +108,8 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   device_ = helpers["device"];
   Config config = parse_config(options.conf);
   config.policy = options.policy;
+  would_place_ = config.long_lived == Switch::kOn ||
+                 (config.long_lived == Switch::kAuto && options.policy == Policy::kDtralloc);
   if (options.cuda) {
     pool_ = &global::allocator(options.device);
     current_stream_ = helpers["current_stream"];
@@ -214,8 +216,13 @@ void LiveSession::start() {
   const Stats at_start = pool_->stats_report().stats;
   ooms_at_start_ = at_start.num_ooms;
   long_lived_at_start_ = at_start.num_long_lived;
-  lifetimes_on_ = pool_->config().long_lived == Switch::kOn;
-  if (lifetimes_on_) {
+  // Announces what the step before kept where the pool places by it; notes
+  // what this step keeps where a budget would make the pool place by it, so
+  // that a step without one (measuring the peak, a warm-up) teaches the
+  // first step with one.
+  const bool placing = pool_->config().long_lived == Switch::kOn;
+  lifetimes_on_ = placing || would_place_;
+  if (placing) {
     auto& by_device = lifetimes_by_device();
     auto it = by_device.find(lifetimes_key());
     if (it != by_device.end()) lifetimes_in_ = it->second;

@@ -344,7 +344,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // session's ops (each recorded op's OpOverload, by ordinal) and what they
   // made (the ordinal, the bytes, a weakref to the storage).
   std::shared_ptr<const Lifetimes> lifetimes_in_;
-  bool lifetimes_on_ = false;           // the pool's long_lived is on
+  bool lifetimes_on_ = false;           // noting what the step keeps (start())
+  bool would_place_ = false;            // long_lived on or auto under the dtralloc policy
   bool lifetimes_diverged_ = false;     // this session's ops stopped matching the previous one's
   std::vector<PyObject*> op_funcs_;     // identity only, never dereferenced
   struct MadeAt {
