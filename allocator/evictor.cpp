@@ -203,11 +203,12 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     // (thorough policies) releasing a small segment or two can be the
     // cheapest room there is (models of a hundred MiB: a whole segment of
     // cheap small tensors beside a window of one dear big one).
-    const bool large_only = BlockPool::pool_for(bytes) == kLargePool &&
+    const PoolKind pool = BlockPool::pool_for(bytes);
+    const bool large_only = pool == kLargePool &&
                             !(traits_.thorough && bytes < kWalkSmallBelow);
     walk(stream, large_only, bytes);
     weight_.assign(items_.size(), -1.0);
-    Plan window = choose_window(bytes, true, BlockPool::pool_for(bytes));
+    Plan window = choose_window(bytes, true, pool);
     // Plans scored per byte can be compared with the window's score as they
     // are searched, which lets the release search skip segments dearer than
     // the window (choose_release).
@@ -225,7 +226,7 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
         walk(stream, false, bytes);
         weight_.assign(items_.size(), -1.0);
       }
-      window = choose_window(bytes, false, BlockPool::pool_for(bytes));
+      window = choose_window(bytes, false, pool);
       release = choose_release(bytes, window_bound());
     }
     // A small request the small pool can neither serve nor grow for takes a
@@ -233,7 +234,7 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     // its last step): a window there serves it too. Asked only where nothing
     // else would, so the pools stay apart as long as they can. The walk
     // covered the large pool: a small request's always does.
-    if (!window.found() && !release.found() && BlockPool::pool_for(bytes) == kSmallPool &&
+    if (!window.found() && !release.found() && pool == kSmallPool &&
         allocator_.config().small_in_large == Switch::kOn) {
       window = choose_window(bytes, false, kLargePool);
       large_window_ = window.found();

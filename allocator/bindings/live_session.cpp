@@ -216,13 +216,12 @@ void LiveSession::start() {
   const Stats at_start = pool_->stats_report().stats;
   ooms_at_start_ = at_start.num_ooms;
   long_lived_at_start_ = at_start.num_long_lived;
-  // Announces what the step before kept where the pool places by it; notes
-  // what this step keeps where a budget would make the pool place by it, so
-  // that a step without one (measuring the peak, a warm-up) teaches the
-  // first step with one.
-  const bool placing = pool_->config().long_lived == Switch::kOn;
-  lifetimes_on_ = placing || would_place_;
-  if (placing) {
+  // Announces what the step before kept where the pool places by it (its
+  // long_lived resolved on: a budget in force, and would_place_); notes what
+  // this step keeps wherever a budget would make it, so that a step without
+  // one (measuring the peak, a warm-up) teaches the first step with one.
+  lifetimes_on_ = would_place_;
+  if (pool_->config().long_lived == Switch::kOn) {
     auto& by_device = lifetimes_by_device();
     auto it = by_device.find(lifetimes_key());
     if (it != by_device.end()) lifetimes_in_ = it->second;
