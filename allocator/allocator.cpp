@@ -577,8 +577,15 @@ void Allocator::set_memory_fraction(double fraction) {
     throw std::invalid_argument("dtralloc: memory fraction must be in [0, 1], got " +
                                 std::to_string(fraction));
   std::lock_guard<std::mutex> lock(mutex_);
-  auto cap = static_cast<std::size_t>(fraction * static_cast<double>(capacity_bytes_));
-  budget_bytes_ = std::min(config_budget_bytes_, cap);
+  fraction_cap_bytes_ = static_cast<std::size_t>(fraction * static_cast<double>(capacity_bytes_));
+  refresh_budget();
+}
+
+// Under mutex_.
+void Allocator::refresh_budget() {
+  const std::size_t own = session_bytes_ ? std::min(session_bytes_, capacity_bytes_) : config_budget_bytes_;
+  budget_bytes_ = std::min(own, fraction_cap_bytes_);
+  reserved_at_budget_change_ = reserved_bytes();
 }
 
 std::shared_ptr<EvictionHook> Allocator::eviction_hook() {
@@ -594,13 +601,15 @@ void Allocator::override_session(std::size_t bytes, Policy policy) {
     want.budget.bytes = bytes;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  budget_bytes_ = bytes ? std::min(bytes, capacity_bytes_) : config_budget_bytes_;
+  session_bytes_ = bytes;
+  refresh_budget();
   apply_resolved(resolve_config(want, backend_->releases_ranges()));
 }
 
 void Allocator::end_override() {
   std::lock_guard<std::mutex> lock(mutex_);
-  budget_bytes_ = config_budget_bytes_;
+  session_bytes_ = 0;
+  refresh_budget();
   apply_resolved(resolve_config(requested_, backend_->releases_ranges()));
 }
 
@@ -711,7 +720,9 @@ void Allocator::reset_accumulated_stats() {
 void Allocator::check_invariants() {
   std::lock_guard<std::mutex> lock(mutex_);
   pool_.check_invariants();
-  if (reserved_bytes() > budget_bytes_ && budget_bytes_ == config_budget_bytes_)
+  // I4: no segment takes reserved past the budget; a budget lowered under
+  // what was reserved then frees nothing by itself (refresh_budget).
+  if (reserved_bytes() > std::max<std::size_t>(budget_bytes_, reserved_at_budget_change_))
     throw std::logic_error("dtralloc invariant violated: I4: reserved exceeds the budget");
   std::size_t pending_blocks = 0;
   for (const auto& [addr, seg] : pool_.segments())
@@ -817,7 +828,15 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
   if (free_cached >= rounded && largest < rounded)
     m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
       << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";
-  if (budget_bytes_ < capacity_bytes_)
+  // Which cap is in force: torch's memory fraction, a dtr() session's budget, or the configured one.
+  const std::size_t own = session_bytes_ ? std::min(session_bytes_, capacity_bytes_) : config_budget_bytes_;
+  if (budget_bytes_ < capacity_bytes_ && fraction_cap_bytes_ < own)
+    m << "torch.cuda.set_per_process_memory_fraction caps reserved memory at " << format_bytes(budget_bytes_)
+      << ": raise the fraction if the device has room. ";
+  else if (budget_bytes_ < capacity_bytes_ && session_bytes_)
+    m << "The dtr() session's budget caps reserved memory: pass a larger dtralloc.dtr(budget=...) (now "
+      << format_bytes(budget_bytes_) << ") if the device has room. ";
+  else if (budget_bytes_ < capacity_bytes_)
     m << "The budget caps reserved memory: raise DTRALLOC_CONF=budget (now "
       << format_bytes(budget_bytes_) << ") if the device has room. ";
   m << "To fit, reduce the batch size or free tensors you no longer need.";

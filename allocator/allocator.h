@@ -176,7 +176,10 @@ class Allocator {
   void empty_cache();
   // Deferred-event backends: complete all events and process them.
   void complete_events();
-  // torch's set_per_process_memory_fraction: budget = min(budget, f * capacity).
+  // torch's set_per_process_memory_fraction: the budget in force becomes
+  // min(budget, f * capacity), where budget is a live session's when one
+  // overrides it (override_session), the configured one otherwise; the cap
+  // outlives sessions, as it does in torch.
   void set_memory_fraction(double fraction);
 
   void set_eviction_hook(std::shared_ptr<EvictionHook> hook);
@@ -220,7 +223,8 @@ class Allocator {
   // as for `policy` under that budget, so that a dtralloc session places as
   // its replay does on a pool installed without a budget or a policy.
   // Settings given on or off, or as a size, stay as given. end_override()
-  // goes back to the configured budget and settings.
+  // goes back to the configured budget and settings. A memory fraction
+  // (set_memory_fraction) caps either budget.
   void override_session(std::size_t bytes, Policy policy);
   void end_override();
   // Resizes the event history ring (0 turns it off) and clears it, like
@@ -348,9 +352,17 @@ class Allocator {
   BlockPool pool_;
   std::size_t capacity_bytes_;
   std::size_t config_budget_bytes_;   // from `budget`
-  // Effective: min(config, fraction). Written under mutex_, but budget_bytes()
-  // reads it without the lock while set_memory_fraction may run: atomic.
+  std::size_t session_bytes_ = 0;     // override_session's; 0: none (under mutex_)
+  std::size_t fraction_cap_bytes_ = SIZE_MAX;  // set_memory_fraction's (under mutex_)
+  // Effective: min(session's or config's, fraction cap) (refresh_budget).
+  // Written under mutex_, but budget_bytes() reads it without the lock while
+  // set_memory_fraction may run: atomic.
   std::atomic<std::size_t> budget_bytes_;
+  // What was reserved when the budget last changed: a lower budget frees
+  // nothing by itself, so until reserved falls under it, reserved may stay
+  // above it but never grows (check_invariants, I4).
+  std::size_t reserved_at_budget_change_ = 0;
+  void refresh_budget();  // under mutex_
   std::shared_ptr<EvictionHook> hook_;
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
   // expect_long_lived: rounded sizes still expected, and from which thread.

@@ -1149,6 +1149,23 @@ def scenario_live_sessions_end_in_any_order():
     eq(stats()["max_split_size"], -1, "the pool's own placement once none is live")
     del b
 
+    # torch.cuda.set_per_process_memory_fraction caps whichever budget is in
+    # force, set before a session or during it, and outlives the session.
+    abi = TorchView()
+    abi.set_memory_fraction(48 / 1024, 0)  # 48 MiB of the fake's 1 GiB
+    e = started(0)
+    eq(stats()["budget_bytes"], 48 * MiB, "a session without a budget keeps the cap")
+    f = started(64 * MiB)
+    eq(stats()["budget_bytes"], 48 * MiB, "a session's budget above the cap is capped")
+    abi.set_memory_fraction(1.0, 0)
+    eq(stats()["budget_bytes"], 64 * MiB, "the session's budget once the cap is lifted")
+    abi.set_memory_fraction(32 / 1024, 0)
+    eq(stats()["budget_bytes"], 32 * MiB, "a cap set during the session")
+    del e, f
+    eq(stats()["budget_bytes"], 32 * MiB, "the cap outlives the sessions")
+    abi.set_memory_fraction(1.0, 0)
+    eq(stats()["budget_bytes"], own, "the pool's own budget")
+
 
 if __name__ == "__main__":
     sys.exit(_scenario_main.run(globals(), sys.argv))

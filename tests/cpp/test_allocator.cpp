@@ -726,6 +726,57 @@ void test_set_memory_fraction() {
   b->check_invariants();
 }
 
+// A live session's budget (override_session) and torch's memory fraction:
+// the fraction caps whichever budget is in force, whichever came first, and
+// outlives the session.
+void test_memory_fraction_and_session_budget() {
+  auto a = make_virtual("budget:512M");
+  a->set_memory_fraction(0.25);  // 256 MiB
+  a->override_session(0, Policy::kDtralloc);  // a session without a budget keeps the cap
+  CHECK_EQ(a->budget_bytes(), 256 * kMiB);
+  a->override_session(384 * kMiB, Policy::kDtralloc);  // over the cap: capped
+  CHECK_EQ(a->budget_bytes(), 256 * kMiB);
+  a->override_session(128 * kMiB, Policy::kDtralloc);
+  CHECK_EQ(a->budget_bytes(), 128 * kMiB);
+  // The OOM message names the cap in force and how to raise it.
+  std::string message = thrown_message<OutOfMemoryError>([&] { a->malloc(200 * kMiB); });
+  CHECK_CONTAINS(message, "The dtr() session's budget caps reserved memory");
+  CHECK_CONTAINS(message, "dtralloc.dtr(budget=...) (now 128 MiB)");
+  a->set_memory_fraction(0.0625);  // during the session: 64 MiB
+  CHECK_EQ(a->budget_bytes(), 64 * kMiB);
+  message = thrown_message<OutOfMemoryError>([&] { a->malloc(100 * kMiB); });
+  CHECK_CONTAINS(message, "torch.cuda.set_per_process_memory_fraction caps reserved memory at 64 MiB");
+  a->set_memory_fraction(1.0);
+  CHECK_EQ(a->budget_bytes(), 128 * kMiB);  // the session's again
+  a->set_memory_fraction(0.25);
+  a->end_override();
+  CHECK_EQ(a->budget_bytes(), 256 * kMiB);  // the cap stays after the session
+  a->set_memory_fraction(1.0);
+  CHECK_EQ(a->budget_bytes(), 512 * kMiB);
+
+  // A session's budget above the configured one, ended while its memory is
+  // still reserved: over the configured budget, nothing more is reserved,
+  // and the invariants hold until what is reserved falls under it.
+  a->override_session(768 * kMiB, Policy::kDtralloc);
+  void* p = a->malloc(400 * kMiB);
+  void* q = a->malloc(200 * kMiB);
+  a->check_invariants();
+  a->end_override();
+  CHECK_EQ(a->budget_bytes(), 512 * kMiB);
+  CHECK_EQ(reserved(*a), mib(600));
+  a->check_invariants();
+  CHECK_THROWS(OutOfMemoryError, a->malloc(100 * kMiB));
+  a->free(q);
+  a->empty_cache();
+  CHECK_EQ(reserved(*a), mib(400));
+  a->check_invariants();
+  void* r = a->malloc(100 * kMiB);  // room under the budget again
+  CHECK_EQ(reserved(*a), mib(500));
+  a->check_invariants();
+  for (void* x : {p, r}) a->free(x);
+  a->check_invariants();
+}
+
 // ---- garbage collection ----------------------------------------------------
 
 void test_garbage_collection_threshold() {
@@ -1305,6 +1356,7 @@ int main() {
   test_eviction_hook_concurrent();
   test_budget_forms();
   test_set_memory_fraction();
+  test_memory_fraction_and_session_budget();
   test_garbage_collection_threshold();
   test_empty_cache();
   test_record_stream();
