@@ -87,6 +87,7 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
     const std::size_t reserved = static_cast<std::size_t>(bp.stats().reserved_bytes[kStatAll].current);
     const std::size_t budget = allocator_.budget_bytes();
     headroom_ = budget > reserved ? budget - reserved : 0;
+    small_in_large_ = allocator_.config().small_in_large == Switch::kOn;  // a session may change it (override_session)
     // kRecoverableShare (policies.h): what could not come back is kept.
     keep_above_ = std::numeric_limits<double>::infinity();
     if (traits_.recoverable && budget > 0) {
@@ -234,8 +235,7 @@ std::vector<int> Evictor::choose(std::size_t bytes, Stream stream) {
     // its last step): a window there serves it too. Asked only where nothing
     // else would, so the pools stay apart as long as they can. The walk
     // covered the large pool: a small request's always does.
-    if (!window.found() && !release.found() && pool == kSmallPool &&
-        allocator_.config().small_in_large == Switch::kOn) {
+    if (!window.found() && !release.found() && pool == kSmallPool && small_in_large_) {
       window = choose_window(bytes, false, kLargePool);
       large_window_ = window.found();
     }
