@@ -79,25 +79,14 @@ inline std::uintptr_t cdata_of(py::handle storage) {
   return static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));
 }
 
-inline std::vector<std::int64_t> int_vector(const py::object& sequence) {
+// A tensor's size (a torch.Size) or stride (a tuple) as an exact tuple.
+inline py::object exact_tuple(const py::object& sequence) {
   PyObject* o = sequence.ptr();
+  if (PyTuple_CheckExact(o)) return sequence;
   if (!PyTuple_Check(o)) throw std::logic_error("dtralloc live session: a tensor's size or stride is not a tuple");
-  const Py_ssize_t n = PyTuple_GET_SIZE(o);
-  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    v[static_cast<std::size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(o, i));
-    if (v[static_cast<std::size_t>(i)] == -1 && PyErr_Occurred()) throw py::error_already_set();
-  }
-  return v;
-}
-inline py::tuple int_tuple(const std::vector<std::int64_t>& v) {
-  py::tuple t(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    PyObject* x = PyLong_FromLongLong(v[i]);
-    if (!x) throw py::error_already_set();
-    PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(i), x);
-  }
-  return t;
+  PyObject* copy = PyTuple_GetSlice(o, 0, PyTuple_GET_SIZE(o));
+  if (!copy) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(copy);
 }
 
 // The placeholder a template holds where a tensor was; the tensors are

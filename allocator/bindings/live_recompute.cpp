@@ -14,14 +14,14 @@ namespace dtralloc::live {
 Geometry Geometry::of(py::handle tensor) {
   Geometry g;
   g.dtype = get_attr(tensor, names().dtype);
-  g.size = int_vector(call_method(tensor, names().size));
-  g.stride = int_vector(call_method(tensor, names().stride));
+  g.size = exact_tuple(call_method(tensor, names().size));  // a torch.Size
+  g.stride = exact_tuple(call_method(tensor, names().stride));
   g.offset = as_int(call_method(tensor, names().storage_offset));
   return g;
 }
 
 py::object Geometry::view(const py::object& view_fn, const py::object& storage) const {
-  return view_fn(storage, dtype, int_tuple(size), int_tuple(stride), offset);
+  return view_fn(storage, dtype, size, stride, offset);
 }
 
 // `x` with every tensor replaced by the marker; containers without tensors

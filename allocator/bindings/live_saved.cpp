@@ -70,7 +70,7 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   auto check_version = [&](std::int64_t now) {
     if (now != saved.version) {
       py::object grad_fn = saved.grad_fn_name ? saved.grad_fn_name : py::object(py::none());
-      version_error(py::make_tuple(saved.geometry.dtype, saved.device, int_tuple(saved.geometry.size),
+      version_error(py::make_tuple(saved.geometry.dtype, saved.device, saved.geometry.size,
                                    saved.output_nr, grad_fn),
                     now, saved.version);
     }

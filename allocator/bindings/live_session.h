@@ -95,7 +95,10 @@ enum OpFlag : std::uint32_t {
 // collection of Python's garbage collector walk them.
 struct Geometry {
   py::object dtype;             // a torch.dtype: a singleton, nothing allocated
-  std::vector<std::int64_t> size, stride;
+  // Exact tuples of ints, passed to view() as they are (no conversion either
+  // way); exact, so that Python's GC untracks them (torch.Size would stay
+  // tracked, and recipes hold thousands).
+  py::object size, stride;
   std::int64_t offset = 0;
   static Geometry of(py::handle tensor);
   // A tensor with this geometry on `storage`, made by the runner's view().
