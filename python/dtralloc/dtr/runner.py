@@ -10,13 +10,16 @@ import re
 import torch
 
 _no_dispatch = torch._C._DisableTorchDispatch
+_empty = torch.empty
 
 
 def view(storage, dtype, size, stride, offset):
-    """A tensor on `storage` with the geometry autograd (or an op) saw."""
+    """A tensor on `storage` with the geometry autograd (or an op) saw. Each
+    unpack in a backward calls this, where torch's argument parsing runs cold
+    (bench/results/live_overhead-2026-11-24b-cpu.md): the fewest calls and
+    lookups."""
     with _no_dispatch():
-        t = torch.empty((0,), dtype=dtype, device=storage.device)
-        return t.set_(storage, offset, size, stride)
+        return _empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
 def detached(t):
