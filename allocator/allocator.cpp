@@ -581,10 +581,14 @@ void Allocator::set_memory_fraction(double fraction) {
   refresh_budget();
 }
 
+// Under mutex_: a live session's budget while one sets it, the configured one otherwise.
+std::size_t Allocator::own_budget() const {
+  return session_bytes_ ? std::min(session_bytes_, capacity_bytes_) : config_budget_bytes_;
+}
+
 // Under mutex_.
 void Allocator::refresh_budget() {
-  const std::size_t own = session_bytes_ ? std::min(session_bytes_, capacity_bytes_) : config_budget_bytes_;
-  budget_bytes_ = std::min(own, fraction_cap_bytes_);
+  budget_bytes_ = std::min(own_budget(), fraction_cap_bytes_);
   reserved_at_budget_change_ = reserved_bytes();
 }
 
@@ -829,8 +833,7 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
     m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
       << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";
   // Which cap is in force: torch's memory fraction, a dtr() session's budget, or the configured one.
-  const std::size_t own = session_bytes_ ? std::min(session_bytes_, capacity_bytes_) : config_budget_bytes_;
-  if (budget_bytes_ < capacity_bytes_ && fraction_cap_bytes_ < own)
+  if (budget_bytes_ < capacity_bytes_ && fraction_cap_bytes_ < own_budget())
     m << "torch.cuda.set_per_process_memory_fraction caps reserved memory at " << format_bytes(budget_bytes_)
       << ": raise the fraction if the device has room. ";
   else if (budget_bytes_ < capacity_bytes_ && session_bytes_)

@@ -362,7 +362,8 @@ class Allocator {
   // nothing by itself, so until reserved falls under it, reserved may stay
   // above it but never grows (check_invariants, I4).
   std::size_t reserved_at_budget_change_ = 0;
-  void refresh_budget();  // under mutex_
+  std::size_t own_budget() const;  // under mutex_
+  void refresh_budget();            // under mutex_
   std::shared_ptr<EvictionHook> hook_;
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
   // expect_long_lived: rounded sizes still expected, and from which thread.
