@@ -832,16 +832,18 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
   if (free_cached >= rounded && largest < rounded)
     m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
       << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";
-  // Which cap is in force: torch's memory fraction, a dtr() session's budget, or the configured one.
-  if (budget_bytes_ < capacity_bytes_ && fraction_cap_bytes_ < own_budget())
-    m << "torch.cuda.set_per_process_memory_fraction caps reserved memory at " << format_bytes(budget_bytes_)
-      << ": raise the fraction if the device has room. ";
-  else if (budget_bytes_ < capacity_bytes_ && session_bytes_)
-    m << "The dtr() session's budget caps reserved memory: pass a larger dtralloc.dtr(budget=...) (now "
-      << format_bytes(budget_bytes_) << ") if the device has room. ";
-  else if (budget_bytes_ < capacity_bytes_)
-    m << "The budget caps reserved memory: raise DTRALLOC_CONF=budget (now "
-      << format_bytes(budget_bytes_) << ") if the device has room. ";
+  if (budget_bytes_ < capacity_bytes_) {
+    // Which cap is in force: torch's memory fraction, a dtr() session's budget, or the configured one.
+    if (fraction_cap_bytes_ < own_budget())
+      m << "torch.cuda.set_per_process_memory_fraction caps reserved memory at " << format_bytes(budget_bytes_)
+        << ": raise the fraction if the device has room. ";
+    else if (session_bytes_)
+      m << "The dtr() session's budget caps reserved memory: pass a larger dtralloc.dtr(budget=...) (now "
+        << format_bytes(budget_bytes_) << ") if the device has room. ";
+    else
+      m << "The budget caps reserved memory: raise DTRALLOC_CONF=budget (now "
+        << format_bytes(budget_bytes_) << ") if the device has room. ";
+  }
   m << "To fit, reduce the batch size or free tensors you no longer need.";
   return m.str();
 }
