@@ -1101,14 +1101,22 @@ def scenario_live_sessions_end_in_any_order():
     pool's auto settings resolve for the newest session's policy under that
     budget (max_split_size shows it: 32 MiB under dtralloc's placement,
     none under the pool's own configuration here, which names no policy)."""
+    import torch
     from dtralloc.dtr.runner import helpers
 
     FakeCudaRuntime()
     own = stats()["budget_bytes"]
     eq(stats()["max_split_size"], -1, "the pool's own max_split_size (budget:512M, no policy)")
 
+    # A CUDA build of torch without a GPU (torch 2.11+cu130 on a CPU machine)
+    # has _cuda_getCurrentRawStream, and calling it fails ("driver version is
+    # insufficient"): the sessions here time no ops on torch's streams.
+    on_cuda = helpers("cuda:0")
+    if not torch.cuda.is_available():
+        on_cuda["current_stream"] = None
+
     def started(budget, policy="dtralloc"):
-        s = _core.LiveSession(True, 0, budget, _core.config_text(), policy, False, False, helpers("cuda:0"))
+        s = _core.LiveSession(True, 0, budget, _core.config_text(), policy, False, False, on_cuda)
         s.start()
         return s
 

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -58,13 +59,58 @@ def _runtime_chosen(tmp_path, torch_cuda: str | None) -> str:
     return os.path.basename(proc.stdout.strip().splitlines()[-1])
 
 
+def _cudart_loaded_by_torch() -> str | None:
+    """The CUDA runtime `import torch` loaded into this process (a CUDA build
+    of torch links one: torch 2.11+cu130 loads nvidia/cu13/lib/libcudart.so.13
+    from its wheel, GPU or not), else None (the CPU build here)."""
+    import torch  # noqa: F401  (imported for what it loads)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libcudart.so"):
+                return path
+    return None
+
+
+# The two tests below need a torch that leaves the runtime unloaded at import:
+# the CPU build. A CUDA build has loaded its own already, and search step (b)
+# takes it whatever the version preference says (the next test checks that).
+_CUDA_TORCH = pytest.mark.skipif(_cudart_loaded_by_torch() is not None,
+                                 reason="this torch loads its CUDA runtime at import")
+
+
+@_CUDA_TORCH
 @pytest.mark.parametrize("torch_cuda, soname", [("12.8", "libcudart.so.12"), ("13.0", "libcudart.so.13")])
 def test_the_runtime_of_the_torch_in_the_process_is_preferred(tmp_path, torch_cuda, soname):
     assert _runtime_chosen(tmp_path, torch_cuda) == soname
 
 
+@_CUDA_TORCH
 def test_without_a_cuda_torch_the_newest_runtime_is_tried_first(tmp_path):
     assert _runtime_chosen(tmp_path, None) == "libcudart.so.13"
+
+
+@pytest.mark.skipif(_cudart_loaded_by_torch() is None, reason="this torch loads no CUDA runtime (CPU build)")
+def test_the_runtime_a_cuda_torch_loaded_is_the_one_dtralloc_uses():
+    """One runtime in the process: dtralloc takes the libcudart that a CUDA
+    build of torch loaded at import (from its wheel's nvidia/ folder, which is
+    on no search path), with or without a GPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
+    code = (
+        "import json, torch, dtralloc\n"
+        "from dtralloc import _core\n"
+        "_core.cuda_device_count()\n"  # loads the runtime (0 devices without a driver)
+        "loaded = sorted({l.split()[-1] for l in open('/proc/self/maps') if '/libcudart.so' in l})\n"
+        "print(json.dumps(loaded))\n"
+        "print(_core.cuda_runtime_path())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *_, loaded, used = proc.stdout.strip().splitlines()
+    loaded = json.loads(loaded)
+    assert len(loaded) == 1, f"more than one CUDA runtime in the process: {loaded}"
+    assert os.path.samefile(used, loaded[0]), (used, loaded)
 
 
 def test_a_forked_child_does_not_use_the_parents_pool():

@@ -105,8 +105,10 @@ def _profiler_peak_bytes(step) -> int:
     profiler_api = pytest.importorskip("torch._C._profiler")
     if not hasattr(profiler_api, "_EventType"):
         pytest.skip("this torch's profiler does not expose allocation events")
+    # One cycle, so acc_events changes nothing but torch 2.11's warning that
+    # later cycles would clear this one's events (torch 2.13 does not warn).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True, record_shapes=False) as prof:
+                                profile_memory=True, record_shapes=False, acc_events=True) as prof:
         step()
     events = []
 

@@ -79,8 +79,10 @@ def what_of(t: torch.Tensor):
     return (t.dtype, t.device, tuple(t.shape), t.output_nr, grad_fn.name() if grad_fn is not None else None)
 
 
-def _torch_hint() -> str:
-    """The hint torch's own version error ends with, in this torch's words."""
+def _torch_words() -> tuple:
+    """How this torch words its own version error: the hint it ends with, and
+    whether it names the op ("output 0 of Exp", torch 2.13) or its backward
+    node ("output 0 of ExpBackward0", torch 2.11). Learnt from a real one."""
     try:
         with _no_dispatch():
             a = torch.zeros(1, requires_grad=True)
@@ -90,12 +92,12 @@ def _torch_hint() -> str:
     except RuntimeError as e:
         message = str(e)
         if " Hint: " in message:
-            return message[message.index(" Hint: ") + 1:]
+            return message[message.index(" Hint: ") + 1:], "of ExpBackward0," not in message
     return ("Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
-            "with torch.autograd.set_detect_anomaly(True).")
+            "with torch.autograd.set_detect_anomaly(True).", True)
 
 
-_HINT = _torch_hint()
+_HINT, _NAMES_THE_OP = _torch_words()
 
 
 def version_error(what, now: int, expected: int):
@@ -108,8 +110,9 @@ def version_error(what, now: int, expected: int):
         with _no_dispatch():
             type_name = torch.empty((0,), dtype=dtype, device=device).type()
         subject = f"[{type_name} {list(shape)}]"
-        if grad_fn is not None:  # torch names the op, not its backward node: "Exp", not "ExpBackward0"
-            subject += f", which is output {output_nr} of {re.sub(r'Backward[0-9]*$', '', grad_fn)},"
+        if grad_fn is not None:
+            node = re.sub(r"Backward[0-9]*$", "", grad_fn) if _NAMES_THE_OP else grad_fn
+            subject += f", which is output {output_nr} of {node},"
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
         f"operation: {subject} is at version {now}; expected version {expected} instead. {_HINT}")
