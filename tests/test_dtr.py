@@ -359,6 +359,43 @@ def test_an_unmeetable_budget_raises_and_everything_stays_usable():
     assert_identical(got, want)
 
 
+def test_a_hold_that_starts_over_and_still_runs_out_leaves_everything_usable():
+    # The conv net at 0.45 of its peak under the `size` policy (it reads no
+    # op cost, so every run makes the same choices): backward's hold runs
+    # out, starts over twice from an emptied pool (RematEngine::restart_hold:
+    # every evictable value evicted, then segments cut to size), and runs out
+    # again. Values were unlocked, evicted and freed for real in between, and
+    # the failed session must still hold its invariants; the model, a new
+    # session and plain eager must all work as before.
+    name, batch = "convnet_batchnorm", SWEEP_BATCH["convnet_batchnorm"]
+    peak = no_eviction_peak(name, batch)
+    model, loss_fn = build(name, batch)
+    init = copy.deepcopy(model.state_dict())
+    torch.manual_seed(7)
+    with pytest.raises(dtralloc.OutOfMemoryError) as info:
+        with dtr(budget=int(0.45 * peak), policy="size", device="cpu") as s:
+            loss_fn(model).backward()
+    assert "budget of" in str(info.value) and "To fit" in str(info.value)
+    stats = s.stats()
+    assert stats["hold_restarts"] == 2 and stats["remats"] > 0, stats
+    s.check_invariants()
+    del info, s
+    gc.collect()
+    # A partial backward left gradients behind, as it would in plain eager:
+    # start both runs from the same parameters, with none.
+    model.load_state_dict(init)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    want = train(model, loss_fn, 2)
+    model.load_state_dict(init)
+    torch.manual_seed(7)
+    sessions = []
+    got = train(model, loss_fn, 2, lambda: dtr(budget=int(0.6 * peak), policy="size", device="cpu",
+                                               check_invariants=True), sessions)
+    assert_identical(got, want)
+    assert sessions[-1].stats()["evictions"] > 0 and sessions[-1].stats()["hold_restarts"] == 0
+
+
 def _small_request_beside_a_held_large_block(session=None):
     """A 512 KiB output when the small pool's one segment is held but for 256
     KiB, the budget has no headroom for another, and the large pool's one
