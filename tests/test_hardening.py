@@ -73,11 +73,12 @@ def _cudart_loaded_by_torch() -> str | None:
     return None
 
 
+_TORCH_CUDART = _cudart_loaded_by_torch()
+
 # The two tests below need a torch that leaves the runtime unloaded at import:
 # the CPU build. A CUDA build has loaded its own already, and search step (b)
 # takes it whatever the version preference says (the next test checks that).
-_CUDA_TORCH = pytest.mark.skipif(_cudart_loaded_by_torch() is not None,
-                                 reason="this torch loads its CUDA runtime at import")
+_CUDA_TORCH = pytest.mark.skipif(_TORCH_CUDART is not None, reason="this torch loads its CUDA runtime at import")
 
 
 @_CUDA_TORCH
@@ -91,7 +92,7 @@ def test_without_a_cuda_torch_the_newest_runtime_is_tried_first(tmp_path):
     assert _runtime_chosen(tmp_path, None) == "libcudart.so.13"
 
 
-@pytest.mark.skipif(_cudart_loaded_by_torch() is None, reason="this torch loads no CUDA runtime (CPU build)")
+@pytest.mark.skipif(_TORCH_CUDART is None, reason="this torch loads no CUDA runtime (CPU build)")
 def test_the_runtime_a_cuda_torch_loaded_is_the_one_dtralloc_uses():
     """One runtime in the process: dtralloc takes the libcudart that a CUDA
     build of torch loaded at import (from its wheel's nvidia/ folder, which is
