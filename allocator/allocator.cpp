@@ -192,13 +192,13 @@ void Allocator::clear_long_lived() {
 }
 
 // Under mutex_. Whether this request is one expect_long_lived announced; it
-// is then no longer expected.
+// is then no longer expected (and counted as long-lived only if it splits
+// its block: BlockPool::allocate_from).
 bool Allocator::take_long_lived(std::size_t rounded) {
   if (long_lived_.empty() || long_lived_thread_ != std::this_thread::get_id()) return false;
   auto it = std::find(long_lived_.begin(), long_lived_.end(), rounded);
   if (it == long_lived_.end()) return false;
   long_lived_.erase(it);
-  ++pool_.stats().num_long_lived;
   return true;
 }
 

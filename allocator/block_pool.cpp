@@ -148,6 +148,7 @@ Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t r
     rest->stream = block->stream;
     rest->segment = block->segment;
     if (high) {  // the request takes the top, the rest stays below it
+      ++stats_.num_long_lived;
       rest->addr = block->addr;
       rest->prev = block->prev;
       rest->next = block;

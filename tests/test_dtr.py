@@ -166,16 +166,20 @@ def test_a_step_places_what_the_step_before_kept_at_the_high_end():
 def test_a_session_too_long_to_be_a_step_teaches_no_lifetimes():
     # A session notes its first 2**17 recorded ops only; one that records
     # more (a whole loop in one block) teaches the next session nothing.
-    b = torch.ones(4)
+    b = torch.ones(256)
 
     def loop(n):
         with dtr(budget=1 << 40, device="cpu") as s:
-            x = torch.zeros(4)
+            x = torch.zeros(256)
             for _ in range(n):
                 x = x + b
-        return s, x
+            # What outlives the block: the last x, which fills the hole an x
+            # before it left (no end to take: not counted), and y, which
+            # splits such a hole and so takes its high end.
+            y = x[:8].clone()
+        return s, (x, y)
 
-    short, kept = loop(8)  # the last x outlives the block
+    short, kept = loop(8)
     again, kept = loop(8)
     assert again.stats()["long_lived"] == 1
     long_, kept = loop((1 << 17) + 8)

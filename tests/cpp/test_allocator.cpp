@@ -1266,6 +1266,19 @@ void test_long_lived_takes_the_high_end() {
   CHECK_EQ(allocated(*a), 0);
   a->check_invariants();
 
+  // An announced request that fills its free block exactly has no end to
+  // take: it is not counted (long_lived counts the requests placed high).
+  void* head = a->malloc(4 * kMiB);
+  void* hole = a->malloc(2 * kMiB);
+  void* tail = a->malloc(14 * kMiB);  // the segment is full
+  a->free(hole);
+  a->expect_long_lived({2 * kMiB});
+  void* exact = a->malloc(2 * kMiB);
+  CHECK_EQ(addr(exact), base + 4 * kMiB);
+  CHECK_EQ(stats(*a).num_long_lived, 2);
+  for (void* p : {head, exact, tail}) a->free(p);
+  a->check_invariants();
+
   auto b = make_virtual("segment_fit:off,long_lived:off");
   void* low = b->malloc(4 * kMiB);
   b->expect_long_lived({2 * kMiB});
