@@ -425,10 +425,13 @@ void Allocator::free(void* ptr) {
 }
 
 // One event per stream in b->stream_uses, recorded there now. When the
-// backend fails on any of them, waits for the whole device instead (after
-// which no stream can still use the block) and returns none; when that wait
-// fails too, rethrows with nothing changed, so the caller still owns the
-// block. Never leaves an event behind on failure.
+// backend fails on any of them, waits for each of those streams instead
+// (after which none can still use the block) and returns none; when that
+// wait fails too, rethrows with nothing changed, so the caller still owns
+// the block. Never leaves an event behind on failure. A stream of another
+// device fails that way on a GPU ("event and stream must be on the same
+// device", cudaEventRecord), so the wait is per stream: waiting for the
+// block's own device would not cover it.
 std::vector<EventHandle> Allocator::record_stream_events(Block* b) {
   std::vector<EventHandle> events;
   if (b->stream_uses.empty()) return events;
@@ -448,10 +451,10 @@ std::vector<EventHandle> Allocator::record_stream_events(Block* b) {
       }
     }
     try {
-      backend_->synchronize_device();
+      for (Stream s : b->stream_uses) backend_->synchronize_stream(s);
     } catch (const std::exception& second) {
       throw std::runtime_error(std::string(first.what()) +
-                               "; waiting for the whole device instead failed too (" +
+                               "; waiting for the streams that used the block instead failed too (" +
                                second.what() + "), so the block stays allocated");
     }
     return {};

@@ -60,6 +60,11 @@ class Backend {
   virtual void synchronize_event(EventHandle event) = 0;
   virtual void destroy_event(EventHandle event) = 0;
   virtual void synchronize_device() = 0;
+  // Waits for everything enqueued on `stream` so far, whichever device the
+  // stream belongs to (an event of this device cannot be recorded on another
+  // device's stream: record_stream's fallback). Simulated backends have one
+  // device and no streams: the whole device.
+  virtual void synchronize_stream(Stream /*stream*/) { synchronize_device(); }
   // Deferred backends: mark every recorded event complete. No-op for cuda.
   virtual void complete_events() {}
 

@@ -457,6 +457,17 @@ class CudaBackend final : public Backend {
     if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize");
   }
 
+  void synchronize_stream(Stream stream) override {
+    cudaError_t err;
+    if (stream == 0) {
+      DeviceGuard guard(api_, device_);  // 0 is the current device's stream
+      err = api_.StreamSynchronize(nullptr);
+    } else {
+      err = api_.StreamSynchronize(reinterpret_cast<cudaStream_t>(stream));  // its own device's
+    }
+    if (err != cudaSuccess) fail(err, "cudaStreamSynchronize");
+  }
+
   bool stream_capturing(Stream stream) override {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     cudaError_t err;

@@ -23,7 +23,10 @@
 //     on that stream), cudaDeviceSynchronize (events of the current device) or
 //     fakecuda_complete_events() (all). An event never recorded is complete.
 //     Recording on stream 0 from another device than the event's fails, as it
-//     does on a GPU, which catches a missing cudaSetDevice.
+//     does on a GPU, which catches a missing cudaSetDevice; so does recording
+//     on a stream that fakecuda_set_stream_device gave to another device
+//     ("event and stream must be on the same device", cudaEventRecord).
+//     Other streams belong to no device in particular.
 //   * Timing: an event made without cudaEventDisableTiming takes the fake
 //     device's clock when recorded (the fake runs work as it is enqueued):
 //     the host's monotonic clock, or the time fakecuda_set_clock_ns froze.
@@ -86,6 +89,7 @@ namespace {
 
 constexpr int kMaxDevices = 16;
 constexpr int kMaxCaptures = 16;  // streams capturing at once
+constexpr int kMaxStreamDevices = 16;  // streams fakecuda_set_stream_device placed
 constexpr std::size_t kDefaultCapacity = std::size_t(1) << 30;
 constexpr std::size_t kAlignment = 512;
 constexpr int kRuntimeVersion = 13000;
@@ -245,6 +249,11 @@ struct Capture {
   cudaStreamCaptureStatus status;
 };
 
+struct StreamDevice {
+  cudaStream_t stream;  // nullptr: a free slot
+  int device;
+};
+
 // Constant-initialized and never destroyed: other threads (or atexit
 // handlers of the program under test) may still call in during exit.
 struct State {
@@ -254,6 +263,7 @@ struct State {
   std::size_t used[kMaxDevices] = {};
   bool context[kMaxDevices] = {};  // the device's primary context exists
   Capture captures[kMaxCaptures] = {};
+  StreamDevice stream_devices[kMaxStreamDevices] = {};
   int failing_mallocs = 0;
   std::uintptr_t events_created = 0;
   long long frozen_clock_ns = -1;  // fakecuda_set_clock_ns; negative: the host's clock
@@ -322,6 +332,15 @@ cudaError_t capture_forbids() {
     }
   }
   return active ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
+
+// The device fakecuda_set_stream_device gave `stream`, or -1 (caller holds
+// the lock).
+int stream_device(cudaStream_t stream) {
+  for (const StreamDevice& s : g_state.stream_devices) {
+    if (stream != nullptr && s.stream == stream) return s.device;
+  }
+  return -1;
 }
 
 Capture* find_capture(int device, cudaStream_t stream) {
@@ -548,6 +567,9 @@ FAKECUDA_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event,
   if (stream == nullptr && state->device != t_device) {
     return fail(cudaErrorInvalidResourceHandle);
   }
+  // Nor can a stream placed on another device.
+  const int placed = stream_device(stream);
+  if (placed >= 0 && placed != state->device) return fail(cudaErrorInvalidResourceHandle);
   g_state.context[state->device] = true;
   state->stream = stream;
   state->pending = true;
@@ -980,6 +1002,31 @@ FAKECUDA_EXPORT int fakecuda_set_stream_capture(void* stream, int status) {
   return 0;
 }
 
+// Places `stream` (not 0) on `device`, as cudaStreamCreate with that device
+// current would: an event of another device can no longer be recorded on it.
+// A negative device forgets the stream. Returns 0, or -1 when the stream is
+// 0, the device does not exist, or 16 streams are placed already.
+FAKECUDA_EXPORT int fakecuda_set_stream_device(void* stream, int device) {
+  if (stream == nullptr) return -1;
+  Lock lock;
+  auto* handle = static_cast<cudaStream_t>(stream);
+  StreamDevice* slot = nullptr;
+  for (StreamDevice& s : g_state.stream_devices) {
+    if (s.stream == handle) slot = &s;
+  }
+  if (device < 0) {
+    if (slot != nullptr) slot->stream = nullptr;
+    return 0;
+  }
+  if (device >= g_state.device_count) return -1;
+  for (StreamDevice& s : g_state.stream_devices) {
+    if (slot == nullptr && s.stream == nullptr) slot = &s;
+  }
+  if (slot == nullptr) return -1;
+  *slot = StreamDevice{handle, device};
+  return 0;
+}
+
 // The fake device's clock, which timing events read when recorded (the fake
 // runs work as it is enqueued): `ns` >= 0 freezes it there, so a test sets
 // exact times; negative lets it follow the host's monotonic clock again.
@@ -1011,6 +1058,7 @@ FAKECUDA_EXPORT void fakecuda_reset() {
   for (bool& context : g_state.context) context = false;
   t_context_current = false;
   for (Capture& capture : g_state.captures) capture.stream = nullptr;
+  for (StreamDevice& s : g_state.stream_devices) s.stream = nullptr;
   complete_events_where([](const EventState&) { return true; });
   t_device = 0;
   t_last_error = cudaSuccess;

@@ -52,6 +52,7 @@ struct FakeControls {
   int (*live_events)();
   std::size_t (*used_bytes)(int);
   int (*set_stream_capture)(void* stream, int status);
+  int (*set_stream_device)(void* stream, int device);
   void (*set_clock_ns)(long long ns);
   // The driver API's query (cuda.h), which the fake exports too.
   int (*primary_ctx_get_state)(int device, unsigned int* flags, int* active);
@@ -88,6 +89,7 @@ FakeControls load_controls(const std::string& fake_path) {
   resolve(library, "fakecuda_live_events", fake.live_events);
   resolve(library, "fakecuda_used_bytes", fake.used_bytes);
   resolve(library, "fakecuda_set_stream_capture", fake.set_stream_capture);
+  resolve(library, "fakecuda_set_stream_device", fake.set_stream_device);
   resolve(library, "fakecuda_set_clock_ns", fake.set_clock_ns);
   resolve(library, "cuDevicePrimaryCtxGetState", fake.primary_ctx_get_state);
   return fake;
@@ -453,6 +455,44 @@ void test_device_guard_makes_no_stray_context(const FakeControls& fake) {
   fake.reset();
 }
 
+// record_stream with a stream of another device (torch allows
+// tensor.record_stream(s) for any stream): an event of the block's device
+// cannot be recorded there ("event and stream must be on the same device",
+// cudaEventRecord), so the free waits for that stream instead. Waiting for
+// the block's own device would let the block go while the other device's
+// stream may still use it.
+void test_record_stream_on_another_devices_stream(const FakeControls& fake) {
+  fake.reset();
+  fake.set_device_count(2);
+  const CudaRuntimeApi& api = cuda_runtime();
+  const Stream ours = 0x6000, theirs = 0x7000;
+  CHECK(fake.set_stream_device(reinterpret_cast<void*>(ours), 0) == 0);
+  CHECK(fake.set_stream_device(reinterpret_cast<void*>(theirs), 1) == 0);
+  {
+    Allocator a(make_cuda_backend(0), parse_config(""));
+    void* p = a.malloc(4096, 0);
+    a.record_stream(p, ours);  // this device's stream: an event, the free is pending
+    a.free(p);
+    CHECK(fake.live_events() == 1);
+    fake.complete_events();
+    void* q = a.malloc(4096, 0);
+    CHECK(q == p);
+    a.record_stream(q, theirs);
+    const long stream_syncs = fake.call_count("cudaStreamSynchronize");
+    const long device_syncs = fake.call_count("cudaDeviceSynchronize");
+    a.free(q);
+    CHECK(fake.call_count("cudaStreamSynchronize") == stream_syncs + 1);
+    CHECK(fake.call_count("cudaDeviceSynchronize") == device_syncs);
+    CHECK(fake.live_events() == 0);  // the refused one was destroyed
+    CHECK(api.GetLastError() == cudaSuccess);  // and left no error behind
+    a.check_invariants();
+    void* r = a.malloc(4096, 0);  // free at once: the same block comes back
+    CHECK(r == p);
+    a.free(r);
+  }
+  fake.reset();
+}
+
 // CUDA graph capture: dtralloc keeps no private pool per graph, so it refuses
 // a capture, and must do so before it makes a call the capture forbids
 // (cudaMalloc, cudaEventQuery, ...), which would invalidate the user's
@@ -643,6 +683,7 @@ int main(int argc, char** argv) {
   test_device_guard(fake);
   test_device_guard_makes_no_stray_context(fake);
   test_capture_is_refused_before_any_illegal_call(fake);
+  test_record_stream_on_another_devices_stream(fake);
   test_bad_devices(fake);
   test_runtime_errors_throw(fake);
   test_call_counters(fake);

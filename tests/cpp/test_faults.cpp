@@ -17,6 +17,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,10 +30,10 @@ namespace {
 
 using namespace dtralloc;
 
-enum Op { kAllocate, kRelease, kCreate, kRecord, kQuery, kSync, kDestroy, kSyncDevice, kNumOps };
+enum Op { kAllocate, kRelease, kCreate, kRecord, kQuery, kSync, kDestroy, kSyncDevice, kSyncStream, kNumOps };
 constexpr const char* kOpNames[kNumOps] = {"allocate", "release", "create_event", "record_event",
                                            "event_completed", "synchronize_event", "destroy_event",
-                                           "synchronize_device"};
+                                           "synchronize_device", "synchronize_stream"};
 
 class FaultyBackend final : public Backend {
  public:
@@ -95,6 +96,12 @@ class FaultyBackend final : public Backend {
     maybe_fail(kSyncDevice);
     inner_->synchronize_device();
   }
+  void synchronize_stream(Stream stream) override {
+    maybe_fail(kSyncStream);
+    streams_synchronized_.push_back(stream);
+    inner_->synchronize_stream(stream);
+  }
+  const std::vector<Stream>& streams_synchronized() const { return streams_synchronized_; }
   void complete_events() override { inner_->complete_events(); }
 
  private:
@@ -121,6 +128,7 @@ class FaultyBackend final : public Backend {
 
   std::unique_ptr<Backend> inner_;
   std::set<EventHandle> live_;
+  std::vector<Stream> streams_synchronized_;
   int failures_[kNumOps] = {};
   int skips_[kNumOps] = {};
   long calls_[kNumOps] = {};
@@ -226,7 +234,8 @@ void test_synchronize_fails_midway() {
 
 // free with record_stream: creating or recording the second event throws.
 // The block must not come back while stream 8 may still use it: the free
-// falls back to waiting for the whole device, and leaks no event.
+// falls back to waiting for each stream that used it (7 and 8, which on a
+// GPU may be another device's), and leaks no event.
 void test_free_event_fails() {
   for (Op op : {kCreate, kRecord}) {
     Fixture f = make();
@@ -235,9 +244,12 @@ void test_free_event_fails() {
     f.allocator->record_stream(p, 7);
     f.allocator->record_stream(p, 8);
     f.backend->fail(op, 1, /*skip=*/1);
-    const long syncs = f.backend->calls(kSyncDevice);
+    const long syncs = f.backend->calls(kSyncStream);
     f.allocator->free(p);
-    CHECK_EQ(f.backend->calls(kSyncDevice), syncs + 1);
+    CHECK_EQ(f.backend->calls(kSyncStream), syncs + 2);
+    std::vector<Stream> waited = f.backend->streams_synchronized();
+    std::sort(waited.begin(), waited.end());
+    CHECK(waited == (std::vector<Stream>{7, 8}));
     CHECK_EQ(f.backend->live_events(), 0u);
     CHECK_EQ(block_state(*f.allocator, p), "inactive");
     f.allocator->check_invariants();
@@ -252,7 +264,7 @@ void test_free_fallback_fails() {
   void* p = f.allocator->malloc(4096, 1);
   f.allocator->record_stream(p, 7);
   f.backend->fail(kCreate, 1);
-  f.backend->fail(kSyncDevice, 1);
+  f.backend->fail(kSyncStream, 1);
   CHECK_CONTAINS(thrown_message<std::runtime_error>([&] { f.allocator->free(p); }),
                  "injected fault in create_event");
   f.allocator->check_invariants();
