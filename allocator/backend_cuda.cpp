@@ -517,8 +517,9 @@ class CudaBackend final : public Backend {
   // frees the memory when its mapping goes (cuMemRelease, cuda.h). The
   // reservation is freed once its last page is unmapped.
 
+  // A driver call returns its error and leaves the runtime's last error
+  // alone: clearing that here could swallow an error of the program's own.
   [[noreturn]] void fail_driver(cudrv::CUresult result, const std::string& what) const {
-    api_.GetLastError();
     throw std::runtime_error("dtralloc: " + what + " on CUDA device " + std::to_string(device_) +
                              " failed: " + describe_driver(api_.vmm, result));
   }

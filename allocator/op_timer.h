@@ -87,12 +87,14 @@ class OpTimer {
       while (marks_.size() >= 2) {
         const Mark& start = marks_[0];
         const Mark& end = marks_[1];
-        if (end.measures && end.stream == start.stream) {
+        // Completion is polled with cudaEventQuery, as the documentation of
+        // cuEventElapsedTime_v2 (CUDA 12.8) asks: the elapsed-time call is
+        // meant for the time only, not to poll.
+        if (!backend_.event_completed(end.event)) break;
+        if (end.measures && end.stream == start.stream) {  // start, earlier on the stream, completed too
           const double ms = backend_.elapsed_ms(start.event, end.event);
-          if (ms < 0) break;  // still pending
+          if (ms < 0) break;  // not yet timed, after all: later
           measured_.emplace_back(end.op, ms * 1e6);
-        } else if (!backend_.event_completed(end.event)) {
-          break;
         }
         spare_.push_back(start.event);  // completed: it may be recorded again
         marks_.pop_front();
