@@ -532,7 +532,10 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
     started = time.monotonic()
     common = {"model": name, "device": device, "smoke": smoke, "base": base, "conf": args.conf}
     in_process = args.in_process
-    measured = run_config({**common, "config": "measure", "deadline_s": budget_s}, budget_s * 0.3, in_process)
+    # At least 45 s: a fresh process imports torch (and transformers), builds the
+    # model and runs its steps before M exists, and without M nothing is measured.
+    measured = run_config({**common, "config": "measure", "deadline_s": budget_s}, max(budget_s * 0.3, 45.0),
+                          in_process)
     m = next((r for r in measured if r["event"] == "measure"), None)
     result.update(model=name, base=base, measure=m, measure_records=measured, configs={})
     progress()

@@ -219,7 +219,13 @@ def oom() -> dict:
     twin = copy.deepcopy(model)
     opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin))
     x = torch.randn(8192, 2048, device="cuda")  # 64 MiB per layer output
-    info = _hold_outputs_until_oom(dtralloc, torch, model, x, "320M")
+    # The budget: what is resident (both models, x, and the cuBLAS workspace a
+    # first matmul makes and torch keeps) plus room for two and a half layer
+    # outputs, so that what runs out is the kept outputs.
+    twin(x[:8]).sum().item()
+    budget_mib = -(-dtralloc.memory_stats()["allocated_bytes.all.current"] // MiB) + 160
+    info = _hold_outputs_until_oom(dtralloc, torch, model, x, f"{budget_mib}M")
+    info["budget_mib"] = budget_mib
     torch.cuda.synchronize()
     _pool_ok(dtralloc)
 
@@ -269,11 +275,22 @@ def device_thread() -> dict:
         torch.cuda.synchronize()
         return [p.grad.clone() for p in model.parameters()], s.stats(), before, threads
 
+    def resident():
+        """Reserved bytes once the cache is given back: what a budget must
+        hold before the step (a lowered budget releases nothing by itself, and
+        peak_bytes counts reserved bytes on CUDA)."""
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return dtralloc.memory_stats()["reserved_bytes.all.current"]
+
+    at_start = resident()
     want, peak_stats, _, _ = forward_backward()
     peak = peak_stats["peak_bytes"]
     runs = []
     for fraction in (0.75, 0.6, 0.45):
-        budget = int(peak * fraction)
+        got = None  # the last run's gradients are not this run's
+        budget = resident() + int((peak - at_start) * fraction)
         try:
             got, stats, before, threads = forward_backward(budget)
         except dtralloc.OutOfMemoryError as e:
@@ -332,7 +349,11 @@ def op_costs() -> dict:
     dtralloc, torch = _setup()
     a = torch.randn(8192, 8192, device="cuda")
     b = torch.randn(8192, 8192, device="cuda")
+    # cuBLAS's start (handle, workspace, kernel loading) before the timed
+    # launches: it is host time the GPU idles through.
+    warm = a @ b
     torch.cuda.synchronize()
+    del warm
     with dtralloc.dtr() as s:
         start = time.perf_counter()
         outs = [a @ b for _ in range(4)]  # about 20 ms each in fp32 without TF32

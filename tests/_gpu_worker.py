@@ -124,8 +124,10 @@ def load() -> dict:
     assert stats["num_ooms"] == 0, stats
     assert stats["num_invalid_frees"] == 0, stats
     assert stats["allocated_bytes.all.current"] <= max(baseline, 0) + 8 * MiB, (stats, baseline)
+    # The last empty_cache() gave back every segment (nothing here keeps
+    # device memory): whatever is left is device 0's.
     segments = dtralloc.snapshot()["segments"]
-    assert segments and all(seg["device"] == 0 for seg in segments), segments
+    assert all(seg["device"] == 0 for seg in segments), segments
     return {"stats": stats, "baseline": baseline}
 
 
@@ -368,23 +370,27 @@ def vmm_pages() -> dict:
     allocates from them too."""
     import dtralloc
 
-    dtralloc.install("budget:40M,unmap_pages:on")
+    # 44 MiB: 20 + 36 > 44 makes the pages go back; the 4 MiB kept then and
+    # the 36 leave room for the small segments (2 MiB each) of what follows.
+    dtralloc.install("budget:44M,unmap_pages:on")
     import torch
 
     kept = torch.full((3 * MiB,), 7, dtype=torch.uint8, device="cuda")  # a 20 MiB segment
     scratch = torch.ones(4 * MiB, dtype=torch.uint8, device="cuda")
     del scratch
-    big = torch.full((36 * MiB,), 3, dtype=torch.uint8, device="cuda")  # 20 + 36 > 40: pages go back
+    big = torch.full((36 * MiB,), 3, dtype=torch.uint8, device="cuda")  # 20 + 36 > 44: pages go back
     sums = [int(kept.sum(dtype=torch.int64)), int(big.sum(dtype=torch.int64))]
     stats = dtralloc.memory_stats()
     releases = stats["num_page_releases"]
     del big
     x = torch.randn(256, 512, device="cuda")
-    w = torch.randn(512, 128, device="cuda", requires_grad=True)
-    (x @ w).sum().backward()  # backward runs on autograd's device thread
-    expected = x.sum(0)[:, None].expand(512, 128)
-    grad_ok = bool(torch.allclose(w.grad, expected, rtol=1e-4, atol=1e-3))
-    del kept, x, w, expected
+    w = torch.randn(256, 512, device="cuda", requires_grad=True)
+    # Backward runs on autograd's device thread. Elementwise: a matmul would
+    # make cuBLAS workspaces (32 MiB per thread on Hopper) that torch keeps
+    # for the process, past the budget and past empty_cache().
+    (x * w).sum().backward()
+    grad_ok = bool(torch.equal(w.grad, x))
+    del kept, x, w
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return {
