@@ -31,11 +31,11 @@ import torch
 import dtralloc
 from dtralloc.dtr import dtr
 from dtralloc.replay import POLICIES
-from dtralloc.zoo import MODELS, NEEDS_TRANSFORMERS, build
+from dtralloc.zoo import MODELS, build
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import emit, header  # noqa: E402
-from bench_live_vs_replay import BENCH_SIZES  # noqa: E402
+from bench_live_vs_replay import BENCH_SIZES, measure_available  # noqa: E402
 
 DEFAULT_MODELS = ("convbn", "gpt2", "encdec", "unet", "vit", "lstm")
 
@@ -145,16 +145,8 @@ def main(argv=None) -> int:
     n = int(round((args.high - args.low) / args.step)) + 1
     fractions = [round(args.low + i * args.step, 4) for i in range(n)]
     torch.set_num_threads(args.threads)
-    models, skipped = [], {}
-    for name in args.models:
-        if name in NEEDS_TRANSFORMERS:
-            try:
-                import transformers  # noqa: F401
-            except ImportError:
-                skipped[name] = 'needs transformers (pip install "dtralloc[zoo]")'
-                continue
-        models.append(measure_model(name, fractions, args.rounds, args.policy,
-                                    echo=lambda s: print(s, file=sys.stderr, flush=True)))
+    models, skipped = measure_available(args.models, lambda name: measure_model(
+        name, fractions, args.rounds, args.policy, echo=lambda s: print(s, file=sys.stderr, flush=True)))
     command = "python bench/bench_live_first_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
     emit(report(models, skipped, fractions, args.rounds, args.policy, command), args.out)
     return 0

@@ -346,6 +346,21 @@ def report(models: list[dict], skipped: dict, budgets: list[float], rounds: int,
     return "\n".join(out) + "\n"
 
 
+def measure_available(names, measure) -> tuple[list, dict]:
+    """measure(name) for each zoo model whose packages are installed, and
+    why each other one was skipped."""
+    models, skipped = [], {}
+    for name in names:
+        if name in NEEDS_TRANSFORMERS:
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                skipped[name] = 'needs transformers (pip install "dtralloc[zoo]")'
+                continue
+        models.append(measure(name))
+    return models, skipped
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(BENCH_SIZES),
@@ -367,16 +382,8 @@ def main(argv=None) -> int:
         parser.error("--budgets are fractions in (0, 1]")
     budgets = sorted(set(args.budgets), reverse=True)
     torch.set_num_threads(args.threads)
-    models, skipped = [], {}
-    for name in args.models:
-        if name in NEEDS_TRANSFORMERS:
-            try:
-                import transformers  # noqa: F401
-            except ImportError:
-                skipped[name] = 'needs transformers (pip install "dtralloc[zoo]")'
-                continue
-        models.append(measure_model(name, budgets, args.rounds, args.policy,
-                                    echo=lambda s: print(s, file=sys.stderr, flush=True)))
+    models, skipped = measure_available(args.models, lambda name: measure_model(
+        name, budgets, args.rounds, args.policy, echo=lambda s: print(s, file=sys.stderr, flush=True)))
     command = "python bench/bench_live_vs_replay.py " + " ".join(argv if argv is not None else sys.argv[1:])
     emit(report(models, skipped, budgets, args.rounds, args.policy, command), args.out)
     return 0
