@@ -22,20 +22,17 @@ default), so near the lowest budget the rounds differ by op-time noise too.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
 import torch
 
-import dtralloc
-from dtralloc.dtr import dtr
 from dtralloc.replay import POLICIES
 from dtralloc.zoo import MODELS, build
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import emit, header  # noqa: E402
-from bench_live_vs_replay import BENCH_SIZES, measure_available  # noqa: E402
+from bench_live_vs_replay import BENCH_SIZES, _live, measure_available  # noqa: E402
 
 DEFAULT_MODELS = ("convbn", "gpt2", "encdec", "unet", "vit", "lstm")
 
@@ -55,16 +52,10 @@ def _other_step():
 
 
 def _run(step, budget: int | None, policy: str) -> dict:
-    session = dtr(budget=budget, policy=policy, device="cpu")
-    try:
-        with session:
-            step()
-        fits = True
-    except dtralloc.OutOfMemoryError:
-        fits = False
-    gc.collect()
-    stats = session.stats()
-    return {"fits": fits, "long_lived": stats["long_lived"], "peak": stats["peak_bytes"]}
+    """One step under dtr(budget, device="cpu") (bench_live_vs_replay's
+    _live): whether it fit, what it placed high, its peak."""
+    out = _live(step, budget, policy)
+    return {"fits": "oom" not in out, "long_lived": out["long_lived"], "peak": out["peak_bytes"]}
 
 
 def measure_model(name: str, fractions: list[float], rounds: int, policy: str, echo) -> dict:
