@@ -19,6 +19,8 @@
 #                           # pytest_gpu, gpu_budget, hot_path, replay_fragmentation), each with all the time left
 #   GPU_SESSION_BENCH_CONF=unmap_pages:off bash bench/gpu_session.sh  # the budget bench's dtralloc
 #                           # configurations install() these settings (here: cudaMalloc segments, not VMM)
+#   GPU_SESSION_PYTEST_WORKERS=0 bash bench/gpu_session.sh  # the GPU tests one at a time (default: 4
+#                           # pytest-xdist workers where xdist is installed)
 #   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,
 #                           # with the bench in --smoke --device cpu mode, no build, no other benches
 #
@@ -93,12 +95,43 @@ step() {
 # 1. Build (rebuilds _core and libdtralloc.so for this machine).
 [ -z "$REHEARSAL" ] && [ -z "${GPU_SESSION_SKIP_BUILD:-}" ] && step build 200 400 "$PY -m pip install --no-build-isolation -e . > '$OUT/build.log' 2>&1"
 
+# 1b. The import order that crashed every process on the first GPU image
+# (stop 21: `import dtralloc` before torch, SIGSEGV inside torch's import).
+# CMakeLists.txt's --exclude-libs is the fix; this checks it on the image.
+# Should it crash again, the rest of the session still measures something:
+# a sitecustomize that imports torch first is put on PYTHONPATH for every
+# process after this, and session.md says so in capitals (those figures are
+# not what a user who imports dtralloc first gets).
+IMPORT_NOTE=""
+if [ -z "$REHEARSAL" ]; then
+  probe=$(timeout 120 $PY -X faulthandler -c 'import dtralloc, torch; torch.zeros(1, device="cuda"); print("ok")' 2>&1)
+  probe_rc=$?
+  if [ "$probe_rc" -eq 0 ]; then
+    IMPORT_NOTE="import order: \`import dtralloc, torch\` then a CUDA tensor: ok"
+  else
+    IMPORT_NOTE="IMPORT ORDER: \`import dtralloc, torch\` FAILED (exit $probe_rc), see import-probe.log; EVERYTHING AFTER THE BUILD RAN WITH TORCH IMPORTED FIRST (a sitecustomize on PYTHONPATH)"
+    echo "$probe" > "$OUT/import-probe.log"
+    first=$(mktemp -d)
+    echo 'import torch  # gpu_session.sh: the import-order fallback' > "$first/sitecustomize.py"
+    export PYTHONPATH="$first${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  echo "[gpu_session] $IMPORT_NOTE" >&2
+fi
+
 # 2. The gpu-marked tests (tests/test_dtr_gpu.py, tests/test_gpu.py) first:
 # a figure from a runtime that is wrong on this GPU is worth nothing. Each test
 # is cut off at 100 s where pytest-timeout is installed, so one hang costs little.
 { header "pytest -m gpu" "python -m pytest -m gpu -v"; echo '```'; } > "$OUT/pytest-gpu.md"
 PYTEST_TIMEOUT=""
 $PY -c 'import pytest_timeout' 2>/dev/null && PYTEST_TIMEOUT="--timeout 100"
+# Every test runs its scenario in worker processes of its own (a few seconds
+# each to import torch and start CUDA), so pytest-xdist's processes share
+# the GPU and the 16 cores: GPU_SESSION_PYTEST_WORKERS of them (0: serial).
+PYTEST_WORKERS="${GPU_SESSION_PYTEST_WORKERS:-4}"
+# Under xdist, pytest-benchmark (on the GPU image) warns that it turns itself
+# off, and the suite's filterwarnings=error made that an INTERNALERROR on the
+# first run (2026-11-27): it is not loaded at all.
+[ "$PYTEST_WORKERS" != 0 ] && $PY -c 'import xdist' 2>/dev/null && PYTEST_TIMEOUT="$PYTEST_TIMEOUT -n $PYTEST_WORKERS -p no:benchmark"
 # pipefail: the step's status is pytest's, not tee's.
 step pytest_gpu 240 260 "set -o pipefail; $PY -m pytest -m gpu -v -rfE $PYTEST_TIMEOUT -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
 echo '```' >> "$OUT/pytest-gpu.md"
@@ -122,6 +155,7 @@ step replay_fragmentation 120 5 \
   "$PY bench/replay_fragmentation.py --traces resnet50 mlp --out '$OUT/replay_fragmentation-$DAY.md' > '$OUT/replay_fragmentation.log' 2>&1"
 
 echo >> "$SESSION"
+[ -n "$IMPORT_NOTE" ] && printf '%s\n\n' "$IMPORT_NOTE" >> "$SESSION"
 # What the build linked: a C++ runtime linked statically into the modules
 # (no libstdc++.so among their needs) crashed torch's import on the first GPU
 # image (stop 21); --exclude-libs keeps it private. Recorded here so a report
