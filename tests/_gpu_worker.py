@@ -379,7 +379,9 @@ def vmm_pages() -> dict:
     scratch = torch.ones(4 * MiB, dtype=torch.uint8, device="cuda")
     del scratch
     big = torch.full((36 * MiB,), 3, dtype=torch.uint8, device="cuda")  # 20 + 36 > 44: pages go back
-    sums = [int(kept.sum(dtype=torch.int64)), int(big.sum(dtype=torch.int64))]
+    # On the host: a sum with dtype=int64 on the device casts first, and the
+    # 24 MiB int64 copy of `kept` did not fit the budget (H100, 2026-11-27).
+    sums = [int(kept.cpu().sum(dtype=torch.int64)), int(big.cpu().sum(dtype=torch.int64))]
     stats = dtralloc.memory_stats()
     releases = stats["num_page_releases"]
     del big
