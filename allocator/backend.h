@@ -94,14 +94,14 @@ std::unique_ptr<Backend> make_cuda_backend(int device);
 // Why `device` cannot have VMM segments; "" when it can. Creates no context;
 // throws like make_cuda_backend when there is no such device.
 std::string cuda_vmm_unavailable(int device);
-// The cuda backend `config` asks for: VMM segments where unmap_pages
-// resolves on (auto: under the dtralloc policy, with a budget or without one,
-// as a live session's budget resolves it) and the device can have them.
+// The cuda backend `config` asks for: VMM segments where unmap_pages is on,
+// as given (auto makes cudaMalloc'd segments, which cost a GPU far less to
+// make and release: backend_cuda.cpp), and the device can have them.
 // Each such segment is a reserved address range with its 2 MiB pages mapped
 // one by one (CUDA's virtual memory API), so that release() takes page
 // ranges (releases_ranges()). unmap_pages:on where the device cannot throws
-// ConfigError; auto falls back to cudaMalloc'd segments and the Allocator
-// resolves it off.
+// ConfigError. With cudaMalloc'd segments the Allocator resolves
+// unmap_pages:auto off.
 struct Config;
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device);
 // Throws ConfigError naming why unmap_pages:on cannot run on `device`.

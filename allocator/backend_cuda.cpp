@@ -695,25 +695,28 @@ namespace {
 [[noreturn]] void refuse_unmap_pages(const std::string& why) {
   throw ConfigError("DTRALLOC_CONF: unmap_pages:on gives back pages of CUDA memory through CUDA's virtual "
                     "memory API, and here it cannot: " + why +
-                    ". Leave unmap_pages at auto (it then stays off here) or off.");
+                    ". Leave unmap_pages at auto or off (cudaMalloc'd segments).");
 }
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device) {
   const LoadedRuntime& runtime = runtime_for_device(device);
-  // Resolved as for a backend that can give back pages: on means the
-  // settings want VMM segments. Under the dtralloc policy without a budget
-  // too: such a pool hosts dtr(budget=...) sessions, which resolve auto as
-  // under a budget (Allocator::override_session), and the segments they give
-  // pages back from are made from the start.
-  Config want = config;
-  if (want.policy == Policy::kDtralloc && want.budget.none()) want.budget.fraction = 1.0;
-  bool vmm = resolve_config(want, true).unmap_pages == Switch::kOn;
+  // VMM segments only where unmap_pages is on, as given: under auto the
+  // segments are cudaMalloc'd and the Allocator resolves unmap_pages off.
+  // Under a budget the pool makes and releases segments every step (a
+  // ResNet-50 step at its peak: six a step, each a few hundred 2 MiB pages),
+  // and a VMM segment is a cuMemCreate and a cuMemMap a page to make and a
+  // device synchronize and a cuMemUnmap a page to release, where cudaMalloc
+  // and cudaFree are one call each. On an H100 that made the largest batch
+  // that trains in a fixed memory 5-20x slower a sample than with cudaMalloc'd
+  // segments, for at most one batch more (bench/results/gpu_session-2026-11-
+  // 27-h100.md: ResNet-50 at 5.75x its batch +1941% against +83%, GPT-2
+  // +358% at 2.88x against +31% at 2.75x).
+  bool vmm = config.unmap_pages == Switch::kOn;
   if (vmm) {
     const std::string why = vmm_unavailable(runtime.api, device);
-    if (!why.empty() && config.unmap_pages == Switch::kOn) refuse_unmap_pages(why);
-    vmm = why.empty();  // else auto: cudaMalloc'd segments, and the Allocator resolves it off
+    if (!why.empty()) refuse_unmap_pages(why);
   }
   return std::make_unique<CudaBackend>(runtime.api, device, vmm);
 }

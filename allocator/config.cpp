@@ -380,8 +380,8 @@ Config resolve_config(Config config, bool releases_ranges) {
     config.spare_evicted = dtralloc_placement ? Switch::kOn : Switch::kOff;
   if (config.long_lived == Switch::kAuto)
     config.long_lived = dtralloc_placement ? Switch::kOn : Switch::kOff;
-  // The cuda backend gives back pages through VMM segments; where the
-  // driver cannot, auto stays off (make_cuda_backend_for, backend.h).
+  // The cuda backend gives back pages only through VMM segments, which it
+  // makes for unmap_pages:on alone: auto stays off there (make_cuda_backend_for).
   if (config.unmap_pages == Switch::kAuto)
     config.unmap_pages = dtralloc_placement && releases_ranges ? Switch::kOn : Switch::kOff;
   return config;

@@ -100,11 +100,13 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "hold tensors until it has, before evicting (sparing the rooms evicted "   \
     "values left) and again before an out-of-memory error; needs a backend "  \
     "that frees part of a segment: host, virtual (replay, CPU sessions) and "  \
-    "cuda through VMM segments (CUDA's virtual memory API); auto = on under " \
-    "the dtralloc policy with a budget where the backend can, else off; set " \
-    "off where one GPU reads another's tensors or CUDA tensors cross "         \
-    "processes (docs/allocator.md: VMM memory is mapped for its own device "  \
-    "only, and has no IPC handle)")                                            \
+    "cuda, whose segments are then VMM ones (CUDA's virtual memory API), "    \
+    "made and released a 2 MB page at a time; auto = on under the dtralloc " \
+    "policy with a budget on host and virtual, off on cuda (its segments "    \
+    "cudaMalloc'd: on an H100, VMM segments made training under a budget "    \
+    "5-20x slower a sample, docs/allocator.md); leave it off where one GPU "  \
+    "reads another's tensors or CUDA tensors cross processes (VMM memory is " \
+    "mapped for its own device only, and has no IPC handle)")                 \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \

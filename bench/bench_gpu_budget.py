@@ -16,7 +16,7 @@ next), the largest batch whose steps all run within M:
 * plain-dtralloc  dtralloc.install("policy:dtralloc,budget:M"), no DTR session: what the pool
                   alone gives (its placement under a budget, no eviction)
 * dtr             dtralloc.install("policy:dtralloc"), every step inside dtralloc.dtr(budget=M)
-                  (the pool makes VMM segments, and each session's budget turns its placement on)
+                  (its budget turns the dtralloc placement on; cudaMalloc segments unless --conf says unmap_pages:on)
 
 Per configuration: max batch / B, and the step time per sample over plain's
 at B (the overhead), at every batch probed. The dtr process then checks one
@@ -690,7 +690,7 @@ def main(argv=None) -> int:
     parser.add_argument("--conf", default="",
                         help="GPU only: settings (DTRALLOC_CONF's syntax) for the install() of the dtralloc "
                              "configurations, after policy:dtralloc unless they name a policy, e.g. "
-                             "unmap_pages:off (cudaMalloc segments instead of VMM ones)")
+                             "unmap_pages:on (VMM segments instead of cudaMalloc ones)")
     parser.add_argument("--out", help="also write the report (markdown) here, and its data next to it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

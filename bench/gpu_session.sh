@@ -17,8 +17,8 @@
 #   GPU_SESSION_SKIP_BUILD=1 bash bench/gpu_session.sh    # already built (pip install --no-build-isolation -e .)
 #   GPU_SESSION_ONLY=gpu_budget bash bench/gpu_session.sh # build, then only these steps (comma-separated:
 #                           # pytest_gpu, gpu_budget, hot_path, replay_fragmentation), each with all the time left
-#   GPU_SESSION_BENCH_CONF=unmap_pages:off bash bench/gpu_session.sh  # the budget bench's dtralloc
-#                           # configurations install() these settings (here: cudaMalloc segments, not VMM)
+#   GPU_SESSION_BENCH_CONF=unmap_pages:on bash bench/gpu_session.sh  # the budget bench's dtralloc
+#                           # configurations install() these settings (here: VMM segments, not cudaMalloc)
 #   GPU_SESSION_PYTEST_WORKERS=0 bash bench/gpu_session.sh  # the GPU tests one at a time (default: 4
 #                           # pytest-xdist workers where xdist is installed)
 #   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,

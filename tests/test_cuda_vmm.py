@@ -16,11 +16,11 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vmm_worker.p
 
 SCENARIOS = {
     "pages_go_back_and_the_rest_stays": None,
-    "auto_uses_vmm_only_for_the_dtralloc_policy": None,
-    "without_vmm_auto_falls_back_and_on_is_refused": None,
+    "only_unmap_pages_on_makes_vmm_segments": None,
+    "without_vmm_auto_runs_and_on_is_refused": None,
     "out_of_memory_midway_leaves_nothing_behind": None,
     "a_thread_without_a_context_allocates": None,
-    "torch_entry_points_get_vmm_segments": "policy:dtralloc,budget:256M",
+    "torch_entry_points_get_vmm_segments": "policy:dtralloc,budget:256M,unmap_pages:on",
 }
 
 
