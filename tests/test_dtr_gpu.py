@@ -42,7 +42,6 @@ def test_flash_attention_dropout_is_bit_exact_under_chaos(dtype):
     assert r["stats"]["rng_replays"] > 0, "flash attention was never recomputed"
     if r["control"] == []:
         assert r["diffs"] == [], r
-        assert r["grad_spread_live"] == 0, r
     else:
         # This GPU's backward differs from itself run to run: the recomputed
         # masks must still be the drawn ones, so the live gradients stray
