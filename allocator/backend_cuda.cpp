@@ -713,7 +713,7 @@ std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device)
   // segments, for at most one batch more (bench/results/gpu_session-2026-11-
   // 27-h100.md: ResNet-50 at 5.75x its batch +1941% against +83%, GPT-2
   // +358% at 2.88x against +31% at 2.75x).
-  bool vmm = config.unmap_pages == Switch::kOn;
+  const bool vmm = config.unmap_pages == Switch::kOn;
   if (vmm) {
     const std::string why = vmm_unavailable(runtime.api, device);
     if (!why.empty()) refuse_unmap_pages(why);

@@ -31,7 +31,7 @@ DEFAULT_TRACES = ("resnet50", "gpt2", "bert", "unet", "mlp")
 
 def _worker(trace_name: str, conf: str, steps: int) -> str:
     """Runs in a process of its own (the runtime is loaded once per process):
-    one line per step, tab-separated: the calls, page releases, peak."""
+    the budget, then one line per step, tab-separated: the calls, then the page cuts."""
     from dtralloc.testing import FakeCudaRuntime, fake_cudart_path
 
     os.environ["DTRALLOC_CUDART"] = fake_cudart_path()
@@ -80,8 +80,7 @@ def measure(trace_name: str, conf: str, steps: int) -> dict:
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]}
     lines = proc.stdout.strip().splitlines()
-    steps_rows = [list(map(int, line.split("\t"))) for line in lines[1:]]
-    return {"budget": int(lines[0]), "first": steps_rows[0], "last": steps_rows[-1]}
+    return {"budget": int(lines[0]), "last": list(map(int, lines[-1].split("\t")))}
 
 
 def main(argv=None) -> int:

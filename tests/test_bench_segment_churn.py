@@ -32,7 +32,7 @@ def test_steady_state_calls_per_step():
     assert auto["cuMemCreate"] == 0, f"unmap_pages:auto made VMM segments on cuda: {auto}"
 
 
-def test_report(tmp_path, capsys):
+def test_report(tmp_path):
     out = tmp_path / "churn.md"
     assert segment_churn.main(["--traces", "mlp", "--steps", "2", "--out", str(out)]) == 0
     text = out.read_text()
