@@ -447,6 +447,7 @@ void RematEngine::unwind(std::vector<Frame>& stack) {
 // of searches: a foreach op reads hundreds of values and writes hundreds.
 void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
   visited_.next(values_.size());
+  values_[v].recipe.reserve(ops_[op].inputs.size());
   for (int r : not_read) visited_.mark(r);
   for (int r : ops_[op].inputs) {
     if (visited_.marked(r)) continue;
@@ -486,14 +487,17 @@ void RematEngine::prepare_write(int v) {
   // Overwriting a value nobody can recompute: whatever depends on it must be
   // brought back now and becomes pinned. Ids ascend in creation order, which
   // is a topological order of the recipes.
+  // The walk's marks are a visited_ pass (nothing below reads them): a
+  // vector per call, of every value the engine has seen, cost an optimizer
+  // step's foreach write of N parameters N allocations of that size.
   std::vector<int> todo{v}, seen;
-  std::vector<char> mark(values_.size(), 0);
+  visited_.next(values_.size());
   while (!todo.empty()) {
     const int x = todo.back();
     todo.pop_back();
     for (int d : values_[x].dependents) {
-      if (mark[d] || values_[d].state == ValueState::kReleased || values_[d].pinned) continue;
-      mark[d] = 1;
+      if (visited_.marked(d) || values_[d].state == ValueState::kReleased || values_[d].pinned) continue;
+      visited_.mark(d);
       seen.push_back(d);
       todo.push_back(d);
     }
@@ -541,7 +545,9 @@ int RematEngine::write(int op, int v, bool reads_old) {
     broken(v, "an in-place write needs the value resident and locked (begin_op's writes)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
   values_[n].external = values_[v].external;  // the memory stays where it was
-  if (reads_old)
+  if (reads_old && values_[v].pinned)
+    values_[n].pinned = true;  // it reads a version gone for good (below): no recipe to keep
+  else if (reads_old)
     set_recipe(n, op, {});
   else
     set_recipe(n, op, {v});
@@ -554,7 +560,7 @@ int RematEngine::write(int op, int v, bool reads_old) {
   Value& old = values_[v];
   old.alive = false;
   if (old.pinned) {
-    pin_descendants(v);  // n included: its recipe reads a value gone for good
+    pin_descendants(v);  // n included where its recipe reads v
     old.state = ValueState::kReleased;
     ++counters_.releases;
     driver_.forget(v);

@@ -184,7 +184,9 @@ class RematEngine {
   // `op` writes `v` in place: returns the new version, which takes the block
   // (locked for the op). `v` keeps its recipe without memory, or, if `v` was
   // not recomputable, its dependents become pinned (begin_op brought back the
-  // evicted ones first). `reads_old` false: the op overwrites all of `v`
+  // evicted ones first), and so does the new version if it reads `v` (it gets
+  // no recipe: an optimizer's in-place update of N parameters would otherwise
+  // make N recipes of the op's 2N inputs, only to drop them). `reads_old` false: the op overwrites all of `v`
   // without reading it (fill_, copy_, zero_, out=), so the new version's
   // recipe does not need `v`.
   int write(int op, int v, bool reads_old = true);

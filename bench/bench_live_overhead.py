@@ -1,12 +1,16 @@
 """Per-op bookkeeping of live DTR (dtralloc.dtr) with no eviction, on small ops,
 side by side with plain eager in the same run.
 
-Four workloads of small ops (where per-op costs show; on real models the
+Six workloads of small ops (where per-op costs show; on real models the
 ops' own time dwarfs them): a loop of torch.add on the same two 8-element
 tensors (made before the session: a recipe keeps them, not their geometry);
 a chain x = x + b (each op reads the one before's output); a
 forward + backward of a 32-layer MLP of width 16 (batch 4); the same with
-dropout (random ops save their generator state). Each runs plainly, under a
+dropout (random ops save their generator state); an SGD step with foreach
+ops over 160 parameters (few ops, each reading and writing hundreds of
+tensors); a whole training step of ResNet-50's graph at width 8 (a thousand
+small ops, with hundreds of saved activations held by the session: on a GPU
+the host's per-op cost is what a model of small kernels waits on). Each runs plainly, under a
 TorchDispatchMode that does nothing (the floor any dispatch-based runtime
 pays), under that mode with saved-tensor hooks that do nothing (the floor of
 one that owns saved tensors), under dtr(device="cpu") without a budget, and
@@ -92,10 +96,28 @@ def workloads():
         drop.zero_grad(set_to_none=True)
         drop(x).sum().backward()
 
+    # An optimizer step: foreach ops over a hundred and sixty parameters,
+    # each op reading and writing hundreds of tensors (made before the
+    # session, as a training loop's parameters, gradients and momentum are).
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(160)]
+    for p in params:
+        p.grad = torch.randn(64)
+    sgd = torch.optim.SGD(params, lr=1e-6, momentum=0.9, weight_decay=1e-4, foreach=True)
+    sgd.step()  # the momentum buffers exist from here on
+
+    # A whole model: ResNet-50's graph (bottleneck blocks 3-4-6-3) at width 8
+    # on 32x32 images, so that its thousand ops are small: per-op costs that
+    # grow with what the session holds (hundreds of saved activations) show.
+    from dtralloc.zoo import resnet
+
+    net = resnet.build(batch=2, image=32, base=8, classes=10)
+
     return {"add loop (2000 x torch.add, 8 floats)": adds,
             "add chain (x = x + b, 2000 times, 8 floats)": chain,
             "MLP 32 x Linear(16)+Tanh, fwd+bwd": mlp_step,
-            "MLP 32 x Linear(16)+ReLU+Dropout, fwd+bwd": dropout_step}
+            "MLP 32 x Linear(16)+ReLU+Dropout, fwd+bwd": dropout_step,
+            "SGD step (foreach, momentum, weight decay), 160 x 64 floats": sgd.step,
+            "ResNet-50 graph at width 8, 32x32, batch 2: training step": net.step}
 
 
 def ops_of(fn) -> int:

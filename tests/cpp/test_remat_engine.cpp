@@ -196,6 +196,47 @@ void test_write_to_pinned_value() {
   e.release_all();
 }
 
+// An optimizer's foreach update: one op reads N parameters and N session
+// values (gradients) and writes the N parameters. The new versions read
+// versions gone for good, so they are pinned without a recipe: no N x 2N
+// recipe entries, and the gradients' dependents and needed_by stay as they
+// were (a recipe made and dropped at once cost an optimizer step milliseconds).
+void test_foreach_write_to_pinned_values_keeps_no_recipe() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  constexpr int kN = 50;
+  std::vector<int> params, grads, reads;
+  for (int i = 0; i < kN; ++i) params.push_back(e.add_initial(1024));
+  for (int i = 0; i < kN; ++i) grads.push_back(apply(e, {params[i]}, 1024, 1));
+  reads = params;
+  reads.insert(reads.end(), grads.begin(), grads.end());
+  const int op = e.begin_op(call(1, reads, params));
+  std::vector<int> updated;
+  for (int p : params) updated.push_back(e.write(op, p));
+  e.end_op(op);
+  for (int n : updated) {
+    CHECK(e.value(n).pinned);
+    CHECK(e.value(n).recipe.empty());
+    CHECK(e.value(n).state == ValueState::kResident);
+  }
+  for (int g : grads) {
+    CHECK(e.value(g).dependents.empty());
+    CHECK(e.value(g).needed_by == 0);
+    CHECK(e.value(g).pinned);  // its recipe read a parameter's old version
+  }
+  // A recomputable value written in place: the new version's recipe reads
+  // the old one, which stays recomputable.
+  const int x = leaf(e, 1024, 1);
+  const int w = e.begin_op(call(1, {x}, {x}));
+  const int x2 = e.write(w, x);
+  e.end_op(w);
+  CHECK(!e.value(x2).pinned);
+  CHECK(e.value(x2).recipe == std::vector<int>{x});
+  CHECK(e.value(x).state == ValueState::kDeadNeeded);
+  e.check_invariants();
+  e.release_all();
+}
+
 void test_locked_never_evicted_and_random() {
   FakeMemory mem;
   RematEngine e(mem);
@@ -498,6 +539,7 @@ int main() {
   test_estar_classes();
   test_in_place_versions();
   test_write_to_pinned_value();
+  test_foreach_write_to_pinned_values_keeps_no_recipe();
   test_locked_never_evicted_and_random();
   test_missing_inputs();
   test_recompute_need_bytes();
