@@ -7,6 +7,8 @@
 #   session.md              date, device, versions, and each step's command, exit status and time
 #   build.log               pip install --no-build-isolation -e .
 #   pytest-gpu.md           pytest -m gpu -v (header + output)
+#   live_ablation-DATE.md   bench/bench_live_ablation.py (a dtr() step's time by layer: host vs wall,
+#                           cudaMalloc/cudaFree per step, ResNet-50 and GPT-2 at B)
 #   gpu_budget-DATE.md/json bench/bench_gpu_budget.py (largest batch in a fixed memory)
 #   hot_path-DATE.md        bench/bench_hot_path.py --quick (its GPU part: torch.empty/del, native vs dtralloc)
 #   replay_fragmentation-DATE.md  bench/replay_fragmentation.py on torch-only models (its GPU part: native
@@ -16,7 +18,8 @@
 #   GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh
 #   GPU_SESSION_SKIP_BUILD=1 bash bench/gpu_session.sh    # already built (pip install --no-build-isolation -e .)
 #   GPU_SESSION_ONLY=gpu_budget bash bench/gpu_session.sh # build, then only these steps (comma-separated:
-#                           # pytest_gpu, gpu_budget, hot_path, replay_fragmentation), each with all the time left
+#                           # pytest_gpu, live_ablation, gpu_budget, hot_path, replay_fragmentation), each with
+#                           # all the time left
 #   GPU_SESSION_BENCH_CONF=unmap_pages:on bash bench/gpu_session.sh  # the budget bench's dtralloc
 #                           # configurations install() these settings (here: VMM segments, not cudaMalloc)
 #   GPU_SESSION_PYTEST_WORKERS=0 bash bench/gpu_session.sh  # the GPU tests one at a time (default: 4
@@ -41,6 +44,8 @@ SESSION="$OUT/session.md"
 REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
 BENCH_ARGS=""
 [ -n "$REHEARSAL" ] && BENCH_ARGS="--smoke --device cpu --in-process --models resnet50"
+ABLATION_ARGS="--rounds 3"
+[ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --models resnet50"
 
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
@@ -136,7 +141,13 @@ PYTEST_WORKERS="${GPU_SESSION_PYTEST_WORKERS:-4}"
 step pytest_gpu 240 260 "set -o pipefail; $PY -m pytest -m gpu -v -rfE $PYTEST_TIMEOUT -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
 echo '```' >> "$OUT/pytest-gpu.md"
 
-# 3. The budget benchmark: the figure this machine is lent for, so it gets
+# 3. Where a dtr() step's time goes (about a minute and a half): on the
+# first H100 run dtr() cost ResNet-50 +205% at B with nothing to evict, and
+# only a GPU can say whether that is the host's per-op cost, the timing
+# events, or the pool's cudaFree at the budget.
+step live_ablation 150 240 "$PY bench/bench_live_ablation.py $ABLATION_ARGS --out '$OUT/live_ablation-$DAY.md' > '$OUT/live_ablation.log' 2>&1"
+
+# 4. The budget benchmark: the figure this machine is lent for, so it gets
 # all the time left but a margin (after a build and the tests, about 4-5
 # minutes of 9: less, and a model's measurement of M can run out before any
 # probe). It bounds its own time (--time-limit; searches stop starting
@@ -146,7 +157,7 @@ bench_limit=$(( $(left) - 40 ))
 step gpu_budget $((bench_limit + 40)) 0 \
   "$PY bench/bench_gpu_budget.py $BENCH_ARGS ${GPU_SESSION_BENCH_CONF:+--conf '$GPU_SESSION_BENCH_CONF'} --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
 
-# 4. The other benchmarks with a GPU part, while time is left (usually none
+# 5. The other benchmarks with a GPU part, while time is left (usually none
 # after the budget bench: GPU_SESSION_ONLY=hot_path,replay_fragmentation runs
 # them in a call of their own).
 [ -n "$REHEARSAL" ] && TOTAL=0  # (their CPU parts alone take minutes)
