@@ -226,7 +226,8 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   // 2. new segment (after GC, if configured)
   if (config_.garbage_collection_threshold > 0) garbage_collect(pool_.segment_size(rounded));
   if (Block* b = allocate_segment(rounded, requested, stream)) return b;
-  // 3. oversize cached segments
+  // 3. oversize cached segments: split one (split_oversize), or give back and make
+  if (Block* b = split_oversize_segment(rounded, requested, stream)) return b;
   if (release_oversize_segments(rounded, stream))
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   // 4. everything cached
@@ -390,6 +391,31 @@ bool Allocator::release_oversize_segments(std::size_t rounded, Stream stream) {
     oversize.pop_back();
   }
   return true;
+}
+
+// Step 3 under split_oversize: an oversize request the budget leaves no
+// room for takes the low end of the smallest whole free oversize segment
+// whose rest is oversize too, where release_oversize_segments would give
+// that segment back and make one of the request's size (the same bytes
+// reserved, one cudaFree and one cudaMalloc more, and the cudaFree waits for
+// the device). The rest serves only oversize requests (may_serve), so no
+// small block pins the segment; when the request's block is freed the two
+// merge and the segment is whole again. Under a budget the steps of a
+// training loop meet the same oversize sizes in a different order than
+// their segments were made in (ResNet-50: 49, 98 and 196 MiB activations),
+// so without it a step gave back and made segments every time
+// (bench/segment_churn.py).
+Block* Allocator::split_oversize_segment(std::size_t rounded, std::size_t requested, Stream stream) {
+  if (config_.split_oversize != Switch::kOn || config_.max_split_size_mb == kNoLimit) return nullptr;
+  if (rounded < config_.max_split_size_mb) return nullptr;
+  Segment* best = nullptr;
+  for (Segment* seg : pool_.whole_free_segments()) {
+    if (seg->stream != stream || seg->size < rounded || seg->size - rounded < config_.max_split_size_mb) continue;
+    // Address breaks ties between equal sizes: which one is split is determined.
+    if (!best || seg->size < best->size || (seg->size == best->size && seg->addr < best->addr)) best = seg;
+  }
+  if (!best) return nullptr;
+  return pool_.allocate_from(best->head, rounded, requested, false, true);
 }
 
 void Allocator::release_cached_segments() {
@@ -628,6 +654,7 @@ void Allocator::apply_resolved(const Config& resolved) {
   config_.spare_evicted = resolved.spare_evicted;
   config_.long_lived = resolved.long_lived;
   config_.unmap_pages = resolved.unmap_pages;
+  config_.split_oversize = resolved.split_oversize;
   if (config_.max_split_size_mb != resolved.max_split_size_mb) {
     config_.max_split_size_mb = resolved.max_split_size_mb;
     pool_.recount_oversize();

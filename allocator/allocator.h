@@ -315,6 +315,7 @@ class Allocator {
   void garbage_collect(std::size_t incoming_bytes);
   void apply_resolved(const Config& resolved);
   bool release_oversize_segments(std::size_t rounded, Stream stream);
+  Block* split_oversize_segment(std::size_t rounded, std::size_t requested, Stream stream);
   void release_cached_segments();
   struct PendingEvent {
     EventHandle event;

@@ -137,12 +137,12 @@ bool BlockPool::should_split(const Block* block, std::size_t rounded) const {
   return !oversize(rounded) && rest > kSmallSize;
 }
 
-Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t requested, bool high) {
+Block* BlockPool::allocate_from(Block* block, std::size_t rounded, std::size_t requested, bool high, bool split) {
   // The rest of a split sorts just before the block's old successor (same
   // stream, smaller size) unless other sizes lie between: a good hint makes
   // its insertion O(1) instead of a tree descent.
   FreeSet::iterator hint = erase_free(block);
-  if (should_split(block, rounded)) {
+  if ((split && block->size > rounded) || should_split(block, rounded)) {
     Block* rest = new_block();
     rest->size = block->size - rounded;
     rest->stream = block->stream;

@@ -139,7 +139,10 @@ class BlockPool {
   // Takes `block` out of its free set, splits off the rest when worth it
   // (the request takes the low end, or the high end when `high`), marks it
   // allocated. Returns the allocated block.
-  Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested, bool high = false);
+  // `split`: split off the rest even where should_split would not (an
+  // oversize request from an oversize block, Allocator::split_oversize_segment).
+  Block* allocate_from(Block* block, std::size_t rounded, std::size_t requested, bool high = false,
+                       bool split = false);
   // Registers a new backend segment as one free block; returns that block.
   Block* add_segment(std::uintptr_t addr, std::size_t size, Stream stream, PoolKind pool);
   // unmap_pages: the whole pages (`page` bytes, counted from the segment's

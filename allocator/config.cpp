@@ -380,6 +380,12 @@ Config resolve_config(Config config, bool releases_ranges) {
     config.spare_evicted = dtralloc_placement ? Switch::kOn : Switch::kOff;
   if (config.long_lived == Switch::kAuto)
     config.long_lived = dtralloc_placement ? Switch::kOn : Switch::kOff;
+  // Where the backend gives back ranges (host, virtual: replays, CPU
+  // sessions; cuda's VMM segments), unmap_pages returns a segment's free
+  // pages to the budget; where it frees segments only whole (cudaMalloc),
+  // giving one back to make another waits for the device.
+  if (config.split_oversize == Switch::kAuto)
+    config.split_oversize = dtralloc_placement && !releases_ranges ? Switch::kOn : Switch::kOff;
   // The cuda backend gives back pages only through VMM segments, which it
   // makes for unmap_pages:on alone: auto stays off there (make_cuda_backend_for).
   if (config.unmap_pages == Switch::kAuto)

@@ -107,6 +107,15 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "5-20x slower a sample, docs/allocator.md); leave it off where one GPU "  \
     "reads another's tensors or CUDA tensors cross processes (VMM memory is " \
     "mapped for its own device only, and has no IPC handle)")                 \
+  X(split_oversize, SwitchOption, Switch::kAuto,                               \
+    "on: where the budget has no room for an oversize request's own segment, " \
+    "it takes the low end of the smallest whole free oversize segment whose "  \
+    "rest is oversize too (only oversize requests use that rest), instead of " \
+    "giving that segment back and making its own (a cudaFree waits for the "   \
+    "device: ResNet-50 at its budget gave back and made 6 segments a step); "  \
+    "off: give back and make (torch); auto = on under the dtralloc policy "   \
+    "with a budget on cuda's cudaMalloc'd segments, else off (where pages "    \
+    "are given back, unmap_pages returns the room: host, virtual, VMM)")       \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \
@@ -153,7 +162,8 @@ Config parse_config(const std::string& text);
 // `config` with the values that depend on other keys settled (what the
 // Allocator runs with): max_split_size_mb:auto becomes a size or none,
 // segment_fit:auto and small_in_large:auto on or off, unmap_pages:auto on
-// only where the backend `releases_ranges` (Backend::releases_ranges).
+// only where the backend `releases_ranges` (Backend::releases_ranges),
+// split_oversize:auto only where it does not.
 Config resolve_config(Config config, bool releases_ranges = true);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").

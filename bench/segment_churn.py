@@ -11,7 +11,11 @@ no budget. Per configuration, the calls of the last step (the steady state):
 each cudaFree and each VMM release waits for the device, and a VMM segment
 costs a cuMemCreate and a cuMemMap per 2 MiB page to make and a cuMemUnmap per
 page to release, which is what made VMM segments 5-20x slower a sample on an
-H100 (bench/results/gpu_session-2026-11-27-h100.md).
+H100 (bench/results/gpu_session-2026-11-27-h100.md). Under the dtralloc
+policy on cudaMalloc'd segments, split_oversize (on by default there) cuts an
+oversize request from a cached oversize segment instead of giving that
+segment back and making one of its own; `split_oversize:off` shows the pool
+without it.
 
     python bench/segment_churn.py [--traces resnet50 gpt2 ...] [--steps 4] [--out FILE.md]
 """
@@ -25,7 +29,7 @@ import sys
 import time
 
 CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap", "cudaDeviceSynchronize")
-CONFIGS = ("", "policy:dtralloc", "policy:dtralloc,unmap_pages:on")
+CONFIGS = ("", "policy:dtralloc", "policy:dtralloc,split_oversize:off", "policy:dtralloc,unmap_pages:on")
 DEFAULT_TRACES = ("resnet50", "gpt2", "bert", "unet", "mlp")
 
 

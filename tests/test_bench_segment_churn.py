@@ -30,6 +30,12 @@ def test_steady_state_calls_per_step():
 
     auto = calls(segment_churn.measure("resnet50", "policy:dtralloc", 3))
     assert auto["cuMemCreate"] == 0, f"unmap_pages:auto made VMM segments on cuda: {auto}"
+    # split_oversize:auto (on here): the 49, 98 and 196 MiB activations are cut
+    # from the oversize segments already made; off, each step gives back and
+    # makes segments, and each cudaFree waits for the device.
+    assert set(auto.values()) == {0}, auto
+    off = calls(segment_churn.measure("resnet50", "policy:dtralloc,split_oversize:off", 3))
+    assert off["cudaFree"] > 0 and off["cudaMalloc"] == off["cudaFree"], off
 
 
 def test_report(tmp_path):

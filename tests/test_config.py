@@ -25,6 +25,7 @@ OPTION_NAMES = [
     "spare_evicted",
     "long_lived",
     "unmap_pages",
+    "split_oversize",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",

@@ -453,6 +453,61 @@ def test_oversize_cached_segment_is_released_for_a_new_one(make_pool):
     pool.free(b)
 
 
+def test_split_oversize_takes_the_low_end_of_a_cached_oversize_segment(make_pool):
+    """split_oversize:on: where the budget leaves no room for an oversize
+    request's own segment, it is cut from a whole free oversize segment whose
+    rest is oversize too, instead of giving that segment back (a cudaFree,
+    which waits for the device) and making its own. The rest serves oversize
+    requests only; freed, the two merge and the segment is whole again."""
+    pool = make_pool(backend="virtual", conf="budget:210M,max_split_size_mb:40,split_oversize:on,unmap_pages:off")
+    a = pool.malloc(200 * MiB)
+    pool.free(a)
+    b = pool.malloc(100 * MiB)  # 200 >= 100 + 20: not taken whole; 200 + 100 > 210: no segment of its own
+    assert b == a
+    small = pool.malloc(5 * MiB)  # the 100 MiB rest is oversize: a small request leaves it alone
+    assert blocks_by_address(pool)[small][0]["address"] != a
+    c = pool.malloc(100 * MiB)  # the rest, exactly
+    assert c == a + 100 * MiB
+    s = pool.stats()
+    assert s["num_device_free"] == 0 and s["num_alloc_retries"] == 0 and s["num_ooms"] == 0
+    pool.free(b)
+    pool.free(c)
+    assert pool.malloc(200 * MiB) == a  # whole again: served from the cache
+    assert pool.stats()["num_device_free"] == 0
+
+
+def test_split_oversize_leaves_no_small_rest(make_pool):
+    """The rest must be oversize too: a 30 MiB rest (under max_split_size_mb)
+    could be taken by small requests, which would pin the segment; then the
+    segment is given back and made again, as with split_oversize:off."""
+    pool = make_pool(backend="virtual", conf="budget:150M,max_split_size_mb:40,split_oversize:on,unmap_pages:off")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    pool.malloc(70 * MiB)
+    assert pool.stats()["num_device_free"] == 1
+
+
+@pytest.mark.parametrize("conf, splits", [
+    ("policy:dtralloc", False),                    # virtual: pages go back (unmap_pages:auto), auto stays off
+    ("policy:dtralloc,unmap_pages:off", False),    # resolved for the backend, not for unmap_pages' setting
+    ("policy:dtralloc,split_oversize:on", True),
+    ("split_oversize:on", True),
+    ("", False),
+])
+def test_split_oversize_auto_is_off_where_the_backend_gives_pages_back(make_pool, conf, splits):
+    """auto resolves on only under the dtralloc policy with a budget on a
+    backend that frees segments whole (cuda's cudaMalloc'd ones; there
+    bench/segment_churn.py shows it on: no segment made after the first
+    step); host and virtual pools (replays, CPU sessions) keep torch's way."""
+    pool = make_pool(backend="virtual", conf=f"{conf},budget:210M,max_split_size_mb:40".lstrip(","))
+    a = pool.malloc(200 * MiB)
+    pool.free(a)
+    pool.malloc(100 * MiB)
+    s = pool.stats()
+    assert s["num_device_free"] == (0 if splits else 1)  # given back to make its own, or cut from it
+    assert s["reserved_bytes.all.current"] == (200 if splits else 100) * MiB
+
+
 def test_garbage_collection_releases_least_recently_freed_first(make_pool):
     pool = make_pool(backend="virtual", conf="budget:100M,garbage_collection_threshold:0.6,history_entries:1024")
     old = pool.malloc(30 * MiB)
