@@ -560,7 +560,7 @@ int RematEngine::write(int op, int v, bool reads_old) {
   Value& old = values_[v];
   old.alive = false;
   if (old.pinned) {
-    pin_descendants(v);  // n included where its recipe reads v
+    pin_descendants(v);  // its other dependents (n is pinned already, or its recipe leaves v out)
     old.state = ValueState::kReleased;
     ++counters_.releases;
     driver_.forget(v);

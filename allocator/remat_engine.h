@@ -186,9 +186,9 @@ class RematEngine {
   // not recomputable, its dependents become pinned (begin_op brought back the
   // evicted ones first), and so does the new version if it reads `v` (it gets
   // no recipe: an optimizer's in-place update of N parameters would otherwise
-  // make N recipes of the op's 2N inputs, only to drop them). `reads_old` false: the op overwrites all of `v`
-  // without reading it (fill_, copy_, zero_, out=), so the new version's
-  // recipe does not need `v`.
+  // make N recipes of the op's 2N inputs, only to drop them). `reads_old`
+  // false: the op overwrites all of `v` without reading it (fill_, copy_,
+  // zero_, out=), so the new version's recipe does not need `v`.
   int write(int op, int v, bool reads_old = true);
   // What begin_op does first for its writes, for drivers that must do it
   // before the real op runs (the live driver: the write destroys the old

@@ -42,50 +42,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _report import emit, header  # noqa: E402
 from bench_gpu_budget import BASE_BATCH, SMOKE_BATCH, Model  # noqa: E402
+from bench_live_overhead import CountMode, NoopMode, NoopModeAndHooks  # noqa: E402
 
 CONFIGS = ("plain", "noop mode", "noop mode + hooks", "dtr", "dtr, no series", "dtr, no GPU op timing",
            "dtr, budget M")
-
-
-def _noop_contexts():
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class NoopMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    def same(t):
-        return t
-
-    @contextlib.contextmanager
-    def noop():
-        with NoopMode():
-            yield None
-
-    @contextlib.contextmanager
-    def noop_hooks():
-        with torch.autograd.graph.saved_tensors_hooks(same, same), NoopMode():
-            yield None
-
-    return noop, noop_hooks
-
-
-class CountMode:
-    """ATen ops of one step (the denominator of the per-op figures)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        outer = self
-        self.ops = 0
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.ops += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = _Mode()
 
 
 @contextlib.contextmanager
@@ -117,7 +77,6 @@ class Bench:
         self.device = "cuda" if cuda else "cpu"
         self.m = Model(name, smoke, torch.device(self.device))
         self.batch = self.m.batch(batch)
-        self.noop, self.noop_hooks = _noop_contexts()
         self.budget = None
 
     def sync(self):
@@ -130,9 +89,9 @@ class Bench:
         if config == "plain":
             return contextlib.nullcontext()
         if config == "noop mode":
-            return self.noop()
+            return NoopMode()
         if config == "noop mode + hooks":
-            return self.noop_hooks()
+            return NoopModeAndHooks()
         if config == "dtr":
             return dtr(device=self.device)
         if config == "dtr, no series":
@@ -186,8 +145,7 @@ class Bench:
         return int(s.stats()["peak_bytes"])
 
     def ops_per_step(self) -> int:
-        counter = CountMode()
-        with counter.mode:
+        with CountMode() as counter:
             self.m.step(self.batch)
         return counter.ops
 
