@@ -596,9 +596,17 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
     known.pin = answer[2].cast<int>();
     known.call = answer[3];
     known.view = answer[4].cast<bool>();
+    if (!answer[5].is_none()) {
+      py::tuple spec = answer[5];
+      for (py::handle i : spec[0]) known.write_pos.push_back(i.cast<int>());
+      for (py::handle k : spec[1]) known.write_kw.push_back(py::reinterpret_borrow<py::object>(k));
+      known.undeclared_stats = spec[2].cast<bool>();
+      known.writes_here = known.write_pos.size() == known.write_kw.size();
+    }
     known.classified = true;
   }
-  if (!known.fast) return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
+  if (!known.fast && !known.writes_here)
+    return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
   const std::uint32_t info_flags = known.flags;
   const int info_pin = known.pin;
   const py::object call = known.call;  // a reference of its own: the op may classify others (funcs_ grows)
@@ -617,15 +625,24 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
     ++stats_.ops;
     return run();
   }
+  // An op that writes: the Python slow path's steps for it, in C (mode.py,
+  // Mode._dispatch): what it writes, and what depends on an unrecomputable
+  // value it is about to overwrite brought back first.
+  py::tuple writes;
+  if (known.writes_here) {
+    writes = written_by(known, args, has_kwargs ? kwargs : nullptr);
+    if (writes.size() > 0) before_write(writes);
+  }
   // What the previous step's same op kept is announced until it is recorded
-  // (on CPU the mirror places its outputs in record()).
+  // (on CPU the mirror places its outputs in record()); not for an op that
+  // writes, which the Python path never announced.
   struct ClearLongLived {
     Allocator* pool;
     bool set;
     ~ClearLongLived() {
       if (set) pool->clear_long_lived();
     }
-  } clear_long_lived{pool_, expect_long_lived(func)};
+  } clear_long_lived{pool_, !known.writes_here && expect_long_lived(func)};
   const auto start = std::chrono::steady_clock::now();
   py::object result = run();
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
@@ -633,8 +650,46 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   if (!grad) throw py::error_already_set();
   const std::uint32_t flags = info_flags | (grad == Py_True ? kGradEnabled : 0);
   Py_DECREF(grad);
-  record(func, args, has_kwargs ? kwargs : Py_None, result, py::tuple(), flags, info_pin, cost, py::none());
+  record(func, args, has_kwargs ? kwargs : Py_None, result, writes, flags, info_pin, cost, py::none());
   return result;
+}
+
+py::tuple LiveSession::written_by(const FuncInfo& known, PyObject* args, PyObject* kwargs) const {
+  PyObject* tensor_type = tensor_type_.ptr();
+  const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+  auto argument = [&](int i, PyObject* name) -> PyObject* {  // borrowed; nullptr if absent
+    if (i < nargs) return PyTuple_GET_ITEM(args, i);
+    return kwargs ? PyDict_GetItemWithError(kwargs, name) : nullptr;
+  };
+  py::list out;
+  auto add = [&](PyObject* value) {
+    if (!value) return;
+    if (PyObject_TypeCheck(value, reinterpret_cast<PyTypeObject*>(tensor_type))) {
+      out.append(py::handle(value));
+    } else if (PyList_Check(value) || PyTuple_Check(value)) {
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+      PyObject** items = PySequence_Fast_ITEMS(value);
+      for (Py_ssize_t k = 0; k < n; ++k)
+        if (PyObject_TypeCheck(items[k], reinterpret_cast<PyTypeObject*>(tensor_type))) out.append(py::handle(items[k]));
+    }
+  };
+  for (std::size_t k = 0; k < known.write_pos.size(); ++k) add(argument(known.write_pos[k], known.write_kw[k].ptr()));
+  if (known.undeclared_stats) {
+    static PyObject* const names[] = {PyUnicode_InternFromString("running_mean"),
+                                      PyUnicode_InternFromString("running_var"),
+                                      PyUnicode_InternFromString("training")};
+    PyObject* training = argument(5, names[2]);
+    const int on = training ? PyObject_IsTrue(training) : 0;
+    if (on < 0) throw py::error_already_set();
+    if (on) {
+      for (int i : {3, 4}) {
+        PyObject* v = argument(i, names[i - 3]);
+        if (v && PyObject_TypeCheck(v, reinterpret_cast<PyTypeObject*>(tensor_type))) out.append(py::handle(v));
+      }
+    }
+  }
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return py::tuple(out);
 }
 
 void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,

@@ -319,7 +319,17 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     int pin = 0;
     std::int32_t name = -1;
     py::object call;  // what runs the op: OpOverload._op where __call__ only forwards to it (no Python frame)
+    // Not fast, but its writes are all it decides per call (mode.py,
+    // _classify_for_c): the positions and names of the arguments it writes,
+    // and whether it is a legacy batch norm writing arguments 3 and 4 when
+    // argument 5 (training) is true.
+    bool writes_here = false;
+    std::vector<int> write_pos;
+    std::vector<py::object> write_kw;
+    bool undeclared_stats = false;
   };
+  // The tensors `known` writes in this call (ops.written's rule), as a tuple.
+  py::tuple written_by(const FuncInfo& known, PyObject* args, PyObject* kwargs) const;
   FuncInfo& func_info(PyObject* func);
   py::object grad_fn_name(const py::object& grad_fn);
   std::unordered_map<PyObject*, py::object> grad_fn_names_;  // by node class, kept alive by grad_fn_types_

@@ -29,8 +29,9 @@ class Mode(TorchDispatchMode):
         self._record = session._record  # a plain CPython function bound to the session
         # The per-op path in C (allocator/bindings/live.cpp): torch looks
         # __torch_dispatch__ up on the instance, so this one takes precedence
-        # over the class's below; it calls _slow for the ops that are not
-        # fast (writes, random, pins decided per call).
+        # over the class's below; it calls _slow for the ops it does not
+        # run itself (random ops, overwrites whose coverage is checked per
+        # call, rebinding ops, bitwise nondeterministic ones: _classify_for_c).
         self.__dict__["__torch_dispatch__"] = types.MethodType(fast_dispatch, self)
         session._core.set_dispatch_helpers(_classify_for_c, self._slow, self._on_error)
 
@@ -96,7 +97,16 @@ def _classify_for_c(func):
     info = _info(func)
     # OpOverload.__call__ only forwards to ._op: calling that saves a Python frame per op.
     call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
-    return info.fast, info.flags, info.pin, call, info.view
+    # Ops that write but decide nothing else per call (not random, not
+    # bitwise nondeterministic, no rebinding, no whole-storage overwrite to
+    # check: relu_, add_, batch norm, foreach updates) run in C as well, which
+    # gathers what they write as ops.written does: (positions, names, legacy
+    # batch norm's undeclared running statistics).
+    writes = None
+    if not info.fast and (info.write_pos or info.undeclared_stats) and not (
+            info.flags & ops.RANDOM or info.bitwise_nondeterministic or info.rebinds or info.overwrites):
+        writes = (info.write_pos, info.write_kw, info.undeclared_stats)
+    return info.fast, info.flags, info.pin, call, info.view, writes
 
 
 def _deterministic() -> bool:

@@ -118,9 +118,8 @@ def argument(info_pos: int, name: str, args, kwargs):
 def written(func, info: OpInfo, args, kwargs) -> tuple:
     """The tensors the op writes, for this call."""
     out = []
-    arguments = func._schema.arguments
-    for i in info.write_pos:
-        value = args[i] if i < len(args) else kwargs.get(arguments[i].name)
+    for i, name in zip(info.write_pos, info.write_kw):  # names from the OpInfo: reading _schema per call cost ~5 µs
+        value = args[i] if i < len(args) else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             out.append(value)
         elif isinstance(value, (list, tuple)):

@@ -1,0 +1,100 @@
+"""Ops that write in place (relu_, add_, batch norm and its running
+statistics, foreach updates) run through the session's C entry point
+(LiveSession::dispatch, written_by) instead of the mode's Python slow path
+when nothing else is decided per call. The two must be one: the same writes
+gathered, the same engine calls, the same evictions, the same results."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dtralloc.dtr import dtr, mode, ops
+
+from _live_models import NAMES, build
+from test_dtr import SWEEP_BATCH
+
+
+def _python_slow_path_for_writes(func):
+    fast, flags, pin, call, view, _ = _classify_for_c(func)
+    return fast, flags, pin, call, view, None
+
+
+_classify_for_c = mode._classify_for_c
+
+
+@pytest.mark.parametrize("func, here", [
+    (torch.ops.aten.relu_.default, True),
+    (torch.ops.aten.add_.Tensor, True),
+    (torch.ops.aten.native_batch_norm.default, True),    # undeclared running statistics
+    (torch.ops.aten._foreach_add_.List, True),
+    (torch.ops.aten.copy_.default, False),               # overwrites: whether it covers the storage is per call
+    (torch.ops.aten.add.out, False),                     # out=: the same
+    (torch.ops.aten.bernoulli_.float, False),            # random: its generator's state is saved first
+    (torch.ops.aten.set_.source_Tensor, False),          # rebinds its tensor to other memory
+    (torch.ops.aten.add.Tensor, False),                  # writes nothing: the plain fast path
+])
+def test_which_writing_ops_run_in_c(func, here):
+    assert (_classify_for_c(func)[5] is not None) == here
+
+
+def test_written_by_gathers_what_ops_written_does():
+    """Keyword arguments, lists, and batch norm's running statistics only in training."""
+    x, mean, var, one = torch.randn(4, 3), torch.zeros(3), torch.ones(3), torch.ones(4, 3)
+    ys = [torch.randn(2), torch.randn(2)]
+    seen = []
+    original = mode.Mode._slow
+
+    def spy(self, func, types, args, kwargs):  # what the Python path would have written
+        seen.append(("slow", str(func)))
+        return original(self, func, types, args, kwargs)
+
+    mode.Mode._slow = spy
+    try:
+        with dtr(device="cpu", chaos=True, check_invariants=True) as s:
+            x.add_(1)
+            torch.ops.aten.add_.Tensor(x, other=one)
+            torch._foreach_mul_(ys, 2.0)
+            torch.ops.aten.native_batch_norm(x, None, None, mean, var, True, 0.1, 1e-5)
+            torch.ops.aten.native_batch_norm(x, None, None, mean, var, False, 0.1, 1e-5)
+    finally:
+        mode.Mode._slow = original
+    assert seen == []  # every one of them ran in C
+    assert s.stats()["ops"] == 5
+    assert mean.abs().sum() > 0  # the training call updated the statistics once
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_c_and_python_paths_decide_the_same(name, monkeypatch):
+    """Under a budget that evicts, a session with in-place ops in C and one
+    with them on the Python path make the same evictions and recomputes, and
+    train bit for bit alike. Policy "size" reads no op cost (the two paths
+    time an op around different calls, and the clock differs run to run)."""
+    torch.manual_seed(0)
+    model, loss_fn = build(name, SWEEP_BATCH[name])
+    init = copy.deepcopy(model.state_dict())
+
+    def step(session_kwargs):
+        model.load_state_dict(init)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with dtr(device="cpu", **session_kwargs) as s:
+            loss = loss_fn(model)
+            loss.backward()
+        return s, loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with dtr(device="cpu") as probe:
+        torch.manual_seed(1)
+        loss_fn(model).backward()
+    budget = int(0.7 * probe.stats()["peak_bytes"])
+    c_session, c_loss, c_grads = step({"budget": budget, "policy": "size"})
+    monkeypatch.setattr(mode, "_classify_for_c", _python_slow_path_for_writes)
+    py_session, py_loss, py_grads = step({"budget": budget, "policy": "size"})
+    a, b = c_session.stats(), py_session.stats()
+    assert a["evictions"] > 0 and a["remats"] > 0, a  # the budget makes both paths decide
+    for key in ("ops", "evictions", "remats", "rng_replays", "eviction_calls", "peak_bytes"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    assert torch.equal(c_loss, py_loss)
+    assert len(c_grads) == len(py_grads) and all(torch.equal(g, h) for g, h in zip(c_grads, py_grads))
+    assert ops.written is not None  # the Python rule stays: the slow path and the recorder use it
