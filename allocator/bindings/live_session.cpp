@@ -601,7 +601,9 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
       for (py::handle i : spec[0]) known.write_pos.push_back(i.cast<int>());
       for (py::handle k : spec[1]) known.write_kw.push_back(py::reinterpret_borrow<py::object>(k));
       known.undeclared_stats = spec[2].cast<bool>();
-      known.writes_here = known.write_pos.size() == known.write_kw.size();
+      if (known.write_pos.size() != known.write_kw.size())
+        throw std::logic_error("dtralloc live session: the classifier gave write positions and names of different lengths");
+      known.writes_here = true;
     }
     known.classified = true;
   }
