@@ -27,7 +27,19 @@ dtralloc.install("policy:dtralloc") made, so the pool is the same for all):
 Rounds alternate the configurations; per configuration the fastest round
 counts (the least disturbed). Overheads are ratios to plain in the same run.
 
-    python bench/bench_live_ablation.py [--models resnet50,gpt2] [--rounds 5] [--out FILE.md]
+Each model runs at its base batch B and at multiples of it (--multiples;
+ResNet-50 1 and 3, GPT-2 1 and 2.5 by default): at B the host is the slower
+side on a GPU, at 3 B the kernels should be, and a session whose host costs
+hide behind them shows wall close to plain's plus its recomputes. Where wall
+comes close to host plus plain's wall instead, something makes the host wait
+for the device each step. --profile says what: one step of plain, dtr and
+dtr at budget M at the largest batch under torch.profiler (CUDA activity
+only, so ATen ops are not instrumented), reporting the GPU's busy time (the
+union of its kernels, copies and sets) against the step's span, and the CUDA
+runtime and driver calls the host made, by name, with the ones that wait for
+the device marked.
+
+    python bench/bench_live_ablation.py [--models resnet50,gpt2] [--multiples 1,3] [--rounds 5] [--profile] [--out FILE.md]
     python bench/bench_live_ablation.py --smoke --device cpu     # tiny models, seconds
 """
 from __future__ import annotations
@@ -46,6 +58,20 @@ from bench_live_overhead import CountMode, NoopMode, NoopModeAndHooks  # noqa: E
 
 CONFIGS = ("plain", "noop mode", "noop mode + hooks", "dtr", "dtr, no series", "dtr, no GPU op timing",
            "dtr, budget M")
+# Batches, as multiples of the model's base batch B: B, and one where the
+# kernels should outlast the host (GPT-2 at 3 B cannot fit M: its loss alone
+# needs about 3 x 4.6 GiB of logits-sized tensors at once there).
+MULTIPLES = {"resnet50": (1.0, 3.0), "gpt2": (1.0, 2.5)}
+PROFILED = ("plain", "dtr", "dtr, budget M")
+# CUDA runtime and driver calls that wait for the device (or for a stream or
+# an event): the ones that keep the host from running ahead of the kernels.
+WAITS = ("Synchronize", "cudaFree", "cuMemFree", "cudaMemcpy", "cuMemcpyDtoH", "cuMemUnmap", "cudaHostAlloc")
+
+
+def waits(name: str) -> bool:
+    """Whether the CUDA call `name` makes the host wait for the device.
+    cudaMemcpyAsync does not (unless to pageable host memory); cudaMemcpy does."""
+    return any(w in name for w in WAITS) and "Async" not in name
 
 
 @contextlib.contextmanager
@@ -78,6 +104,10 @@ class Bench:
         self.m = Model(name, smoke, torch.device(self.device))
         self.batch = self.m.batch(batch)
         self.budget = None
+
+    def set_batch(self, size: int):
+        self.batch = None  # the old one goes first
+        self.batch = self.m.batch(size)
 
     def sync(self):
         if self.cuda:
@@ -114,19 +144,76 @@ class Bench:
         return (s.get("num_device_alloc", 0), s.get("num_device_free", 0))
 
     def step(self, config: str) -> dict:
+        """One step under `config`: its times and counts, or {"oom": message}
+        where it did not fit (the model and optimizer stay usable: the
+        gradients are dropped and the next step starts clean)."""
+        import gc
+
+        from bench_gpu_budget import _is_oom
+
         calls = self.device_calls()
         self.sync()
         start = time.perf_counter()
-        ctx = self.context(config)
-        with ctx as s:
-            self.m.step(self.batch)
+        try:
+            with self.context(config) as s:
+                self.m.step(self.batch)
+        except (RuntimeError, MemoryError) as e:
+            if not _is_oom(e):
+                raise
+            message = (str(e).splitlines() or [type(e).__name__])[0]
+            if message.endswith(":"):  # the first line introduces a list: its last sentence goes with it
+                message = message[:message.rfind(". ") + 1] or message
+            del e
+            self.m.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            self.sync()
+            return {"oom": message}
         host = time.perf_counter() - start
         self.sync()
         wall = time.perf_counter() - start
         after = self.device_calls()
         stats = s.stats() if hasattr(s, "stats") else {}
         return {"host": host, "wall": wall, "mallocs": after[0] - calls[0], "frees": after[1] - calls[1],
-                "evictions": stats.get("evictions", 0), "gpu_timed_ops": stats.get("gpu_timed_ops", 0)}
+                "evictions": stats.get("evictions", 0), "remats": stats.get("remats", 0),
+                "gpu_timed_ops": stats.get("gpu_timed_ops", 0)}
+
+    def profile(self, config: str) -> dict:
+        """One step of `config` (after a warm one) under torch.profiler: the
+        step's host and wall time there, the GPU's busy time (the union of
+        its kernels', copies' and sets' intervals) and span, and the CUDA
+        runtime and driver calls by name: {name: [calls, total µs]}. On CPU
+        (the plumbing check) the CPU activity stands in, and the calls
+        stay empty."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        if "oom" in self.step(config):
+            return {"oom": True}
+        activity = ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            r = self.step(config)
+        if "oom" in r:
+            return {"oom": True}
+        gpu, calls = [], {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                gpu.append((e.time_range.start, e.time_range.end))
+            elif e.name.startswith("cu"):
+                entry = calls.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.time_range.elapsed_us()
+        gpu.sort()
+        busy, reach = 0.0, None
+        for lo, hi in gpu:  # the union of the intervals
+            if reach is None or lo > reach:
+                busy += hi - lo
+                reach = hi
+            elif hi > reach:
+                busy += hi - reach
+                reach = hi
+        span = reach - gpu[0][0] if gpu else 0.0  # the latest end less the earliest start
+        return {"host": r["host"], "wall": r["wall"], "gpu_busy_us": busy, "gpu_span_us": span,
+                "gpu_events": len(gpu), "calls": calls}
 
     def measure_budget(self) -> int:
         """M: plain's peak reserved bytes (CUDA), or a budget-free session's
@@ -150,39 +237,95 @@ class Bench:
         return counter.ops
 
 
-def run(name: str, batch: int, rounds: int, smoke: bool, cuda: bool) -> dict:
+def run(name: str, batch: int, multiples, rounds: int, smoke: bool, cuda: bool, profile: bool) -> dict:
     b = Bench(name, batch, smoke, cuda)
     configs = [c for c in CONFIGS if cuda or c != "dtr, no GPU op timing"]
-    b.budget = b.measure_budget()
-    for c in configs:  # warm-up: kernels, optimizer state, the sessions' first step
-        b.step(c)
+    b.budget = b.measure_budget()  # at B
     ops = b.ops_per_step()
-    best: dict = {}
-    for _ in range(rounds):
-        for c in configs:
-            r = b.step(c)
-            if c not in best or r["wall"] < best[c]["wall"]:
-                best[c] = r
+    runs = []
+    for m in multiples:
+        size = max(1, round(m * batch))
+        b.set_batch(size)
+        for c in configs:  # warm-up: kernels, optimizer state, the sessions' first step
+            b.step(c)
+        best: dict = {}
+        for _ in range(rounds):
+            for c in configs:
+                r = b.step(c)
+                if c not in best or ("oom" in best[c] and "oom" not in r) or (
+                        "oom" not in r and r["wall"] < best[c]["wall"]):
+                    best[c] = r
+        runs.append({"batch": size, "multiple": m, "rows": best})
+    profiled = {}
+    if profile:  # at the largest batch, which the loop above left set
+        for c in PROFILED:
+            profiled[c] = b.profile(c)
     return {"model": name, "description": b.m.description, "batch": batch, "ops": ops, "budget": b.budget,
-            "rows": best}
+            "runs": runs, "profiled": profiled, "profiled_batch": runs[-1]["batch"]}
 
 
-def report(results: list, rounds: int, command: str, device_line: str) -> str:
+def _profile_section(res: dict, cuda: bool) -> list:
+    lines = [f"### Under torch.profiler, batch {res['profiled_batch']}", "",
+             "One step each (after a warm one), CUDA activity only. GPU busy: the union of its kernels', copies' and "
+             "sets' times; span: first start to last end. The profiler adds its own cost to every CUDA call; two "
+             "cudaDeviceSynchronize are the bench's own (before the step and after it).", "",
+             "| config | host ms | wall ms | GPU busy ms | GPU span ms | GPU idle in span | CUDA calls | of them waiting |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c, p in res["profiled"].items():
+        if p.get("oom"):
+            lines.append(f"| {c} | OOM | | | | | | |")
+            continue
+        n = sum(k for k, _ in p["calls"].values())
+        waiting = sum(k for name, (k, _) in p["calls"].items() if waits(name))
+        idle = 1 - p["gpu_busy_us"] / p["gpu_span_us"] if p["gpu_span_us"] else 0.0
+        lines.append(f"| {c} | {p['host'] * 1e3:.2f} | {p['wall'] * 1e3:.2f} | {p['gpu_busy_us'] / 1e3:.2f} | "
+                     f"{p['gpu_span_us'] / 1e3:.2f} | {idle:.1%} | {n} | {waiting} |")
+    lines.append("")
+    for c, p in res["profiled"].items():
+        if p.get("oom") or not p["calls"]:
+            continue
+        top = sorted(p["calls"].items(), key=lambda kv: -kv[1][1])[:14]
+        lines += [f"CUDA calls under {c}, by total time (* waits for the device):", "",
+                  "| call | calls | total ms | mean µs |", "|---|---|---|---|"]
+        for name, (k, us) in top:
+            lines.append(f"| {name}{' *' if waits(name) else ''} | {k} | {us / 1e3:.2f} | {us / k:.1f} |")
+        lines.append("")
+    if not cuda:
+        lines += ["(CPU: no GPU events and no CUDA calls; this checks the plumbing only.)", ""]
+    return lines
+
+
+def report(results: list, rounds: int, command: str, device_line: str, cuda: bool = True) -> str:
     lines = [header("Where a live dtr() step's time goes", command), device_line, "",
              f"Fastest of {rounds} alternating rounds per configuration; host: the step's Python returned; "
-             "wall: after a synchronize; per-op figures over plain divide by the step's ATen ops.", ""]
+             "wall: after a synchronize; per-op figures over plain divide by the step's ATen ops (counted at B). "
+             "host + plain wall: what the step would take were the host and the device never to overlap.", ""]
     for res in results:
-        rows = res["rows"]
-        plain = rows["plain"]
-        lines += [f"## {res['model']}", "", f"{res['description']}, batch {res['batch']}: {res['ops']} ATen ops a step; "
-                  f"M = {res['budget'] / (1 << 30):.3f} GiB", "",
-                  "| config | host ms | wall ms | wall / plain | host over plain, µs/op | cudaMalloc | cudaFree | "
-                  "evictions | GPU-timed ops |", "|---|---|---|---|---|---|---|---|---|"]
-        for c, r in rows.items():
-            lines.append(f"| {c} | {r['host'] * 1e3:.2f} | {r['wall'] * 1e3:.2f} | {r['wall'] / plain['wall']:.3f} | "
-                         f"{(r['host'] - plain['host']) / res['ops'] * 1e6:.1f} | {r['mallocs']} | {r['frees']} | "
-                         f"{r['evictions']} | {r['gpu_timed_ops']} |")
-        lines.append("")
+        lines += [f"## {res['model']}", "", f"{res['description']}: {res['ops']} ATen ops a step at batch "
+                  f"{res['batch']} (B); M = {res['budget'] / (1 << 30):.3f} GiB (at B)", ""]
+        for run_ in res["runs"]:
+            rows = run_["rows"]
+            plain = rows["plain"]
+            lines += [f"### batch {run_['batch']} ({run_['multiple']:g} B)", "",
+                      "| config | host ms | wall ms | wall / plain | host over plain, µs/op | host + plain wall, ms | "
+                      "cudaMalloc | cudaFree | evictions | remats | GPU-timed ops |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for c, r in rows.items():
+                if "oom" in r or "oom" in plain:
+                    lines.append(f"| {c} | OOM | | | | | | | | | |" if "oom" in r else
+                                 f"| {c} | {r['host'] * 1e3:.2f} | {r['wall'] * 1e3:.2f} | | | | {r['mallocs']} | "
+                                 f"{r['frees']} | {r['evictions']} | {r['remats']} | {r['gpu_timed_ops']} |")
+                    continue
+                lines.append(f"| {c} | {r['host'] * 1e3:.2f} | {r['wall'] * 1e3:.2f} | {r['wall'] / plain['wall']:.3f} | "
+                             f"{(r['host'] - plain['host']) / res['ops'] * 1e6:.1f} | "
+                             f"{(r['host'] + plain['wall']) * 1e3:.2f} | {r['mallocs']} | {r['frees']} | "
+                             f"{r['evictions']} | {r['remats']} | {r['gpu_timed_ops']} |")
+            ooms = [(c, r["oom"]) for c, r in rows.items() if "oom" in r]
+            if ooms:
+                lines += [""] + [f"- {c}: {message}" for c, message in ooms]
+            lines.append("")
+        if res["profiled"]:
+            lines += _profile_section(res, cuda)
     lines.append("Where host ms is close to wall ms the step is bound by the host (the per-op costs show in "
                   "full); where it is well below, the GPU is the slower and host costs hide behind it. "
                   "cudaMalloc/cudaFree: the pool's calls in the step (each cudaFree waits for the device).")
@@ -192,7 +335,12 @@ def report(results: list, rounds: int, command: str, device_line: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,gpt2", help="comma-separated: resnet50, gpt2")
-    parser.add_argument("--batch", type=int, help="batch size (default: bench_gpu_budget's B per model)")
+    parser.add_argument("--batch", type=int, help="batch size B (default: bench_gpu_budget's B per model)")
+    parser.add_argument("--multiples", help="comma-separated multiples of B to run at (default per model: "
+                        + "; ".join(f"{m} {','.join(f'{x:g}' for x in v)}" for m, v in MULTIPLES.items()) + ")")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one step each of plain, dtr and dtr at budget M at the largest batch under "
+                             "torch.profiler: GPU busy time and the CUDA calls by name")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--smoke", action="store_true", help="the zoo's small models (for --device cpu)")
@@ -200,6 +348,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.batch is not None and args.batch < 1:
+        parser.error("--batch must be at least 1")
+    multiples = None
+    if args.multiples:
+        try:
+            multiples = tuple(float(x) for x in args.multiples.split(",") if x.strip())
+        except ValueError:
+            parser.error(f"--multiples takes numbers separated by commas (1,3), not {args.multiples!r}")
+        if not multiples or any(x <= 0 for x in multiples):
+            parser.error(f"--multiples must be positive numbers (1,3), not {args.multiples!r}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in BASE_BATCH]
     if unknown:
@@ -219,8 +377,8 @@ def main(argv=None) -> int:
     command = "python bench/bench_live_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for name in models:
         batch = args.batch or (SMOKE_BATCH if args.smoke else BASE_BATCH)[name]
-        results.append(run(name, batch, args.rounds, args.smoke, cuda))
-        emit(report(results, args.rounds, command, device_line), args.out)  # after each model: a kill keeps it
+        results.append(run(name, batch, multiples or MULTIPLES[name], args.rounds, args.smoke, cuda, args.profile))
+        emit(report(results, args.rounds, command, device_line, cuda), args.out)  # after each model: a kill keeps it
     return 0
 
 

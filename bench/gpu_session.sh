@@ -8,7 +8,8 @@
 #   build.log               pip install --no-build-isolation -e .
 #   pytest-gpu.md           pytest -m gpu -v (header + output)
 #   live_ablation-DATE.md   bench/bench_live_ablation.py (a dtr() step's time by layer: host vs wall,
-#                           cudaMalloc/cudaFree per step, ResNet-50 and GPT-2 at B)
+#                           cudaMalloc/cudaFree per step, ResNet-50 at B and 3 B, GPT-2 at B and 2.5 B;
+#                           then under torch.profiler: GPU busy time and the CUDA calls that wait)
 #   gpu_budget-DATE.md/json bench/bench_gpu_budget.py (largest batch in a fixed memory)
 #   hot_path-DATE.md        bench/bench_hot_path.py --quick (its GPU part: torch.empty/del, native vs dtralloc)
 #   replay_fragmentation-DATE.md  bench/replay_fragmentation.py on torch-only models (its GPU part: native
@@ -44,8 +45,8 @@ SESSION="$OUT/session.md"
 REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
 BENCH_ARGS=""
 [ -n "$REHEARSAL" ] && BENCH_ARGS="--smoke --device cpu --in-process --models resnet50"
-ABLATION_ARGS="--rounds 3"
-[ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --models resnet50"
+ABLATION_ARGS="--rounds 3 --profile"
+[ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --profile --models resnet50"
 
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
@@ -145,7 +146,7 @@ echo '```' >> "$OUT/pytest-gpu.md"
 # first H100 run dtr() cost ResNet-50 +205% at B with nothing to evict, and
 # only a GPU can say whether that is the host's per-op cost, the timing
 # events, or the pool's cudaFree at the budget.
-step live_ablation 150 240 "$PY bench/bench_live_ablation.py $ABLATION_ARGS --out '$OUT/live_ablation-$DAY.md' > '$OUT/live_ablation.log' 2>&1"
+step live_ablation 210 240 "$PY bench/bench_live_ablation.py $ABLATION_ARGS --out '$OUT/live_ablation-$DAY.md' > '$OUT/live_ablation.log' 2>&1"
 
 # 4. The budget benchmark: the figure this machine is lent for, so it gets
 # all the time left but a margin (after a build and the tests, about 4-5

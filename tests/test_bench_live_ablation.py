@@ -15,18 +15,58 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_live_ablation as ab  # noqa: E402
 
 
-def test_smoke_report_has_every_cpu_configuration(tmp_path):
+def _tables(text: str) -> dict:
+    """{section heading: [rows, each a list of cells]} for the report's tables."""
+    tables, heading = {}, None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            heading = line.lstrip("# ")
+        elif line.startswith("| ") and not line.startswith("|---"):
+            tables.setdefault(heading, []).append([c.strip() for c in line.split("|")[1:-1]])
+    return tables
+
+
+def test_smoke_report_has_every_cpu_configuration_at_each_batch_and_the_profile(tmp_path):
     out = tmp_path / "ablation.md"
-    assert ab.main(["--smoke", "--device", "cpu", "--rounds", "1", "--models", "resnet50", "--out", str(out)]) == 0
+    assert ab.main(["--smoke", "--device", "cpu", "--rounds", "1", "--models", "resnet50", "--multiples", "1,2",
+                    "--profile", "--out", str(out)]) == 0
     text = out.read_text()
-    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| config")]
-    configs = [line.split("|")[1].strip() for line in table]
-    assert configs == [c for c in ab.CONFIGS if c != "dtr, no GPU op timing"]
-    for line in table:
-        cells = [c.strip() for c in line.split("|")[2:-1]]
-        host, wall = float(cells[0]), float(cells[1])
-        assert 0 < host <= wall
+    tables = _tables(text)
+    b = ab.SMOKE_BATCH["resnet50"]
+    assert list(tables) == [f"batch {b} (1 B)", f"batch {2 * b} (2 B)", f"Under torch.profiler, batch {2 * b}"]
+    cpu_configs = [c for c in ab.CONFIGS if c != "dtr, no GPU op timing"]
+    for heading in list(tables)[:2]:
+        header, *rows = tables[heading]
+        assert header[:3] == ["config", "host ms", "wall ms"]
+        assert [r[0] for r in rows] == cpu_configs
+        for r in rows:
+            if r[1] == "OOM":  # the budget M of batch B may not hold 2 B; the reason is listed
+                assert f"- {r[0]}: dtralloc.dtr: out of memory" in text
+                continue
+            host, wall = float(r[1]), float(r[2])
+            assert 0 < host <= wall
+    header, *rows = tables[f"Under torch.profiler, batch {2 * b}"]
+    assert [r[0] for r in rows] == list(ab.PROFILED)
+    plain = rows[0]
+    assert float(plain[1]) > 0 and plain[5:] == ["0.0%", "0", "0"]  # CPU: no GPU events, no CUDA calls
     assert "ATen ops a step" in text and "M = " in text
+
+
+def test_oom_of_a_configuration_is_reported_not_raised(tmp_path):
+    b = ab.Bench("resnet50", ab.SMOKE_BATCH["resnet50"], smoke=True, cuda=False)
+    b.budget = 1 << 20  # far below what one step needs
+    r = b.step("dtr, budget M")
+    assert r["oom"].startswith("dtralloc.dtr: out of memory") and not r["oom"].endswith(":")
+    assert "host" in b.step("dtr")  # the model and optimizer are usable after it
+
+
+def test_calls_that_wait_for_the_device():
+    for name in ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaFree",
+                 "cuMemFree_v2", "cudaMemcpy"):
+        assert ab.waits(name), name
+    for name in ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaEventRecord", "cudaEventQuery", "cudaMalloc",
+                 "cudaStreamIsCapturing", "cuLaunchKernel"):
+        assert not ab.waits(name), name
 
 
 def test_without_gpu_timing_gives_sessions_no_stream_and_restores():
@@ -53,3 +93,11 @@ def test_unknown_model_is_named(capsys):
     with pytest.raises(SystemExit):
         ab.main(["--smoke", "--device", "cpu", "--models", "resnet50,vgg"])
     assert "unknown model(s) vgg" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1,x", "0,3", "-1", ","])
+def test_bad_multiples_are_named(capsys, value):
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--smoke", "--device", "cpu", "--multiples", value])
+    assert e.value.code == 2
+    assert "--multiples" in capsys.readouterr().err
