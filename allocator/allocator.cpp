@@ -225,16 +225,18 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   if (is_capturing()) refuse_capture(requested, stream);
   // 2. new segment (after GC, if configured)
   if (config_.garbage_collection_threshold > 0) garbage_collect(pool_.segment_size(rounded));
+  if (Block* b = make_arena(rounded, requested, stream, pool)) return b;
   if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   // 3. oversize cached segments: split one (split_oversize), or give back and make
   if (Block* b = split_oversize_segment(rounded, requested, stream)) return b;
   if (release_oversize_segments(rounded, stream))
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
-  // 4. everything cached
-  if (!pending_events_.empty() || !pool_.whole_free_segments().empty()) {
+  // 4. everything cached (but the arena, which a new segment could not outgrow)
+  const auto whole = pool_.whole_free_segments();
+  if (!pending_events_.empty() || std::any_of(whole.begin(), whole.end(), [](const Segment* s) { return !s->arena; })) {
     ++pool_.stats().num_alloc_retries;
     synchronize_and_free_events();
-    release_cached_segments();
+    release_cached_segments(true);
     if (Block* b = pool_.find_free(pool, stream, rounded))
       return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
@@ -341,6 +343,7 @@ void Allocator::release_segment(Segment* seg) {
   // Released first, forgotten second: when the backend fails, the segment
   // stays cached (whole and free) instead of leaking out of the pool's sight.
   backend_->release(reinterpret_cast<void*>(addr), size);
+  if (seg == arena_) arena_ = nullptr;
   pool_.remove_segment(seg);
   ++pool_.stats().num_device_free;
   record(TraceAction::kSegmentFree, addr, size, stream);
@@ -354,6 +357,7 @@ void Allocator::garbage_collect(std::size_t incoming_bytes) {
                                               static_cast<double>(budget_bytes_));
   if (reserved_bytes() + incoming_bytes <= limit) return;
   auto candidates = pool_.whole_free_segments();
+  candidates.erase(std::remove(candidates.begin(), candidates.end(), arena_), candidates.end());  // the budget's own
   // Address breaks ties: the same calls release the same segments, always.
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) {
     return a->last_free_tick != b->last_free_tick ? a->last_free_tick < b->last_free_tick
@@ -418,8 +422,49 @@ Block* Allocator::split_oversize_segment(std::size_t rounded, std::size_t reques
   return pool_.allocate_from(best->head, rounded, requested, false, true);
 }
 
-void Allocator::release_cached_segments() {
-  for (Segment* seg : pool_.whole_free_segments()) release_segment(seg);
+void Allocator::release_cached_segments(bool keep_arena) {
+  for (Segment* seg : pool_.whole_free_segments())
+    if (!(keep_arena && seg->arena)) release_segment(seg);
+}
+
+// Note [arena] (docs/allocator.md has the figures)
+// ~~~~~~~~~~~~
+// With cudaMalloc'd segments a pool at its budget makes room for a request
+// no cached block fits by giving whole segments back and making one of the
+// request's size (steps 3 and 4, and the evictor's release plans, which
+// evict a segment's tensors so that it can go), all through a step; each
+// cudaFree waits for the device (bench/replay_device_calls.py counts them).
+// With arena:on the first large request the cache cannot serve under a
+// budget takes, in one segment, all the budget has left (cached whole free
+// segments are given back first, once). From then on every request of that
+// stream is served in it or by evicting a contiguous window of it; step 4
+// and the evictor's release plans leave it alone, so the pool calls the
+// device no more. Without segment boundaries a new segment no longer gathers
+// memory from scattered places: the replays' lowest budgets rise and some
+// traces recompute more; whether the device calls saved outweigh that is a
+// GPU's question. empty_cache() gives the arena back; a budget lowered below
+// the reserved bytes gives it back where it is empty, and the next miss
+// makes one that fits the new budget. Another stream's requests get
+// segments of their own in what the budget leaves.
+Block* Allocator::make_arena(std::size_t rounded, std::size_t requested, Stream stream, PoolKind pool) {
+  if (config_.arena != Switch::kOn || arena_ || arena_refused_ || pool != kLargePool) return nullptr;
+  if (budget_bytes_ >= capacity_bytes_) return nullptr;  // no budget: nothing to reserve
+  release_cached_segments(false);  // what the cache holds whole would only sit beside it
+  const std::size_t reserved = reserved_bytes();
+  const std::size_t bytes = budget_bytes_ > reserved ? (budget_bytes_ - reserved) / kRoundLarge * kRoundLarge : 0;
+  if (bytes < BlockPool::own_segment_size(rounded)) return nullptr;  // the request does not fit what is left
+  void* ptr = backend_->allocate(bytes);
+  if (!ptr) {
+    arena_refused_ = true;
+    return nullptr;
+  }
+  ++pool_.stats().num_device_alloc;
+  auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  record(TraceAction::kSegmentAlloc, addr, bytes, stream);
+  Block* b = pool_.add_segment(addr, bytes, stream, kLargePool);
+  arena_ = b->segment;
+  arena_->arena = true;
+  return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
 }
 
 void Allocator::free(void* ptr) {
@@ -617,7 +662,12 @@ std::size_t Allocator::own_budget() const {
 
 // Under mutex_.
 void Allocator::refresh_budget() {
+  const std::size_t before = budget_bytes_;
   budget_bytes_ = std::min(own_budget(), fraction_cap_bytes_);
+  if (budget_bytes_ != before) arena_refused_ = false;
+  // An empty arena sized for a larger budget goes; the next miss makes one
+  // that fits (Note [arena]).
+  if (arena_ && arena_->whole_free() && reserved_bytes() > budget_bytes_) release_segment(arena_);
   reserved_at_budget_change_ = reserved_bytes();
 }
 
@@ -655,6 +705,7 @@ void Allocator::apply_resolved(const Config& resolved) {
   config_.long_lived = resolved.long_lived;
   config_.unmap_pages = resolved.unmap_pages;
   config_.split_oversize = resolved.split_oversize;
+  config_.arena = resolved.arena;
   if (config_.max_split_size_mb != resolved.max_split_size_mb) {
     config_.max_split_size_mb = resolved.max_split_size_mb;
     pool_.recount_oversize();

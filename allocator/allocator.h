@@ -316,7 +316,12 @@ class Allocator {
   void apply_resolved(const Config& resolved);
   bool release_oversize_segments(std::size_t rounded, Stream stream);
   Block* split_oversize_segment(std::size_t rounded, std::size_t requested, Stream stream);
-  void release_cached_segments();
+  // Every whole free segment; but the arena where `keep_arena`.
+  void release_cached_segments(bool keep_arena = false);
+  // arena:on (Note [arena]): the rest of the budget as one segment, for the
+  // first large request the cache cannot serve; nullptr where it is not
+  // made (off, no budget, made already, too small, refused by the device).
+  Block* make_arena(std::size_t rounded, std::size_t requested, Stream stream, PoolKind pool);
   struct PendingEvent {
     EventHandle event;
     Block* block;
@@ -367,6 +372,8 @@ class Allocator {
   void refresh_budget();            // under mutex_
   std::shared_ptr<EvictionHook> hook_;
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
+  Segment* arena_ = nullptr;      // arena:on, once made; nullptr again once given back
+  bool arena_refused_ = false;    // the device refused it at this budget: not asked again until the budget changes
   // expect_long_lived: rounded sizes still expected, and from which thread.
   std::vector<std::size_t> long_lived_;
   std::thread::id long_lived_thread_;

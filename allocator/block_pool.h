@@ -103,6 +103,7 @@ struct Segment {
   PoolKind pool = kLargePool;
   Block* head = nullptr;          // lowest-address block
   std::uint64_t last_free_tick = 0;  // when a block last returned; for GC age
+  bool arena = false;             // the budget's arena (Allocator::make_arena): kept whole at the budget
 
   bool whole_free() const { return head->in_free_set && head->next == nullptr; }
 };

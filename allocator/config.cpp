@@ -313,6 +313,23 @@ Config parse_config(const std::string& text) {
     throw ConfigError(
         "DTRALLOC_CONF: max_split_size_mb must be more than 20 (MB), the size of a "
         "large-pool segment; got " + format_bytes(config.max_split_size_mb));
+  // arena:on and what it needs (Note [arena], Allocator::make_arena): one
+  // segment holds every size, so no block may be too large to split, a small
+  // request must be able to take a large-pool block (no room is left for
+  // small segments), and no page of it is given back.
+  if (config.arena == Switch::kOn) {
+    if (config.max_split_size_mb != kAutoSplit && config.max_split_size_mb != kNoLimit)
+      throw ConfigError("DTRALLOC_CONF: arena:on needs max_split_size_mb:none (or auto): blocks of at least "
+                        "max_split_size_mb are never split, and the arena is one such block while it is empty, "
+                        "so no request could take part of it. Drop max_split_size_mb, or set arena:off.");
+    if (config.small_in_large == Switch::kOff)
+      throw ConfigError("DTRALLOC_CONF: arena:on needs small_in_large on (or auto): the arena takes what the "
+                        "budget leaves, so small requests have no room for small segments of their own and must "
+                        "take blocks of the arena. Drop small_in_large:off, or set arena:off.");
+    if (config.unmap_pages == Switch::kOn)
+      throw ConfigError("DTRALLOC_CONF: arena:on and unmap_pages:on exclude each other: the arena is kept whole "
+                        "(reserving the budget once), unmap_pages gives pages of segments back. Choose one.");
+  }
   return config;
 }
 
@@ -370,6 +387,14 @@ Config parse_config(const std::string& text) {
 // pack and the step runs (bench/results/replay_recordings-2026-11-24f-cpu.md).
 Config resolve_config(Config config, bool releases_ranges) {
   const bool dtralloc_placement = config.policy == Policy::kDtralloc && !config.budget.none();
+  // arena:on settles what it needs (the rules: parse_config).
+  if (config.arena == Switch::kAuto) config.arena = Switch::kOff;
+  if (config.arena == Switch::kOn) {  // parse_config refused what contradicts it
+    config.max_split_size_mb = kNoLimit;
+    config.small_in_large = Switch::kOn;
+    config.unmap_pages = Switch::kOff;
+    if (config.split_oversize == Switch::kAuto) config.split_oversize = Switch::kOff;  // nothing is oversize
+  }
   if (config.max_split_size_mb == kAutoSplit)
     config.max_split_size_mb = dtralloc_placement ? kDtrallocMaxSplit : kNoLimit;
   if (config.segment_fit == Switch::kAuto)

@@ -116,6 +116,16 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "off: give back and make (torch); auto = on under the dtralloc policy "   \
     "with a budget on cuda's cudaMalloc'd segments, else off (where pages "    \
     "are given back, unmap_pages returns the room: host, virtual, VMM)")       \
+  X(arena, SwitchOption, Switch::kOff,                                         \
+    "on: under a budget, the first large request (over 1 MB) the cache "      \
+    "cannot serve reserves all the budget has left in one segment, the "       \
+    "arena, which every request "                                             \
+    "of its stream shares from then on (small ones too), so the pool makes "   \
+    "and gives back no segment at the budget: eviction makes room in it by "   \
+    "contiguous windows; empty_cache() gives it back. Needs "                  \
+    "max_split_size_mb none (auto is), small_in_large on (auto is), "          \
+    "unmap_pages off (auto is). off: segments per request size (torch); auto " \
+    "= off (docs/allocator.md, Note [arena])")                                 \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \
@@ -163,7 +173,9 @@ Config parse_config(const std::string& text);
 // Allocator runs with): max_split_size_mb:auto becomes a size or none,
 // segment_fit:auto and small_in_large:auto on or off, unmap_pages:auto on
 // only where the backend `releases_ranges` (Backend::releases_ranges),
-// split_oversize:auto only where it does not.
+// split_oversize:auto only where it does not. arena:on settles
+// max_split_size_mb (none), small_in_large (on) and unmap_pages (off), and
+// throws ConfigError where one of them was set against it.
 Config resolve_config(Config config, bool releases_ranges = true);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").

@@ -98,7 +98,8 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
     for (const auto& entry : bp.segments()) {
       const Segment* seg = entry.second;
       if (seg->stream != stream || (large_only && seg->pool != kLargePool)) continue;
-      SegSpan span{items_.size(), items_.size(), seg->size, seg->pool, false};
+      // The arena is never released (Note [arena]): blocked for release plans.
+      SegSpan span{items_.size(), items_.size(), seg->size, seg->pool, seg->arena};
       const int index = static_cast<int>(segs_.size());
       const bool useless_if_blocked = seg->size < window_bytes;
       for (const Block* b = seg->head; b; b = b->next) {

@@ -15,7 +15,9 @@ H100 (bench/results/gpu_session-2026-11-27-h100.md). Under the dtralloc
 policy on cudaMalloc'd segments, split_oversize (on by default there) cuts an
 oversize request from a cached oversize segment instead of giving that
 segment back and making one of its own; `split_oversize:off` shows the pool
-without it.
+without it. `arena:on` reserves what the budget leaves in one segment at the
+first miss (Note [arena], docs/allocator.md): no segment is made or given back
+after it, Llama's 500 MiB logits included.
 
     python bench/segment_churn.py [--traces resnet50 gpt2 ...] [--steps 4] [--out FILE.md]
 """
@@ -29,7 +31,8 @@ import sys
 import time
 
 CALLS = ("cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemUnmap", "cudaDeviceSynchronize")
-CONFIGS = ("", "policy:dtralloc", "policy:dtralloc,split_oversize:off", "policy:dtralloc,unmap_pages:on")
+CONFIGS = ("", "policy:dtralloc", "policy:dtralloc,split_oversize:off", "policy:dtralloc,unmap_pages:on",
+           "policy:dtralloc,arena:on")
 DEFAULT_TRACES = ("resnet50", "gpt2", "bert", "unet", "mlp")
 
 

@@ -38,6 +38,16 @@ def test_steady_state_calls_per_step():
     assert off["cudaFree"] > 0 and off["cudaMalloc"] == off["cudaFree"], off
 
 
+def test_arena_makes_no_segment_after_the_first_step():
+    """Llama's 500 MiB logits need more than any one cached segment holds, so
+    split_oversize cannot spare it a cudaFree a step; in an arena (one
+    segment for the budget, Note [arena]) nothing is made or given back."""
+    auto = calls(segment_churn.measure("llama", "policy:dtralloc", 3))
+    assert auto["cudaFree"] > 0, auto
+    arena = calls(segment_churn.measure("llama", "policy:dtralloc,arena:on", 3))
+    assert set(arena.values()) == {0}, arena
+
+
 def test_report(tmp_path):
     out = tmp_path / "churn.md"
     assert segment_churn.main(["--traces", "mlp", "--steps", "2", "--out", str(out)]) == 0

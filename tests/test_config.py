@@ -26,6 +26,7 @@ OPTION_NAMES = [
     "long_lived",
     "unmap_pages",
     "split_oversize",
+    "arena",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",

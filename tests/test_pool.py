@@ -10,6 +10,7 @@ import ctypes
 
 import pytest
 from conftest import (
+    KiB,
     MiB,
     blocks_by_address,
     stats_delta,
@@ -485,6 +486,125 @@ def test_split_oversize_leaves_no_small_rest(make_pool):
     pool.free(a)
     pool.malloc(70 * MiB)
     assert pool.stats()["num_device_free"] == 1
+
+
+def test_arena_reserves_what_the_budget_leaves_once_and_serves_every_size_in_it(make_pool):
+    """arena:on (Note [arena]): the first large request the cache cannot
+    serve under a budget reserves the rest of the budget in one segment;
+    every size is served in it from then on, small requests too (they have
+    no room for small segments), and the pool calls the device no more."""
+    pool = make_pool(backend="virtual", conf="budget:300M,arena:on")
+    first = pool.malloc(30 * MiB)
+    s = pool.stats()
+    assert s["num_device_alloc"] == 1 and s["reserved_bytes.all.current"] == 300 * MiB
+    arena = blocks_by_address(pool)[first][0]["address"]
+    live = [first]
+    for size in (512, 100 * KiB, 5 * MiB, 100 * MiB, 700 * KiB, 60 * MiB, 3 * MiB):
+        live.append(pool.malloc(size))
+    for i, addr in enumerate(list(live)):
+        if i % 2:
+            pool.free(addr)
+            live.remove(addr)
+    for size in (90 * MiB, 2 * MiB, 256):
+        live.append(pool.malloc(size))
+    assert {blocks_by_address(pool)[a][0]["address"] for a in live} == {arena}
+    s = pool.stats()
+    assert s["num_device_alloc"] == 1 and s["num_device_free"] == 0
+    assert len(pool.snapshot()["segments"]) == 1
+    pool.check_invariants()
+
+
+def test_arena_stays_at_the_budget_and_goes_with_empty_cache(make_pool):
+    """Steps 3-4 (give cached segments back and make one) leave the arena
+    alone: a request it cannot hold fails without a device call, and once
+    its room is free it serves from the arena. empty_cache() gives the arena
+    back; the next miss makes it again."""
+    pool = make_pool(backend="virtual", conf="budget:100M,arena:on")
+    x = pool.malloc(60 * MiB)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(60 * MiB)
+    s = pool.stats()
+    assert s["num_device_free"] == 0 and s["reserved_bytes.all.current"] == 100 * MiB
+    pool.free(x)
+    assert pool.malloc(90 * MiB) == x
+    assert pool.stats()["num_device_alloc"] == 1
+    pool.free(x)
+    pool.empty_cache()
+    s = pool.stats()
+    assert s["num_device_free"] == 1 and s["reserved_bytes.all.current"] == 0
+    pool.malloc(10 * MiB)
+    s = pool.stats()
+    assert s["num_device_alloc"] == 2 and s["reserved_bytes.all.current"] == 100 * MiB
+
+
+def test_arena_takes_what_segments_made_before_the_budget_leave(make_pool):
+    """Made under a budget set later (a memory fraction here, a dtr()
+    session's budget on CUDA): whole free cached segments are given back
+    first, the segments still in use stay, and the arena is the rest."""
+    pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
+    cached = pool.malloc(40 * MiB)
+    kept = pool.malloc(20 * MiB)
+    pool.free(cached)
+    assert pool.stats()["num_device_alloc"] == 2  # no budget: segments of their own sizes
+    pool.set_memory_fraction(0.25)  # 256 MiB
+    pool.malloc(100 * MiB)
+    s = pool.stats()
+    assert s["num_device_free"] == 1  # the cached 40 MiB segment
+    assert s["reserved_bytes.all.current"] == 256 * MiB
+    segments = sorted(seg["total_size"] for seg in pool.snapshot()["segments"])
+    assert segments == [20 * MiB, 236 * MiB]
+    assert blocks_by_address(pool)[kept][0]["total_size"] == 20 * MiB
+
+
+def test_an_empty_arena_goes_when_the_budget_falls_below_it(make_pool):
+    pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
+    pool.set_memory_fraction(0.5)
+    x = pool.malloc(10 * MiB)
+    assert pool.stats()["reserved_bytes.all.current"] == 512 * MiB
+    pool.set_memory_fraction(0.375)  # the arena holds x: it stays, over the new budget
+    assert pool.stats()["reserved_bytes.all.current"] == 512 * MiB
+    pool.check_invariants()
+    pool.free(x)
+    pool.set_memory_fraction(0.25)  # empty now: given back, made again at the next miss
+    s = pool.stats()
+    assert s["num_device_free"] == 1 and s["reserved_bytes.all.current"] == 0
+    pool.malloc(10 * MiB)
+    assert pool.stats()["reserved_bytes.all.current"] == 256 * MiB
+
+
+def test_arena_without_a_budget_changes_nothing(make_pool):
+    pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
+    pool.malloc(30 * MiB)
+    pool.malloc(30 * MiB)
+    s = pool.stats()
+    assert s["num_device_alloc"] == 2 and s["reserved_bytes.all.current"] == 60 * MiB
+
+
+@pytest.mark.parametrize("conf, names", [
+    ("arena:on,max_split_size_mb:64", "max_split_size_mb:none"),
+    ("arena:on,small_in_large:off", "small_in_large on"),
+    ("arena:on,unmap_pages:on", "unmap_pages:on exclude each other"),
+])
+def test_arena_refuses_settings_that_would_break_it(make_pool, conf, names):
+    """Refused where the settings are read (dtralloc config, install(), a
+    Pool), each naming the setting to drop."""
+    with pytest.raises(dtralloc.ConfigError, match=names):
+        dtralloc.describe_config(f"budget:100M,{conf}")
+    with pytest.raises(dtralloc.ConfigError, match=names):
+        make_pool(backend="virtual", conf=f"budget:100M,{conf}")
+
+
+def test_arena_runs_a_replay_under_its_budget_with_no_segment_given_back():
+    """The evictor makes room by windows of the arena and never plans to
+    give it back; the GPU's default pool settings (cudaMalloc'd segments)
+    give segments back and make others at the same budget."""
+    from dtralloc.replay import replay
+
+    arena = replay("resnet50", budget=0.5, policy="dtralloc", conf="arena:on", check_invariants=True)
+    assert arena.feasible and arena.evictions > 0
+    assert arena.device_alloc_calls == 1 and arena.device_free_calls == 0
+    segments = replay("resnet50", budget=0.5, policy="dtralloc", conf="split_oversize:on,unmap_pages:off")
+    assert segments.feasible and segments.device_free_calls > 0
 
 
 @pytest.mark.parametrize("conf, splits", [

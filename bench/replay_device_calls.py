@@ -1,0 +1,95 @@
+"""The device calls a pool makes in a training step replayed under a budget,
+with eviction: cudaMalloc and cudaFree (each cudaFree waits for the device)
+next to what the step recomputes, for pool settings side by side.
+
+bench/segment_churn.py counts calls at a budget the step fits without
+evicting; here the dtralloc policy evicts, and its release plans (evict a
+segment's tensors so that the segment can be given back and one of the
+request's size made) and the allocator's steps 3-4 give segments back and
+make others all through the step. The replay starts from an empty pool, so
+the first `segments (peak)` cudaMalloc calls are the pool filling up; the
+rest, and every cudaFree, are churn.
+
+Default settings compared: the GPU's default pool (`split_oversize:on,
+unmap_pages:off`: cudaMalloc'd segments, what dtralloc.install() runs on
+cuda) and `arena:on` (the budget reserved in one segment at the first miss,
+Note [arena] in docs/allocator.md). `overhead` is the replay's recompute
+time over the step's (recorded op durations); the device calls are not in it.
+
+    python bench/replay_device_calls.py [--traces resnet50 gpt2 ...] [--budgets 0.7 0.5 0.35]
+        [--conf "split_oversize:on,unmap_pages:off" --conf arena:on] [--out FILE.md]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import emit, header  # noqa: E402
+
+DEFAULT_CONFS = ("split_oversize:on,unmap_pages:off", "arena:on")
+DEFAULT_BUDGETS = (0.7, 0.5, 0.35)
+
+
+def measure(trace: str, budget: float, conf: str) -> dict:
+    from dtralloc.replay import replay
+
+    r = replay(trace, budget=budget, policy="dtralloc", conf=conf)
+    return {"feasible": r.feasible, "mallocs": r.device_alloc_calls, "frees": r.device_free_calls,
+            "segments": r.segments_peak, "evictions": r.evictions, "overhead": r.compute_overhead}
+
+
+def report(rows: list, command: str, confs) -> str:
+    lines = [header("Device calls of a step replayed under a budget, with eviction (dtralloc policy)", command),
+             "Per trace and budget (a fraction of the step's no-eviction peak), for each pool setting: "
+             "cudaMalloc / cudaFree in the step (from an empty pool: the first `segments (peak)` mallocs fill "
+             "it), evictions, and the replay's recompute overhead (not counting the calls). OOM: the step did "
+             "not fit.", "",
+             "| trace | budget | " + " | ".join(f"`{c}`" for c in confs) + " |",
+             "|---|---|" + "---|" * len(confs)]
+    for trace, budget, cells in rows:
+        out = []
+        for c in confs:
+            m = cells[c]
+            if not m["feasible"]:
+                out.append(f"OOM ({m['mallocs']} / {m['frees']})")
+                continue
+            out.append(f"{m['mallocs']} / {m['frees']} calls, {m['segments']} segments, {m['evictions']} evictions, "
+                       f"overhead {m['overhead']:.3f}")
+        lines.append(f"| {trace} | {budget:g} | " + " | ".join(out) + " |")
+    totals = []
+    for c in confs:
+        frees = sum(cells[c]["frees"] for _, _, cells in rows if cells[c]["feasible"])
+        ran = sum(cells[c]["feasible"] for _, _, cells in rows)
+        totals.append(f"`{c}`: {ran} of {len(rows)} ran, {frees} cudaFree in those")
+    lines += ["", "Totals: " + "; ".join(totals) + ".", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", nargs="+", help="bundled trace names or trace files (default: every bundled one)")
+    parser.add_argument("--budgets", nargs="+", type=float, default=list(DEFAULT_BUDGETS))
+    parser.add_argument("--conf", action="append", help="pool settings to compare (repeatable; default: "
+                        + " and ".join(DEFAULT_CONFS) + ")")
+    parser.add_argument("--out", help="also write the report here")
+    args = parser.parse_args(argv)
+    if any(not 0 < b <= 1 for b in args.budgets):
+        parser.error("--budgets are fractions of the peak in (0, 1]")
+    import dtralloc.traces as bundled
+
+    traces = args.traces or bundled.list_bundled()
+    confs = args.conf or list(DEFAULT_CONFS)
+    rows = []
+    for trace in traces:
+        for budget in args.budgets:
+            print(f"[replay_device_calls] {trace} at {budget:g}", file=sys.stderr, flush=True)
+            rows.append((os.path.basename(trace), budget, {c: measure(trace, budget, c) for c in confs}))
+    command = "python bench/replay_device_calls.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    emit(report(rows, command.strip(), confs), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
