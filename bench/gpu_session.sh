@@ -23,6 +23,8 @@
 #                           # all the time left
 #   GPU_SESSION_BENCH_CONF=unmap_pages:on bash bench/gpu_session.sh  # the budget bench's dtralloc
 #                           # configurations install() these settings (here: VMM segments, not cudaMalloc)
+#   GPU_SESSION_BENCH_ALSO=arena:on bash bench/gpu_session.sh  # the budget bench also runs its dtr search on
+#                           # these settings, as "dtr [arena:on]" beside dtr (default: arena:on; empty: none)
 #   GPU_SESSION_PYTEST_WORKERS=0 bash bench/gpu_session.sh  # the GPU tests one at a time (default: 4
 #                           # pytest-xdist workers where xdist is installed)
 #   GPU_SESSION_REHEARSAL=1 bash bench/gpu_session.sh   # on a CPU machine: every step's plumbing,
@@ -45,6 +47,10 @@ SESSION="$OUT/session.md"
 REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
 BENCH_ARGS=""
 [ -n "$REHEARSAL" ] && BENCH_ARGS="--smoke --device cpu --in-process --models resnet50"
+# The dtr search again on these settings, beside the default (Note [arena]:
+# no device call at the budget, for more recompute in the replays).
+BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-arena:on}"
+[ -n "$REHEARSAL" ] && BENCH_ALSO=""  # --also-conf is GPU only
 ABLATION_ARGS="--rounds 3 --profile"
 [ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --profile --models resnet50"
 
@@ -156,7 +162,7 @@ step live_ablation 210 240 "$PY bench/bench_live_ablation.py $ABLATION_ARGS --ou
 # what was measured.
 bench_limit=$(( $(left) - 40 ))
 step gpu_budget $((bench_limit + 40)) 0 \
-  "$PY bench/bench_gpu_budget.py $BENCH_ARGS ${GPU_SESSION_BENCH_CONF:+--conf '$GPU_SESSION_BENCH_CONF'} --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
+  "$PY bench/bench_gpu_budget.py $BENCH_ARGS ${GPU_SESSION_BENCH_CONF:+--conf '$GPU_SESSION_BENCH_CONF'} ${BENCH_ALSO:+--also-conf '$BENCH_ALSO'} --time-limit $bench_limit --out '$OUT/gpu_budget-$DAY.md' > '$OUT/gpu_budget.log' 2>&1"
 
 # 5. The other benchmarks with a GPU part, while time is left (usually none
 # after the budget bench: GPU_SESSION_ONLY=hot_path,replay_fragmentation runs

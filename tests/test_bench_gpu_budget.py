@@ -150,3 +150,43 @@ def test_the_dtralloc_configurations_install_the_dtralloc_policy():
     assert bench.with_policy("") == "policy:dtralloc"
     assert bench.with_policy("unmap_pages:off") == "policy:dtralloc,unmap_pages:off"
     assert bench.with_policy("budget:1G, policy:dtr") == "budget:1G, policy:dtr"
+
+
+def test_also_conf_runs_the_dtr_search_again_on_its_settings(monkeypatch):
+    """--also-conf CONF: configuration "dtr [CONF]" is dtr's search on
+    install("policy:dtralloc,CONF"), in the same run, reported and judged
+    against the goal beside dtr's (without a second bit-exactness check)."""
+    bench = _bench()
+    specs = []
+
+    def run_config(spec, hard_timeout, in_process=False):
+        specs.append(spec)
+        if spec["config"] == "measure":
+            return [{"event": "measure", "cap_bytes": 1 << 30, "peak_allocated": None, "step_s": 0.8,
+                     "description": "d", "device": "cuda", "torch": "x"}]
+        per_sample = 0.1 if spec.get("conf") == "arena:on" else 0.12
+        return [{"event": "probe", "batch": b, "ok": True, "step_s": per_sample * b, "peak_bytes": 1 << 30,
+                 "evictions": 1, "remats": 1} for b in (8, 24)]
+
+    monkeypatch.setattr(bench, "run_config", run_config)
+    args = bench.argparse.Namespace(device="cuda", smoke=False, base=None, conf="", in_process=False,
+                                    also_conf=["arena:on"])
+    result = {}
+    bench.bench_model("gpt2", args, 100.0, result, lambda: None)
+    by_label = dict(zip(["measure", *result["configs"]], specs))
+    assert list(result["configs"]) == ["plain", "checkpoint", "plain-dtralloc", "dtr", "dtr [arena:on]"]
+    assert by_label["dtr [arena:on]"]["config"] == "dtr" and by_label["dtr [arena:on]"]["conf"] == "arena:on"
+    assert "check" not in by_label["dtr [arena:on]"] and by_label["dtr"]["check"] == 16
+    assert by_label["dtr"]["conf"] == ""
+    report = bench.report([result], args, "python bench/bench_gpu_budget.py --also-conf arena:on", 1.0)
+    assert "| dtr [arena:on] | 24 | 3.00 |" in report, report
+    assert "Goal (>= 3x B at <= 25% overhead), dtr [arena:on]: **met** (at 24: -16.7%)" in report, report
+
+
+def test_also_conf_is_checked_before_anything_runs():
+    proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", "--device", "cpu", "--also-conf", "arena:on"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "exist on a GPU only" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", "--device", "cuda", "--also-conf",
+                           "arena:on,max_split_size_mb:64"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "arena:on needs max_split_size_mb:none" in proc.stderr, proc.stderr
