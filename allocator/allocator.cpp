@@ -101,6 +101,7 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
       if (round < kMaxEvictionRounds) hook = hook_;
       if (!hook) {  // steps 1-4 failed; no step 5
         if (Block* b = release_free_pages(rounded, size, stream, false)) return serve(b);
+        if (Block* b = split_any_block(rounded, size, stream)) return serve(b);
         throw_oom(size, rounded, stream);
       }
       // Step 5a: free pages before any eviction, where they make room
@@ -113,8 +114,10 @@ void* Allocator::malloc(std::size_t size, Stream stream, std::int32_t owner) {
     std::lock_guard<std::mutex> lock(mutex_);
     stamp();
     // Step 6: no eviction can make room (every run and segment that would
-    // do holds a pinned or locked block); the spared rooms' pages may.
+    // do holds a pinned or locked block); the spared rooms' pages may, and
+    // then a block the split limit kept for other sizes.
     if (Block* b = release_free_pages(rounded, size, stream, false)) return serve(b);
+    if (Block* b = split_any_block(rounded, size, stream)) return serve(b);
     throw_oom(size, rounded, stream);
   }
 }
@@ -420,6 +423,29 @@ Block* Allocator::split_oversize_segment(std::size_t rounded, std::size_t reques
   }
   if (!best) return nullptr;
   return pool_.allocate_from(best->head, rounded, requested, false, true);
+}
+
+// Note [split_any_block]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// max_split_size_mb keeps blocks of that size or more for requests of about
+// their size: a smaller request may not split one, and a big one may take
+// one only with at most max_non_split_rounding_mb to spare (may_serve). That
+// keeps big tensors' rooms contiguous, but where nothing else is left it
+// turned a request into an out-of-memory error beside a free block that
+// could hold it: on cudaMalloc'd segments (no page to give back) Llama's
+// step at 0.58-0.64 of its peak failed to allocate 4 to 125 MiB with a 375
+// MiB block free in a segment that also held tensors. So, after every other
+// step and after eviction, the request takes the best fit of any size,
+// split. Only what would have been an OOM changes.
+Block* Allocator::split_any_block(std::size_t rounded, std::size_t requested, Stream stream) {
+  if (config_.max_split_size_mb == kNoLimit) return nullptr;  // find_free saw every block already
+  const PoolKind pool = BlockPool::pool_for(rounded);
+  Block* b = pool_.find_free_any(pool, stream, rounded);
+  if (!b && pool == kSmallPool && config_.small_in_large == Switch::kOn)
+    b = pool_.find_free_any(kLargePool, stream, rounded);
+  if (!b) return nullptr;
+  ++pool_.stats().num_split_limit_overrides;
+  return pool_.allocate_from(b, rounded, requested, false, true);
 }
 
 void Allocator::release_cached_segments(bool keep_arena) {

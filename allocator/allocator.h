@@ -316,6 +316,9 @@ class Allocator {
   void apply_resolved(const Config& resolved);
   bool release_oversize_segments(std::size_t rounded, Stream stream);
   Block* split_oversize_segment(std::size_t rounded, std::size_t requested, Stream stream);
+  // The last step before an out-of-memory error: a free block the split
+  // limit keeps from this request (Note [split_any_block]).
+  Block* split_any_block(std::size_t rounded, std::size_t requested, Stream stream);
   // Every whole free segment; but the arena where `keep_arena`.
   void release_cached_segments(bool keep_arena = false);
   // arena:on (Note [arena]): the rest of the budget as one segment, for the

@@ -106,6 +106,15 @@ Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) c
   return may_serve(*it, rounded) ? *it : nullptr;
 }
 
+Block* BlockPool::find_free_any(PoolKind pool, Stream stream, std::size_t rounded) const {
+  Block key;
+  key.stream = stream;
+  key.size = rounded;
+  key.addr = 0;
+  auto it = free_[pool].lower_bound(&key);
+  return it == free_[pool].end() || (*it)->stream != stream ? nullptr : *it;
+}
+
 bool BlockPool::may_serve(const Block* b, std::size_t rounded) const {
   if (config_.max_split_size_mb == kNoLimit) return true;
   // A small request must not consume an oversize block: it could never be

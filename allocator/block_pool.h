@@ -137,6 +137,11 @@ class BlockPool {
   // not refuse, among the `limit` next; else find_free's.
   Block* find_free_sparing(PoolKind pool, Stream stream, std::size_t rounded,
                            const std::function<bool(const Block*)>& avoid, int limit) const;
+  // Best fit on `stream` for `rounded` bytes whatever max_split_size_mb
+  // says (a request may split an oversize block, or take one with more
+  // than max_non_split_rounding_mb to spare): the last resort before an
+  // out-of-memory error (Allocator::split_any_block).
+  Block* find_free_any(PoolKind pool, Stream stream, std::size_t rounded) const;
   // Takes `block` out of its free set, splits off the rest when worth it
   // (the request takes the low end, or the high end when `high`), marks it
   // allocated. Returns the allocated block.

@@ -74,6 +74,9 @@ using StatArray = std::array<Stat, kNumStatIndices>;
 //                        to the backend from segments that stay in use
 //   num_long_lived       long_lived: requests served as announced to outlive
 //                        the step (at the high end of the block they split)
+//   num_split_limit_overrides  requests that split a block max_split_size_mb
+//                        kept from them, where the alternative was an OOM
+//                        (Allocator::split_any_block)
 #define DTRALLOC_COUNTERS(X) \
   X(num_alloc_retries)       \
   X(num_ooms)                \
@@ -84,7 +87,8 @@ using StatArray = std::array<Stat, kNumStatIndices>;
   X(num_eviction_calls)      \
   X(num_oom_rejections)      \
   X(num_page_releases)       \
-  X(num_long_lived)
+  X(num_long_lived)          \
+  X(num_split_limit_overrides)
 
 struct Stats {
 #define DTRALLOC_POOL_FIELD(name) StatArray name;

@@ -488,6 +488,58 @@ def test_split_oversize_leaves_no_small_rest(make_pool):
     assert pool.stats()["num_device_free"] == 1
 
 
+def _oversize_rest_beside_a_tensor(make_pool):
+    """A pool whose only free room is a 50 MiB block (oversize: at least
+    max_split_size_mb) in a segment that also holds a tensor, with no room in
+    the budget for a segment of a 5 MiB request's own."""
+    pool = make_pool(backend="virtual", conf="budget:104M,max_split_size_mb:40,split_oversize:on,unmap_pages:off")
+    a = pool.malloc(100 * MiB)
+    pool.free(a)
+    held = pool.malloc(50 * MiB)  # split_oversize: the low end; the 50 MiB rest stays free
+    assert held == a and pool.stats()["reserved_bytes.all.current"] == 100 * MiB
+    return pool, a
+
+
+def test_the_last_step_before_an_oom_splits_a_block_the_split_limit_kept(make_pool):
+    """Note [split_any_block]: where every other step failed, a request
+    smaller than max_split_size_mb splits the oversize free block instead of
+    failing beside it (an OOM before)."""
+    pool, a = _oversize_rest_beside_a_tensor(make_pool)
+    c = pool.malloc(5 * MiB)
+    assert c == a + 50 * MiB
+    s = pool.stats()
+    assert s["num_split_limit_overrides"] == 1 and s["num_ooms"] == 0 and s["num_device_alloc"] == 1
+    d = pool.malloc(45 * MiB)  # the rest of it: an oversize-sized request no split rule would give 45 of 45
+    assert d == a + 55 * MiB
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        pool.malloc(5 * MiB)  # nothing is left, and no room for a 6 MiB segment: still an OOM
+    pool.check_invariants()
+
+
+def test_eviction_comes_before_splitting_a_kept_block(make_pool):
+    """With an eviction hook the override is the step after it: what the
+    hook frees serves first, and only a hook that frees nothing leads to it."""
+    pool, a = _oversize_rest_beside_a_tensor(make_pool)
+    calls = []
+    pool.set_eviction_hook(lambda nbytes, stream: calls.append(nbytes) or False)
+    pool.malloc(5 * MiB)
+    assert calls == [5 * MiB] and pool.stats()["num_split_limit_overrides"] == 1
+
+    pool, a = _oversize_rest_beside_a_tensor(make_pool)
+    held = [a]
+
+    def hook(nbytes, stream):  # frees the tensor beside the kept block: its segment is whole again
+        if not held:
+            return False
+        pool.free(held.pop())
+        return True
+
+    pool.set_eviction_hook(hook)
+    pool.malloc(5 * MiB)  # the whole segment is given back and the request gets one of its own
+    s = pool.stats()
+    assert not held and s["num_split_limit_overrides"] == 0 and s["num_device_free"] == 1
+
+
 def test_arena_reserves_what_the_budget_leaves_once_and_serves_every_size_in_it(make_pool):
     """arena:on (Note [arena]): the first large request the cache cannot
     serve under a budget reserves the rest of the budget in one segment;

@@ -69,6 +69,7 @@ DTRALLOC_EXTRA_KEYS = frozenset(
         "num_eviction_calls",
         "num_page_releases",
         "num_long_lived",
+        "num_split_limit_overrides",
         "fragmentation.largest_free_bytes",
         "fragmentation.free_bytes",
         "fragmentation.external",
