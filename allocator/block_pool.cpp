@@ -97,13 +97,8 @@ std::size_t BlockPool::segment_size(std::size_t rounded) const {
 }
 
 Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) const {
-  Block key;
-  key.stream = stream;
-  key.size = rounded;
-  key.addr = 0;
-  auto it = free_[pool].lower_bound(&key);
-  if (it == free_[pool].end() || (*it)->stream != stream) return nullptr;
-  return may_serve(*it, rounded) ? *it : nullptr;
+  Block* b = find_free_any(pool, stream, rounded);
+  return b && may_serve(b, rounded) ? b : nullptr;
 }
 
 Block* BlockPool::find_free_any(PoolKind pool, Stream stream, std::size_t rounded) const {
