@@ -119,10 +119,10 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
   X(arena, SwitchOption, Switch::kOff,                                         \
     "on: under a budget, the first large request (over 1 MB) the cache "      \
     "cannot serve reserves all the budget has left in one segment, the "       \
-    "arena, which every request "                                             \
-    "of its stream shares from then on (small ones too), so the pool makes "   \
-    "and gives back no segment at the budget: eviction makes room in it by "   \
-    "contiguous windows; empty_cache() gives it back. Needs "                  \
+    "arena, which every request of its stream shares from then on (small "    \
+    "ones too), so the pool makes and gives back no segment at the budget: "   \
+    "eviction makes room in it by contiguous windows; empty_cache() gives "    \
+    "it back. Needs "                                                          \
     "max_split_size_mb none (auto is), small_in_large on (auto is), "          \
     "unmap_pages off (auto is). off: segments per request size (torch); auto " \
     "= off (docs/allocator.md, Note [arena])")                                 \
@@ -174,8 +174,8 @@ Config parse_config(const std::string& text);
 // segment_fit:auto and small_in_large:auto on or off, unmap_pages:auto on
 // only where the backend `releases_ranges` (Backend::releases_ranges),
 // split_oversize:auto only where it does not. arena:on settles
-// max_split_size_mb (none), small_in_large (on) and unmap_pages (off), and
-// throws ConfigError where one of them was set against it.
+// max_split_size_mb (none), small_in_large (on) and unmap_pages (off);
+// parse_config refuses them set against it.
 Config resolve_config(Config config, bool releases_ranges = true);
 
 // Parses a size with an optional K/M/G/T suffix ("6G", "512", "1.5M").
