@@ -159,6 +159,7 @@ class Bench:
         calls = self.device_calls()
         self.sync()
         start = time.perf_counter()
+        message = None
         try:
             with self.context(config) as s:
                 self.m.step(self.batch)
@@ -168,7 +169,7 @@ class Bench:
             message = (str(e).splitlines() or [type(e).__name__])[0]
             if message.endswith(":"):  # the first line introduces a list: its last sentence goes with it
                 message = message[:message.rfind(". ") + 1] or message
-            del e
+        if message is not None:  # outside the handler: the traceback's frames (and tensors) are gone
             self.m.optimizer.zero_grad(set_to_none=True)
             gc.collect()
             self.sync()
