@@ -281,13 +281,17 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
     if (!large || own >= bytes || reserved + own > budget_bytes_) return nullptr;
     bytes = own;
   }
+  Block* b = new_segment(bytes, stream, BlockPool::pool_for(rounded));
+  return b ? pool_.allocate_from(b, rounded, requested) : nullptr;
+}
+
+Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
   void* ptr = backend_->allocate(bytes);
   if (!ptr) return nullptr;
   ++pool_.stats().num_device_alloc;
   auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   record(TraceAction::kSegmentAlloc, addr, bytes, stream);
-  Block* b = pool_.add_segment(addr, bytes, stream, BlockPool::pool_for(rounded));
-  return pool_.allocate_from(b, rounded, requested);
+  return pool_.add_segment(addr, bytes, stream, pool);
 }
 
 Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,
@@ -479,15 +483,11 @@ Block* Allocator::make_arena(std::size_t rounded, std::size_t requested, Stream 
   const std::size_t reserved = reserved_bytes();
   const std::size_t bytes = budget_bytes_ > reserved ? (budget_bytes_ - reserved) / kRoundLarge * kRoundLarge : 0;
   if (bytes < BlockPool::own_segment_size(rounded)) return nullptr;  // the request does not fit what is left
-  void* ptr = backend_->allocate(bytes);
-  if (!ptr) {
+  Block* b = new_segment(bytes, stream, kLargePool);
+  if (!b) {
     arena_refused_ = true;
     return nullptr;
   }
-  ++pool_.stats().num_device_alloc;
-  auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  record(TraceAction::kSegmentAlloc, addr, bytes, stream);
-  Block* b = pool_.add_segment(addr, bytes, stream, kLargePool);
   arena_ = b->segment;
   arena_->arena = true;
   return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));

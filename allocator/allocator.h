@@ -311,6 +311,9 @@ class Allocator {
   Block* try_allocate(std::size_t rounded, std::size_t requested, Stream stream, bool spare_homes);
   [[noreturn]] void refuse_capture(std::size_t size, Stream stream);
   Block* allocate_segment(std::size_t rounded, std::size_t requested, Stream stream);
+  // A segment of `bytes` from the backend, counted and recorded: its one
+  // free block, or nullptr where the backend has no memory.
+  Block* new_segment(std::size_t bytes, Stream stream, PoolKind pool);
   void release_segment(Segment* seg);
   void garbage_collect(std::size_t incoming_bytes);
   void apply_resolved(const Config& resolved);
