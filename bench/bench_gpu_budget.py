@@ -715,25 +715,20 @@ def main(argv=None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.in_process and args.device != "cpu":
         parser.error("--in-process is for --device cpu: on CUDA each configuration installs its own allocator")
-    if args.conf:
+    # --conf and --also-conf: install() settings, which exist on a GPU only; checked before anything runs.
+    settings = ([("--conf", args.conf, "--conf sets what the dtralloc configurations install() on a GPU; on CPU "
+                  "they install nothing")] if args.conf else []) + \
+        [(f"--also-conf {extra!r}", extra, "--also-conf runs dtr again on other install() settings, which exist "
+          "on a GPU only") for extra in args.also_conf]
+    for flag, conf, cpu_error in settings:
         if args.device != "cuda":
-            parser.error("--conf sets what the dtralloc configurations install() on a GPU; on CPU they "
-                         "install nothing")
+            parser.error(cpu_error)
         from dtralloc import _core
 
         try:
-            _core.describe_config(args.conf)
+            _core.describe_config(conf)
         except Exception as e:  # noqa: BLE001 - the parser's own words name the bad setting
-            parser.error(f"--conf: {e}")
-    for extra in args.also_conf:
-        if args.device != "cuda":
-            parser.error("--also-conf runs dtr again on other install() settings, which exist on a GPU only")
-        from dtralloc import _core
-
-        try:
-            _core.describe_config(extra)
-        except Exception as e:  # noqa: BLE001 - the parser's own words name the bad setting
-            parser.error(f"--also-conf {extra!r}: {e}")
+            parser.error(f"{flag}: {e}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for name in models:
         if name not in BASE_BATCH:
