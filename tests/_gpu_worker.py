@@ -273,9 +273,23 @@ def graph_capture() -> dict:
             y = x * 2  # noqa: F841
     except RuntimeError as e:
         message = str(e)
+    raw_message = ""
+    try:
+        g.capture_begin()  # what torch.cuda.graph calls, called directly
+    except RuntimeError as e:
+        raw_message = str(e)
     torch.cuda.synchronize()
     after = float((x + 1).sum().item())
-    return {"message": message, "after": after, "stats": _check_pool()}
+    # Refused before torch changed anything: the default stream is still
+    # current, and CUDA random ops run (a generator left in capture mode
+    # raises "Offset increment outside graph capture").
+    default_stream = torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.manual_seed(0)
+    drawn = torch.rand(4, device="cuda").tolist()
+    torch.manual_seed(0)
+    again = torch.rand(4, device="cuda").tolist()
+    return {"message": message, "raw_message": raw_message, "after": after, "default_stream": default_stream,
+            "random_ok": drawn == again, "stats": _check_pool()}
 
 
 def raw_capture() -> dict:

@@ -111,6 +111,9 @@ def test_cuda_graph_capture_is_refused_at_its_start():
     assert "does not support CUDA graph capture" in r["message"], r
     assert "dtralloc.install()" in r["message"]
     assert r["after"] == 2048.0  # the process keeps working
+    assert "does not support CUDA graph capture" in r["raw_message"], r
+    # Refused before torch switched streams or put its generators into capture mode.
+    assert r["default_stream"] and r["random_ok"], r
 
 
 def test_a_raw_capture_is_refused_before_it_is_invalidated():

@@ -75,6 +75,9 @@ def _set_attr(monkeypatch):
 @pytest.fixture
 def cuda_torch(monkeypatch, events):
     """torch as install() sees it in a fresh GPU process (CUDA not initialized)."""
+    graphs = torch.cuda.graphs
+    for owner, name in ((graphs.graph, "__enter__"), (graphs.CUDAGraph, "capture_begin")):
+        monkeypatch.setattr(owner, name, owner.__dict__[name])  # install() replaces them: put back after
     return StandIn(torch).apply(_set_attr(monkeypatch))
 
 
@@ -180,6 +183,68 @@ def test_install_warns_when_torch_cannot_refuse_a_capture_at_its_start(monkeypat
     with pytest.warns(RuntimeWarning, match="set_begin_allocate_to_pool"):
         dtralloc.install("")
     assert dtralloc.installed() and standin.state.current is not None
+
+
+class _CaptureParts:
+    """What a torch.cuda.graph holds and calls on __enter__ (torch/cuda/graphs.py,
+    graph.__init__ and __enter__): the capture stream's context and the
+    CUDAGraph. Records which of them torch reached."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __enter__(self):
+        self.calls.append("capture stream made current")
+
+    def __exit__(self, *exc):
+        self.calls.append("capture stream left")
+
+    def capture_begin(self, *args, **kwargs):
+        self.calls.append("capture_begin")
+
+    def capture_end(self):
+        self.calls.append("capture_end")
+
+
+def _graph_context(parts: _CaptureParts):
+    # graph.__init__ makes a CUDA stream, which the CPU build cannot: set the
+    # attributes it sets, with the stand-in parts.
+    ctx = object.__new__(torch.cuda.graph)
+    ctx.stream_ctx = ctx.cuda_graph = parts
+    ctx.pool, ctx.capture_error_mode = (), "global"
+    ctx._enable_annotations = ctx.check_input_liveness = False
+    return ctx
+
+
+def test_install_refuses_a_graph_capture_before_torch_changes_anything(cuda_torch, events):
+    """torch's C++ capture_begin puts the CUDA generators into capture mode
+    before it calls the allocator's hook, and graph.__enter__ has made the
+    capture stream current by then: the refusal comes first, in Python."""
+    dtralloc.install("")
+    parts = _CaptureParts()
+    with pytest.raises(RuntimeError) as info:
+        with _graph_context(parts):
+            pass
+    message = str(info.value)
+    assert "torch.cuda.graph was about to begin a CUDA graph capture" in message
+    assert "does not support CUDA graph capture" in message and "dtralloc.install()" in message
+    assert "the current stream and the CUDA random generators are as they were" in message
+    assert parts.calls == []
+    with pytest.raises(RuntimeError, match="CUDAGraph.capture_begin was about to begin"):
+        torch.cuda.CUDAGraph.capture_begin(parts)
+    assert parts.calls == []
+
+
+def test_captures_run_as_torch_wrote_them_once_dtralloc_is_not_torchs_allocator(monkeypatch, cuda_torch, events):
+    dtralloc.install("")
+    cuda_torch.state.current = None  # another allocator is torch's now
+    for name in ("synchronize", "empty_cache"):  # what graph.__enter__ calls first; no CUDA here
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+    parts = _CaptureParts()
+    with _graph_context(parts):
+        pass
+    assert parts.calls == ["capture stream made current", "capture_begin", "capture_end", "capture stream left"]
 
 
 def test_install_after_cuda_init_says_to_install_first(cuda_torch, events):

@@ -47,6 +47,9 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("text"), "Raise ConfigError if the cuda backend cannot run these settings.");
   m.def("cuda_vmm_unavailable", &cuda_vmm_unavailable, py::arg("device"),
         "Why CUDA device `device` cannot have VMM segments (unmap_pages); empty when it can.");
+  m.def("graph_capture_refusal", &graph_capture_refusal, py::arg("what"),
+        "The text dtralloc refuses a CUDA graph capture with: `what` happened, why dtralloc "
+        "refuses it and what to do instead.");
   m.def("parse_size", [](const std::string& text) { return parse_size("size", text, 1); });
   m.def("format_bytes", &format_bytes);
   m.def("cuda_device_count", &cuda_device_count);

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import warnings
 from typing import Optional
 
@@ -102,6 +103,7 @@ def install(conf: ConfLike = None) -> None:
             f"dtralloc.install() before the first CUDA allocation. torch said: {e}"
         ) from e
     torch_memory.patch(torch, allocator.allocator())
+    refuse_captures(torch, allocator.allocator())
     _installed_conf = text
 
 
@@ -126,12 +128,62 @@ def _wire_hooks(torch, binding) -> None:
     else:
         warnings.warn(
             f"this torch ({torch.__version__}) has no {setter} on its pluggable allocator: "
-            "dtralloc refuses a CUDA graph capture only at the capture's first cache miss, so a "
-            "capture that is served from the cache alone shares blocks with the rest of the "
-            "program. Do not capture CUDA graphs under dtralloc, or use torch 2.2 or newer",
+            "dtralloc refuses torch.cuda.graph and CUDAGraph.capture_begin in Python, but a "
+            "capture begun below them (torch._C._CUDAGraph) only at its first cache miss, so "
+            "one served from the cache alone shares blocks with the rest of the program. Do "
+            "not capture CUDA graphs under dtralloc, or use torch 2.2 or newer",
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+# Where torch begins a CUDA graph capture in Python, each refused there while
+# dtralloc is torch's allocator (refuse_captures). torch.cuda.graph (which
+# make_graphed_callables and torch.compile(mode="reduce-overhead") enter)
+# makes its capture stream current and then calls CUDAGraph.capture_begin,
+# whose C++ puts the CUDA generators into capture mode before it asks the
+# allocator (the begin-allocate-to-pool hook): a refusal there leaves every
+# later CUDA random op failing ("Offset increment outside graph capture")
+# and the capture stream current. Refused here, nothing has changed yet.
+_CAPTURE_ENTRIES = (
+    ("graph", "__enter__", "torch.cuda.graph was about to begin a CUDA graph capture"),
+    ("CUDAGraph", "capture_begin", "CUDAGraph.capture_begin was about to begin a CUDA graph capture"),
+)
+
+
+def refuse_captures(torch, swapped_in) -> list[str]:
+    """Refuse torch's CUDA graph captures in Python, before torch changes any
+    state, while ``swapped_in`` (the allocator install() gave torch) is
+    torch's allocator. Returns the methods replaced ("graph.__enter__", ...).
+    A capture begun below torch's Python (torch._C._CUDAGraph) is still
+    refused by the allocator's hook, as before."""
+    graphs = getattr(getattr(torch, "cuda", None), "graphs", None)
+    replaced = []
+    for owner_name, method, what in _CAPTURE_ENTRIES:
+        owner = getattr(graphs, owner_name, None)
+        original = getattr(owner, "__dict__", {}).get(method)
+        if original is None:
+            continue
+        original = getattr(original, "_dtralloc_replaces", original)  # patched before
+        setattr(owner, method, _refusing(torch, swapped_in, original, what))
+        replaced.append(f"{owner_name}.{method}")
+    return replaced
+
+
+def _refusing(torch, swapped_in, original, what: str):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        current = getattr(torch._C, "_cuda_getAllocator", None)
+        if current is not None and current() is swapped_in:
+            raise RuntimeError(
+                _core.graph_capture_refusal(what)
+                + " Refused before the capture began: the current stream and the CUDA "
+                "random generators are as they were."
+            )
+        return original(self, *args, **kwargs)
+
+    method._dtralloc_replaces = original
+    return method
 
 
 def _address(lib: ctypes.CDLL, symbol: str) -> int:
