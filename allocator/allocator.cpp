@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <chrono>
 #include <ctime>
 #include <cstdio>
 #include <sstream>
@@ -285,8 +286,36 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
   return b ? pool_.allocate_from(b, rounded, requested) : nullptr;
 }
 
+namespace {
+// Adds the time until it goes out of scope to a stats counter (device_alloc_ns,
+// device_free_ns): a backend call that throws took its time too.
+class CallTimer {
+ public:
+  explicit CallTimer(std::int64_t& into) : into_(into), start_(std::chrono::steady_clock::now()) {}
+  ~CallTimer() {
+    into_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+  CallTimer(const CallTimer&) = delete;
+  CallTimer& operator=(const CallTimer&) = delete;
+
+ private:
+  std::int64_t& into_;
+  std::chrono::steady_clock::time_point start_;
+};
+}  // namespace
+
+void* Allocator::backend_allocate(std::size_t bytes) {
+  CallTimer timer(pool_.stats().device_alloc_ns);
+  return backend_->allocate(bytes);
+}
+
+void Allocator::backend_release(std::uintptr_t addr, std::size_t bytes) {
+  CallTimer timer(pool_.stats().device_free_ns);
+  backend_->release(reinterpret_cast<void*>(addr), bytes);
+}
+
 Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
-  void* ptr = backend_->allocate(bytes);
+  void* ptr = backend_allocate(bytes);
   if (!ptr) return nullptr;
   ++pool_.stats().num_device_alloc;
   auto addr = reinterpret_cast<std::uintptr_t>(ptr);
@@ -335,7 +364,7 @@ bool Allocator::cut_pages_for(std::size_t rounded, bool spare_homes) {
     assert(cut.size == n);
     // The pool forgot the range first: were the backend to fail, the bytes
     // would be lost to the budget's count, never handed out twice.
-    backend_->release(reinterpret_cast<void*>(cut.addr), cut.size);
+    backend_release(cut.addr, cut.size);
     ++pool_.stats().num_page_releases;
     record(TraceAction::kSegmentUnmap, cut.addr, cut.size, s);
     room += cut.size;
@@ -349,7 +378,7 @@ void Allocator::release_segment(Segment* seg) {
   const Stream stream = seg->stream;
   // Released first, forgotten second: when the backend fails, the segment
   // stays cached (whole and free) instead of leaking out of the pool's sight.
-  backend_->release(reinterpret_cast<void*>(addr), size);
+  backend_release(addr, size);
   if (seg == arena_) arena_ = nullptr;
   pool_.remove_segment(seg);
   ++pool_.stats().num_device_free;

@@ -314,6 +314,10 @@ class Allocator {
   // A segment of `bytes` from the backend, counted and recorded: its one
   // free block, or nullptr where the backend has no memory.
   Block* new_segment(std::size_t bytes, Stream stream, PoolKind pool);
+  // The backend's allocate and release, timed into device_alloc_ns and
+  // device_free_ns (stats.h). Under mutex_.
+  void* backend_allocate(std::size_t bytes);
+  void backend_release(std::uintptr_t addr, std::size_t bytes);
   void release_segment(Segment* seg);
   void garbage_collect(std::size_t incoming_bytes);
   void apply_resolved(const Config& resolved);

@@ -77,6 +77,13 @@ using StatArray = std::array<Stat, kNumStatIndices>;
 //   num_split_limit_overrides  requests that split a block max_split_size_mb
 //                        kept from them, where the alternative was an OOM
 //                        (Allocator::split_any_block)
+//   device_alloc_ns      host time inside the backend's allocations, failed
+//                        ones included (cudaMalloc; VMM: create and map)
+//   device_free_ns       host time inside the backend's releases, segments
+//                        and unmap_pages' page ranges. cudaFree waits for
+//                        the device first (and dtralloc synchronizes before
+//                        a VMM unmap), so this includes the wait: where the
+//                        GPU ran behind the host, time it then sat idle
 #define DTRALLOC_COUNTERS(X) \
   X(num_alloc_retries)       \
   X(num_ooms)                \
@@ -88,7 +95,9 @@ using StatArray = std::array<Stat, kNumStatIndices>;
   X(num_oom_rejections)      \
   X(num_page_releases)       \
   X(num_long_lived)          \
-  X(num_split_limit_overrides)
+  X(num_split_limit_overrides) \
+  X(device_alloc_ns)           \
+  X(device_free_ns)
 
 struct Stats {
 #define DTRALLOC_POOL_FIELD(name) StatArray name;

@@ -277,9 +277,10 @@ class Worker:
 
     def run_steps(self, batch, steps: int) -> dict:
         """`steps` training steps under this configuration's cap; raises on OOM."""
-        times, peak, evictions, remats = [], 0, 0, 0
+        times, peak, evictions, remats, calls = [], 0, 0, 0, []
         for _ in range(steps):
             self._sync()
+            before = self._device_calls()
             start = time.perf_counter()
             if self.config == "dtr" or not self.cuda:
                 # CPU: every configuration inside a session, whose mirror pool
@@ -295,9 +296,22 @@ class Worker:
                 self.m.step(batch)
             self._sync()
             times.append(time.perf_counter() - start)
+            if before is not None:
+                calls.append(tuple(a - b for a, b in zip(self._device_calls(), before)))
         if self.cuda and self.config != "dtr":
             peak = self.torch.cuda.max_memory_reserved()
-        return {"times": times, "peak": peak, "evictions": evictions, "remats": remats}
+        return {"times": times, "peak": peak, "evictions": evictions, "remats": remats, "calls": calls}
+
+    def _device_calls(self):
+        """dtralloc's pool so far: cudaMalloc + cudaFree calls, and the host
+        nanoseconds inside them (a cudaFree waits for the device first);
+        None where dtralloc's pool does not serve (CPU, plain, checkpoint)."""
+        if not (self.cuda and self.config in ("dtr", "plain-dtralloc")):
+            return None
+        import dtralloc
+
+        s = dtralloc.memory_stats()
+        return (s["num_device_alloc"] + s["num_device_free"], s["device_alloc_ns"] + s["device_free_ns"])
 
     def probe(self, size: int) -> dict:
         self._clean()
@@ -309,6 +323,10 @@ class Worker:
             ok = not (not self.cuda and self.config != "dtr" and self.cap and r["peak"] > self.cap)
             record.update(ok=ok, step_s=min(r["times"][1:]), peak_bytes=r["peak"], evictions=r["evictions"],
                           remats=r["remats"])
+            timed = r["calls"][1:]  # the steps after the warm-up, as step_s
+            if timed:
+                record.update(device_calls=sum(c for c, _ in timed) / len(timed),
+                              device_ms=sum(ns for _, ns in timed) / len(timed) / 1e6)
             if not ok:
                 record["error"] = f"mirror peak {r['peak']} over the cap"
         except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is reported
@@ -597,7 +615,10 @@ def report(results: list, args, command: str, elapsed: float) -> str:
              "Overhead = step time per sample at that batch / plain's at B - 1; a probe is one warm-up "
              f"step and {SMOKE_TIMED_STEPS if args.smoke else TIMED_STEPS} timed (the fastest counts). Search: "
              + ", ".join(f"{f}B" for f in (SMOKE_LADDER if args.smoke else LADDER))
-             + f" until one fails, then bisection to B/{2 if args.smoke else 8}.", ""]
+             + f" until one fails, then bisection to B/{2 if args.smoke else 8}. cudaMalloc + cudaFree: "
+             "dtralloc's pool's calls a timed step (mean), and the host time inside them (memory_stats' "
+             "device_alloc_ns + device_free_ns; a cudaFree waits for the device first); '-' where torch's "
+             "allocator serves.", ""]
     goal_met = []
     for res in results:
         name, base, m = res["model"], res["base"], res["measure"]
@@ -614,20 +635,22 @@ def report(results: list, args, command: str, elapsed: float) -> str:
                   + (f"; plain at B: {1e3 * s['plain_per_sample_s']:.2f} ms per sample"
                      if s["plain_per_sample_s"] else ""), "",
                   "| config | max batch | max / B | ms per sample at max | overhead at max | overhead at B "
-                  "| evictions / remats at max |", "|---|---|---|---|---|---|---|"]
+                  "| evictions / remats at max | cudaMalloc + cudaFree a step at max (ms in them) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for config, row in s["rows"].items():
             best = row["best"]
             if best is None:
                 why = next((r.get("error") for r in row["probes"] + row["other"] if r.get("error")), "")
                 verdict = "none fits" if row["probes"] or why else "not measured (no probe ran)"
-                lines.append(f"| {config} | {verdict} | 0 | - | - | - | - |" + (f" {why[:120]}" if why else ""))
+                lines.append(f"| {config} | {verdict} | 0 | - | - | - | - | - |" + (f" {why[:120]}" if why else ""))
                 continue
             ov = row["overheads"]
             lines.append(
                 f"| {config} | {best['batch']} | {best['batch'] / base:.2f} | "
                 f"{1e3 * best['step_s'] / best['batch']:.2f} | {100 * ov[best['batch']]:+.1f}% | "
                 + (f"{100 * ov[base]:+.1f}% | " if base in ov else "- | ")
-                + f"{best['evictions']} / {best['remats']} |")
+                + f"{best['evictions']} / {best['remats']} | "
+                + (f"{best['device_calls']:.0f} ({best['device_ms']:.1f} ms) |" if "device_calls" in best else "- |"))
         lines += ["", "Every probe (batch: fits?, ms per sample, overhead, peak):", "", "```"]
         for config, row in s["rows"].items():
             parts = []

@@ -335,6 +335,33 @@ def scenario_budget_absolute():  # DTRALLOC_CONF=budget:64M
     drain(abi, fake)
 
 
+def scenario_device_call_time():
+    """device_alloc_ns / device_free_ns: the host time inside cudaMalloc and
+    cudaFree, the wait cudaFree makes for the device included."""
+    fake = FakeCudaRuntime()
+    abi = TorchView()
+    eq((stats()["device_alloc_ns"], stats()["device_free_ns"]), (0, 0), "before any device call")
+    wait_ns = 30_000_000  # 30 ms of work queued before each cudaFree
+    fake.set_free_wait_ns(wait_ns)
+    try:
+        a = abi.malloc(40 * MiB, 0, None)
+        s = stats()
+        check(0 < s["device_alloc_ns"] < wait_ns, f"one cudaMalloc: {s['device_alloc_ns']} ns")
+        eq(s["device_free_ns"], 0, "no cudaFree yet")
+        abi.free(a, 40 * MiB, 0, None)
+        eq(stats()["device_free_ns"], 0, "a free to the cache calls no cudaFree")
+        abi.reset()  # torch.cuda.empty_cache(): the cached segment goes back
+        s = stats()
+        eq(s["num_device_free"], 1, "num_device_free")
+        check(wait_ns <= s["device_free_ns"] < 20 * wait_ns, f"one cudaFree that waited: {s['device_free_ns']} ns")
+    finally:
+        fake.set_free_wait_ns(0)
+    fake_counts_match(fake)
+    _core.global_pool(0).reset_accumulated_stats()  # torch.cuda.reset_accumulated_memory_stats()
+    eq((stats()["device_alloc_ns"], stats()["device_free_ns"]), (0, 0), "after reset_accumulated_stats")
+    drain(abi, fake)
+
+
 def scenario_budget_fraction():  # DTRALLOC_CONF=budget:0.5
     fake = FakeCudaRuntime()
     fake.set_capacity(256 * MiB)  # before the allocator exists: it reads the capacity once

@@ -165,8 +165,11 @@ def test_also_conf_runs_the_dtr_search_again_on_its_settings(monkeypatch):
             return [{"event": "measure", "cap_bytes": 1 << 30, "peak_allocated": None, "step_s": 0.8,
                      "description": "d", "device": "cuda", "torch": "x"}]
         per_sample = 0.1 if spec.get("conf") == "arena:on" else 0.12
+        # Worker.probe records the pool's device calls only where dtralloc's pool serves.
+        calls = {"device_calls": 0.0, "device_ms": 0.0} if spec.get("conf") == "arena:on" else (
+            {"device_calls": 151.5, "device_ms": 212.25} if spec["config"] == "dtr" else {})
         return [{"event": "probe", "batch": b, "ok": True, "step_s": per_sample * b, "peak_bytes": 1 << 30,
-                 "evictions": 1, "remats": 1} for b in (8, 24)]
+                 "evictions": 1, "remats": 1, **calls} for b in (8, 24)]
 
     monkeypatch.setattr(bench, "run_config", run_config)
     args = bench.argparse.Namespace(device="cuda", smoke=False, base=None, conf="", in_process=False,
@@ -180,6 +183,8 @@ def test_also_conf_runs_the_dtr_search_again_on_its_settings(monkeypatch):
     assert by_label["dtr"]["conf"] == ""
     report = bench.report([result], args, "python bench/bench_gpu_budget.py --also-conf arena:on", 1.0)
     assert "| dtr [arena:on] | 24 | 3.00 |" in report, report
+    assert "| 1 / 1 | 0 (0.0 ms) |" in report and "| 1 / 1 | 152 (212.2 ms) |" in report, report
+    assert "| plain | 24 | 3.00 | 120.00 | +0.0% | +0.0% | 1 / 1 | - |" in report, report
     assert "Goal (>= 3x B at <= 25% overhead), dtr [arena:on]: **met** (at 24: -16.7%)" in report, report
 
 

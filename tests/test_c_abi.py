@@ -49,6 +49,10 @@ def test_absolute_budget_turns_into_null_and_a_clear_oom():
     assert "raise DTRALLOC_CONF=budget" in proc.stderr
 
 
+def test_device_call_time_is_counted_with_cudafrees_wait():
+    run_worker("device_call_time")
+
+
 def test_live_sessions_on_the_pool_end_in_any_order():
     run_worker("live_sessions_end_in_any_order", conf="budget:512M")
 

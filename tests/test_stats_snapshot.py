@@ -70,6 +70,8 @@ DTRALLOC_EXTRA_KEYS = frozenset(
         "num_page_releases",
         "num_long_lived",
         "num_split_limit_overrides",
+        "device_alloc_ns",
+        "device_free_ns",
         "fragmentation.largest_free_bytes",
         "fragmentation.free_bytes",
         "fragmentation.external",

@@ -33,7 +33,10 @@
 //     cudaEventElapsedTime answers as documented: an invalid handle for an
 //     event never recorded or made without timing, "not ready" while either
 //     is pending.
-//   * cudaFree does not complete events (the real one synchronizes).
+//   * cudaFree does not complete events (the real one synchronizes). It
+//     waits for the device as long as fakecuda_set_free_wait_ns says (the
+//     work the real one would wait for; default 0), so that what dtralloc
+//     measures of its device calls (device_free_ns) can be checked.
 //   * Stream capture (CUDA graphs), as in cudaStreamCaptureModeGlobal:
 //     fakecuda_set_stream_capture(stream, status) marks a stream of the
 //     current device as capturing; cudaStreamIsCapturing reports it, and on
@@ -267,6 +270,7 @@ struct State {
   int failing_mallocs = 0;
   std::uintptr_t events_created = 0;
   long long frozen_clock_ns = -1;  // fakecuda_set_clock_ns; negative: the host's clock
+  long long free_wait_ns = 0;      // fakecuda_set_free_wait_ns
   PointerMap<Allocation> allocations;
   PointerMap<EventState> events;
   // VMM
@@ -442,6 +446,11 @@ FAKECUDA_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   if (cudaError_t err = capture_forbids()) return fail(err);
   const Allocation* allocation = g_state.allocations.find(dev_ptr);
   if (allocation == nullptr) return fail(cudaErrorInvalidValue);
+  if (g_state.free_wait_ns > 0) {  // the device finishing what was launched before
+    const timespec wait{static_cast<time_t>(g_state.free_wait_ns / 1000000000),
+                        static_cast<long>(g_state.free_wait_ns % 1000000000)};
+    nanosleep(&wait, nullptr);
+  }
   g_state.used[allocation->device] -= allocation->bytes;
   g_state.allocations.erase(dev_ptr);
   std::free(dev_ptr);
@@ -1035,6 +1044,11 @@ FAKECUDA_EXPORT void fakecuda_set_clock_ns(long long ns) {
   g_state.frozen_clock_ns = ns;
 }
 
+FAKECUDA_EXPORT void fakecuda_set_free_wait_ns(long long ns) {
+  Lock lock;
+  g_state.free_wait_ns = ns;
+}
+
 FAKECUDA_EXPORT void fakecuda_complete_events() {
   Lock lock;
   complete_events_where([](const EventState&) { return true; });
@@ -1055,6 +1069,7 @@ FAKECUDA_EXPORT void fakecuda_reset() {
   g_state.vmm_supported = true;
   g_state.vmm_granularity = kDefaultVmmGranularity;
   g_state.frozen_clock_ns = -1;
+  g_state.free_wait_ns = 0;
   for (bool& context : g_state.context) context = false;
   t_context_current = false;
   for (Capture& capture : g_state.captures) capture.stream = nullptr;

@@ -129,6 +129,7 @@ def format_summary(stats: dict, title: str) -> str:
         f"alloc retries {stats['num_alloc_retries']}",
         f"device allocs {stats['num_device_alloc']}",
         f"frees {stats['num_device_free']}",
+        f"time in them {(stats['device_alloc_ns'] + stats['device_free_ns']) / 1e6:.1f} ms",
         f"invalid frees {stats['num_invalid_frees']}",
     ]
     out.extend(_pack_line(notes[:3], width) + _pack_line(notes[3:], width))

@@ -47,6 +47,7 @@ class FakeCudaRuntime:
         lib.fakecuda_vmm_live.restype = ctypes.c_int
         lib.fakecuda_vmm_accessible.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
         lib.fakecuda_vmm_accessible.restype = ctypes.c_int
+        lib.fakecuda_set_free_wait_ns.argtypes = [ctypes.c_longlong]
 
     def reset(self) -> None:
         self.lib.fakecuda_reset()
@@ -75,6 +76,11 @@ class FakeCudaRuntime:
 
     def complete_events(self) -> None:
         self.lib.fakecuda_complete_events()
+
+    def set_free_wait_ns(self, ns: int) -> None:
+        """cudaFree waits this long first, as the real one waits for the work
+        launched before it (0: not at all, the default again after reset())."""
+        self.lib.fakecuda_set_free_wait_ns(ns)
 
     def set_stream_capture(self, stream: int, status: int) -> None:
         """Mark `stream` (not 0) of the current device as capturing a CUDA
