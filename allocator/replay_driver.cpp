@@ -133,48 +133,91 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   // How often progress is reported: often enough for a terminal, rarely
   // enough to cost nothing next to the ops.
   constexpr std::size_t kProgressEvery = 2048;
-  const std::size_t max_remats = kMaxRematsPerOp * (t.num_ops() + 16);
+  const std::size_t steps = std::max<std::size_t>(1, options.steps);
+  const std::size_t max_remats = kMaxRematsPerOp * (steps * t.num_ops() + 16);
+  std::vector<std::uint8_t> alive(t.nbytes.size(), 0);  // storage id -> its current value is alive
+  auto kill = [&](int sid) {
+    if (!alive[sid]) {
+      // A storage alive before the step that an op frees (an earlier step's
+      // gradient, zero_grad'ed mid-step): from the second step on, what
+      // stands in for it died as the step began.
+      if (t.initial[sid] && out.steps > 1) return;
+      throw std::invalid_argument("replay: storage " + std::to_string(sid) + " freed twice");
+    }
+    engine.kill(current[sid]);
+    alive[sid] = 0;
+  };
+  std::int64_t allocs_before = 0, device_frees_before = 0;
+  std::size_t evictions_before = 0;
+  double base_before = 0, remat_before = 0;
   OpCall call;
   try {
     out.oom_op = -1;
     for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
-      if (t.initial[sid]) current[sid] = engine.add_initial(t.nbytes[sid]);
-    for (int sid : t.frees_before) engine.kill(current[sid]);
+      if (t.initial[sid]) current[sid] = engine.add_initial(t.nbytes[sid]), alive[sid] = 1;
+    for (int sid : t.frees_before) kill(sid);
     check();
-    for (std::size_t i = 0; i < t.num_ops(); ++i) {
-      out.oom_op = static_cast<int>(i);
-      allocator.set_op_stamp(static_cast<std::int32_t>(i));
-      engine.tick();
-      call.cost = t.cost[i];
-      call.random = t.random[i] != 0;
-      current_values(t.inputs_offsets, t.inputs, i, current, &call.reads);
-      current_values(t.mutated_offsets, t.mutated, i, current, &call.writes);
-      const int op = engine.begin_op(call);
-      for (int k = t.created_offsets[i]; k < t.created_offsets[i + 1]; ++k) {
-        const int sid = t.created[k];
-        // What the program keeps past the step (long_lived: as a live step
-        // expects it from the step before).
-        if (outlives(sid)) allocator.expect_long_lived({t.nbytes[sid]});
-        current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes || kept(sid));
-        allocator.clear_long_lived();
+    for (out.steps = 1; out.steps <= steps; ++out.steps) {
+      const bool last = out.steps == steps;
+      if (out.steps > 1) {
+        // What the step before made and kept dies as this one begins.
+        for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
+          if (alive[sid] && !t.initial[sid]) kill(static_cast<int>(sid));
+        check();
       }
-      for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) {
-        const int sid = t.mutated[k];
-        current[sid] = engine.write(op, current[sid]);
-        if (kept(sid)) engine.pin(current[sid]);  // each version the program holds
+      if (last) {
+        const StatsReport at = allocator.stats_report();
+        allocs_before = at.stats.num_device_alloc;
+        device_frees_before = at.stats.num_device_free;
+        evictions_before = engine.counters().evictions;
+        base_before = engine.counters().base_cost;
+        remat_before = engine.counters().remat_cost;
       }
-      if (options.series)
-        out.series.add(static_cast<std::int32_t>(i), allocator.sample(), evicting ? engine.evictable_resident_bytes() : 0);
-      if (!evicting && options.measure_floor)
-        out.resident_floor_bytes = std::max(out.resident_floor_bytes, engine.unevictable_resident_bytes());
-      engine.end_op(op);
-      for (int k = t.frees_offsets[i]; k < t.frees_offsets[i + 1]; ++k) engine.kill(current[t.frees[k]]);
-      check();
-      if (engine.counters().remats > max_remats)
-        throw OutOfMemoryError("thrashing: more than " + std::to_string(kMaxRematsPerOp) +
-                               " recomputes per op; the budget is too small for this policy");
-      if (options.progress && (i % kProgressEvery == 0 || i + 1 == t.num_ops())) options.progress(i + 1, t.num_ops());
+      for (std::size_t i = 0; i < t.num_ops(); ++i) {
+        out.oom_op = static_cast<int>(i);
+        allocator.set_op_stamp(static_cast<std::int32_t>(i));
+        engine.tick();
+        call.cost = t.cost[i];
+        call.random = t.random[i] != 0;
+        current_values(t.inputs_offsets, t.inputs, i, current, &call.reads);
+        current_values(t.mutated_offsets, t.mutated, i, current, &call.writes);
+        if (out.steps > 1)
+          for (int k = t.inputs_offsets[i]; k < t.inputs_offsets[i + 1]; ++k)
+            if (!alive[t.inputs[k]])
+              throw std::invalid_argument("replay: op " + std::to_string(i) + " reads storage " +
+                                          std::to_string(t.inputs[k]) +
+                                          ", which the step before freed: this trace cannot be repeated");
+        const int op = engine.begin_op(call);
+        for (int k = t.created_offsets[i]; k < t.created_offsets[i + 1]; ++k) {
+          const int sid = t.created[k];
+          // What the program keeps past the step (long_lived: as a live step
+          // expects it from the step before).
+          if (outlives(sid)) allocator.expect_long_lived({t.nbytes[sid]});
+          current[sid] = engine.add_output(op, t.nbytes[sid], 0, /*pinned=*/!recipes || kept(sid));
+          alive[sid] = 1;
+          allocator.clear_long_lived();
+        }
+        for (int k = t.mutated_offsets[i]; k < t.mutated_offsets[i + 1]; ++k) {
+          const int sid = t.mutated[k];
+          current[sid] = engine.write(op, current[sid]);
+          if (kept(sid)) engine.pin(current[sid]);  // each version the program holds
+        }
+        if (options.series && last)
+          out.series.add(static_cast<std::int32_t>(i), allocator.sample(), evicting ? engine.evictable_resident_bytes() : 0);
+        if (!evicting && options.measure_floor)
+          out.resident_floor_bytes = std::max(out.resident_floor_bytes, engine.unevictable_resident_bytes());
+        engine.end_op(op);
+        for (int k = t.frees_offsets[i]; k < t.frees_offsets[i + 1]; ++k) kill(t.frees[k]);
+        check();
+        if (engine.counters().remats > max_remats)
+          throw OutOfMemoryError("thrashing: more than " + std::to_string(kMaxRematsPerOp) +
+                                 " recomputes per op; the budget is too small for this policy");
+        const std::size_t done = (out.steps - 1) * t.num_ops() + i + 1;
+        if (options.progress && (i % kProgressEvery == 0 || done == steps * t.num_ops()))
+          options.progress(done, steps * t.num_ops());
+      }
     }
+    out.steps = steps;
     out.oom_op = -2;
   } catch (const OutOfMemoryError& e) {
     out.feasible = false;
@@ -197,6 +240,13 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   out.max_split_size = allocator.config().max_split_size_mb;
   out.segment_fit = allocator.config().segment_fit == Switch::kOn;
   const EngineCounters& c = engine.counters();
+  if (out.feasible && out.steps == steps) {
+    out.last_step_device_alloc_calls = report.stats.num_device_alloc - allocs_before;
+    out.last_step_device_free_calls = report.stats.num_device_free - device_frees_before;
+    out.last_step_evictions = c.evictions - evictions_before;
+    const double base = c.base_cost - base_before;
+    out.last_step_compute_overhead = base > 0 ? (c.remat_cost - remat_before) / base : 0.0;
+  }
   out.base_cost = c.base_cost;
   out.remat_cost = c.remat_cost;
   out.evictions = c.evictions;

@@ -62,6 +62,13 @@ struct ReplayOptions {
   std::size_t history_entries = 0;
   // Called now and then with (ops done, ops in all), from the replaying thread.
   std::function<void(std::size_t, std::size_t)> progress;
+  // The step this many times in one pool, as a training loop repeats it
+  // (run_replay): what a step kept past its end (its outputs the program
+  // holds: the gradients) dies as the next step begins, as
+  // zero_grad(set_to_none=True) lets it go; the storages alive before the
+  // step (parameters, optimizer state) stay. The last_step_* figures are the
+  // last step's; the series samples the last step only.
+  std::size_t steps = 1;
 };
 
 // The replay's scalar figures, declared once: the struct below and the
@@ -109,6 +116,12 @@ struct ReplayOptions {
   X(double, free_share_at_evictions, 0.0,                                                 \
     "mean (budget - allocated) / budget when the evictor was called: 0 = the budget was " \
     "full of live data; more = free but unusable (fragmented) memory forced the call")    \
+  X(std::size_t, steps, 1, "steps begun in the pool (ReplayOptions::steps; the last failed if not feasible)") \
+  X(std::int64_t, last_step_device_alloc_calls, 0, "cudaMalloc calls in the last step")    \
+  X(std::int64_t, last_step_device_free_calls, 0, "cudaFree calls in the last step")       \
+  X(std::size_t, last_step_evictions, 0, "values evicted in the last step")                \
+  X(double, last_step_compute_overhead, 0.0,                                              \
+    "the last step's recompute cost over its ops' cost")                                  \
   X(std::size_t, resident_floor_bytes, 0,                                                 \
     "policy none with measure_floor only: the most bytes that had to be resident at "     \
     "once (pinned values plus what the op in flight holds); no policy can run the "       \

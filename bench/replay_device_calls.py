@@ -8,7 +8,10 @@ segment's tensors so that the segment can be given back and one of the
 request's size made) and the allocator's steps 3-4 give segments back and
 make others all through the step. The replay starts from an empty pool, so
 the first `segments (peak)` cudaMalloc calls are the pool filling up; the
-rest, and every cudaFree, are churn.
+rest, and every cudaFree, are churn. With --steps N (default 3) the step
+runs N times in the one pool, as a training loop repeats it (replay(...,
+steps=N)), and the cells count the last step: the steady state, where the
+pool no longer starts empty, which is what every step after the first pays.
 
 Default settings compared: the GPU's default pool (`split_oversize:on,
 unmap_pages:off`: cudaMalloc'd segments, what dtralloc.install() runs on
@@ -17,7 +20,7 @@ Note [arena] in docs/allocator.md). `overhead` is the replay's recompute
 time over the step's (recorded op durations); the device calls are not in it.
 
     python bench/replay_device_calls.py [--traces resnet50 gpt2 ...] [--budgets 0.7 0.5 0.35]
-        [--conf "split_oversize:on,unmap_pages:off" --conf arena:on] [--out FILE.md]
+        [--conf "split_oversize:on,unmap_pages:off" --conf arena:on] [--steps 3] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -32,20 +35,29 @@ DEFAULT_CONFS = ("split_oversize:on,unmap_pages:off", "arena:on")
 DEFAULT_BUDGETS = (0.7, 0.5, 0.35)
 
 
-def measure(trace: str, budget: float, conf: str) -> dict:
+def measure(trace: str, budget: float, conf: str, steps: int = 1) -> dict:
     from dtralloc.replay import replay
 
-    r = replay(trace, budget=budget, policy="dtralloc", conf=conf)
-    return {"feasible": r.feasible, "mallocs": r.device_alloc_calls, "frees": r.device_free_calls,
-            "segments": r.segments_peak, "evictions": r.evictions, "overhead": r.compute_overhead}
+    r = replay(trace, budget=budget, policy="dtralloc", conf=conf, steps=steps)
+    if steps == 1:
+        return {"feasible": r.feasible, "mallocs": r.device_alloc_calls, "frees": r.device_free_calls,
+                "segments": r.segments_peak, "evictions": r.evictions, "overhead": r.compute_overhead}
+    return {"feasible": r.feasible, "mallocs": r.last_step_device_alloc_calls if r.feasible else r.device_alloc_calls,
+            "frees": r.last_step_device_free_calls if r.feasible else r.device_free_calls,
+            "segments": r.segments_peak, "evictions": r.last_step_evictions,
+            "overhead": r.last_step_compute_overhead, "failed_step": r.steps}
 
 
-def report(rows: list, command: str, confs) -> str:
+def report(rows: list, command: str, confs, steps: int = 1) -> str:
+    what = ("cudaMalloc / cudaFree in the step (from an empty pool: the first `segments (peak)` mallocs fill it), "
+            "evictions, and the replay's recompute overhead (not counting the calls). OOM: the step did not fit."
+            if steps == 1 else
+            f"the step run {steps} times in one pool (a training loop: what a step kept, its gradients, dies as "
+            f"the next begins); cudaMalloc / cudaFree in the last step (the steady state), the most segments "
+            f"at once, and the last step's evictions and recompute overhead (not counting the calls). OOM "
+            f"(step k: calls so far): a step did not fit.")
     lines = [header("Device calls of a step replayed under a budget, with eviction (dtralloc policy)", command),
-             "Per trace and budget (a fraction of the step's no-eviction peak), for each pool setting: "
-             "cudaMalloc / cudaFree in the step (from an empty pool: the first `segments (peak)` mallocs fill "
-             "it), evictions, and the replay's recompute overhead (not counting the calls). OOM: the step did "
-             "not fit.", "",
+             "Per trace and budget (a fraction of the step's no-eviction peak), for each pool setting: " + what, "",
              "| trace | budget | " + " | ".join(f"`{c}`" for c in confs) + " |",
              "|---|---|" + "---|" * len(confs)]
     for trace, budget, cells in rows:
@@ -53,7 +65,8 @@ def report(rows: list, command: str, confs) -> str:
         for c in confs:
             m = cells[c]
             if not m["feasible"]:
-                out.append(f"OOM ({m['mallocs']} / {m['frees']})")
+                where = f"step {m['failed_step']}: " if steps > 1 else ""
+                out.append(f"OOM ({where}{m['mallocs']} / {m['frees']})")
                 continue
             out.append(f"{m['mallocs']} / {m['frees']} calls, {m['segments']} segments, {m['evictions']} evictions, "
                        f"overhead {m['overhead']:.3f}")
@@ -62,7 +75,8 @@ def report(rows: list, command: str, confs) -> str:
     for c in confs:
         frees = sum(cells[c]["frees"] for _, _, cells in rows if cells[c]["feasible"])
         ran = sum(cells[c]["feasible"] for _, _, cells in rows)
-        totals.append(f"`{c}`: {ran} of {len(rows)} ran, {frees} cudaFree in those")
+        totals.append(f"`{c}`: {ran} of {len(rows)} ran, {frees} cudaFree in those"
+                      + (" (last steps)" if steps > 1 else ""))
     lines += ["", "Totals: " + "; ".join(totals) + ".", ""]
     return "\n".join(lines) + "\n"
 
@@ -73,10 +87,15 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", nargs="+", type=float, default=list(DEFAULT_BUDGETS))
     parser.add_argument("--conf", action="append", help="pool settings to compare (repeatable; default: "
                         + " and ".join(DEFAULT_CONFS) + ")")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="run the step this many times in one pool and count the last (default 3; 1: one "
+                             "step from an empty pool)")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args(argv)
     if any(not 0 < b <= 1 for b in args.budgets):
         parser.error("--budgets are fractions of the peak in (0, 1]")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     import dtralloc.traces as bundled
 
     traces = args.traces or bundled.list_bundled()
@@ -85,9 +104,9 @@ def main(argv=None) -> int:
     for trace in traces:
         for budget in args.budgets:
             print(f"[replay_device_calls] {trace} at {budget:g}", file=sys.stderr, flush=True)
-            rows.append((os.path.basename(trace), budget, {c: measure(trace, budget, c) for c in confs}))
+            rows.append((os.path.basename(trace), budget, {c: measure(trace, budget, c, args.steps) for c in confs}))
     command = "python bench/replay_device_calls.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    emit(report(rows, command.strip(), confs), args.out)
+    emit(report(rows, command.strip(), confs, args.steps), args.out)
     return 0
 
 

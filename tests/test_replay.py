@@ -216,6 +216,72 @@ def test_the_same_trace_replays_identically(mlp_trace):
     assert a == b
 
 
+def _repeated_trace() -> Trace:
+    """1 MiB alive before the step (a parameter); op 0 makes 3 MiB the step
+    keeps (its gradient: still alive when the step returns); op 1 makes 5 MiB
+    and frees it. Repeated, the 3 MiB of a step dies as the next begins."""
+    storages = [Storage(MiB, "cuda:0", "float32", True, outlives=True),
+                Storage(3 * MiB, "cuda:0", "float32", False, producer=0, outlives=True),
+                Storage(5 * MiB, "cuda:0", "float32", False, producer=1)]
+    ops = [Op("aten::a", inputs=[0], outputs=[1], created=[1]),
+           Op("aten::b", inputs=[0, 1], outputs=[2], created=[2], frees=[2])]
+    trace = Trace(storages, ops, meta={"name": "repeated"})
+    trace.validate()
+    return trace
+
+
+def test_steps_repeat_the_step_in_one_pool():
+    one = dtralloc.replay(_repeated_trace(), check_invariants=True)
+    three = dtralloc.replay(_repeated_trace(), check_invariants=True, steps=3)
+    assert one.steps == 1 and three.steps == 3 and three.feasible
+    # The first step fills the pool (a small segment for the parameter, one
+    # 20 MiB segment for 3 + 5 MiB); the later ones are served from it: the
+    # kept 3 MiB of the step before is free again when the step makes its own.
+    assert one.device_alloc_calls == three.device_alloc_calls == 2
+    assert one.last_step_device_alloc_calls == 1  # the parameter's segment came before the step
+    assert three.last_step_device_alloc_calls == three.last_step_device_free_calls == 0
+    assert three.peak_allocated_bytes == one.peak_allocated_bytes == _rounded(MiB) + 8 * MiB
+    assert len(three.reserved_fragmentation) == len(_repeated_trace().ops)  # the last step's samples
+
+
+def test_one_step_is_the_default(mlp_trace):
+    assert dtralloc.replay(mlp_trace, budget=0.5, steps=1) == dtralloc.replay(mlp_trace, budget=0.5)
+    r = dtralloc.replay(mlp_trace, budget=0.5)
+    assert r.last_step_evictions == r.evictions
+    assert r.last_step_compute_overhead == pytest.approx(r.compute_overhead)
+
+
+def test_repeated_steps_under_a_budget_evict_every_step():
+    r = dtralloc.replay("convbn", budget=0.5, policy="dtralloc", steps=3, check_invariants=True)
+    assert r.feasible and r.steps == 3
+    assert 0 < r.last_step_evictions < r.evictions
+    assert r.last_step_compute_overhead > 0
+    first = dtralloc.replay("convbn", budget=0.5, policy="dtralloc")
+    # The no-eviction peak of three steps is the reference of the fraction.
+    assert r.no_eviction_peak_reserved_bytes >= first.no_eviction_peak_reserved_bytes
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True, "2"])
+def test_steps_must_be_a_whole_number(mlp_trace, steps):
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1"):
+        dtralloc.replay(mlp_trace, steps=steps)
+
+
+def test_a_step_that_reads_what_it_frees_from_before_cannot_repeat():
+    """An op reads a storage alive before the step, which a later op frees:
+    the step after has nothing to read there."""
+    storages = [Storage(MiB, "cuda:0", "float32", True),
+                Storage(MiB, "cuda:0", "float32", False, producer=0)]
+    ops = [Op("aten::a", inputs=[0], outputs=[1], created=[1], frees=[0]),
+           Op("aten::b", inputs=[1], frees=[1])]
+    trace = Trace(storages, ops, meta={"name": "once"})
+    trace.validate()
+    assert dtralloc.replay(trace).feasible
+    with pytest.raises(ValueError, match="op 0 reads storage 0, which the step before freed: this trace cannot be "
+                                         "repeated"):
+        dtralloc.replay(trace, steps=2)
+
+
 def test_progress_reaches_the_total(mlp_trace):
     for budget in (None, 1.0):
         calls = []
@@ -224,6 +290,9 @@ def test_progress_reaches_the_total(mlp_trace):
         assert calls and calls[-1] == (total, total)
         assert all(t == total for _, t in calls)
         assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    calls = []
+    dtralloc.replay(mlp_trace, budget=1.0, steps=2, progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (2 * len(mlp_trace.ops), 2 * len(mlp_trace.ops))
 
 
 def test_replay_reads_a_saved_trace(mlp_trace, mlp_file):
@@ -309,6 +378,18 @@ def test_cli_replay_prints_a_table_and_fails_on_oom(tmp_path):
     run = _dtralloc("replay", path, "--budget", "1G", "--budget", "1.0")
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("yes") == 2
+
+
+def test_cli_replay_repeats_steps(tmp_path):
+    path = str(tmp_path / "repeated.dtrace")
+    _repeated_trace().save(path)
+    run = _dtralloc("replay", path, "--steps", "3")
+    assert run.returncode == 0, run.stderr
+    header, _, row = run.stdout.strip().splitlines()
+    assert "last step cudaMalloc/cudaFree" in header and "steps" in header
+    assert row.split()[-2:] == ["3", "0/0"], row  # the later steps are served from the pool
+    run = _dtralloc("replay", path, "--steps", "0")
+    assert run.returncode == 2 and "--steps: expected a whole number >= 1, got '0'" in run.stderr
 
 
 def test_cli_replay_errors(tmp_path):

@@ -53,8 +53,10 @@ py::array_t<double> one_minus_ratio(const std::vector<std::int64_t>& a, const st
 
 ReplayResult replay(const ReplayTrace& trace, std::size_t budget_bytes, const std::string& policy,
                     const std::string& conf, bool check_invariants, bool series, bool measure_floor,
-                    std::size_t history_entries, py::object progress) {
+                    std::size_t history_entries, py::object progress, std::size_t steps) {
+  if (steps < 1) throw std::invalid_argument("replay: steps must be at least 1");
   ReplayOptions options;
+  options.steps = steps;
   options.config = parse_config(conf);
   options.policy = parse_policy(policy);
   options.budget_bytes = budget_bytes;
@@ -182,9 +184,9 @@ void bind_replay(py::module_& m) {
 
   m.def("replay", &replay, py::arg("trace"), py::arg("budget_bytes"), py::arg("policy"), py::arg("conf"),
         py::arg("check_invariants") = false, py::arg("series") = true, py::arg("measure_floor") = false,
-        py::arg("history_entries") = 0, py::arg("progress") = py::none(),
-        "Replay `trace` (a ReplayTrace) through a fresh pool on the virtual backend under "
-        "`budget_bytes` (0 = none) with eviction `policy`.");
+        py::arg("history_entries") = 0, py::arg("progress") = py::none(), py::arg("steps") = 1,
+        "Replay `trace` (a ReplayTrace) `steps` times through a fresh pool on the virtual backend "
+        "under `budget_bytes` (0 = none) with eviction `policy`.");
 
   m.def("policies", []() {
     py::list out;

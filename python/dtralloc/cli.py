@@ -47,6 +47,16 @@ def _progress_printer(label: str):
     return show
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _parse_budget(text):
     if text is None:
         return None
@@ -67,8 +77,9 @@ def _cmd_replay(args) -> int:
         for policy in args.policy or ["none"]:
             for budget in args.budget or [None]:
                 results.append(replay(trace, budget=_parse_budget(budget), policy=policy, conf=args.conf,
-                                      progress=_progress_printer(trace.meta.get("name", path))))
-    print(format_results(results))
+                                      progress=_progress_printer(trace.meta.get("name", path)),
+                                      steps=args.steps))
+    print(format_results(results, last_step=args.steps > 1))
     return 0 if all(r.feasible for r in results) else 1
 
 
@@ -219,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"eviction policy under the budget ({', '.join(_core_policies())}; "
                         "`dtralloc config --policies` says how each chooses); repeatable; default none")
     p.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for the pool")
+    p.add_argument("--steps", type=_positive_int, default=1,
+                   help="run each trace's step this many times in one pool, as a training loop does; the "
+                        "table adds the last step's cudaMalloc/cudaFree calls and overhead (default 1)")
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("dashboard", help="one self-contained HTML page for traces and memory snapshots")
     p.add_argument("inputs", nargs="*", help=".dtrace files, bundled trace names, or memory snapshot pickles "

@@ -35,9 +35,10 @@ def format_policies_markdown() -> str:
     return "\n".join(rows)
 
 
-def table_row(r: ReplayResult, eviction_columns: bool = False) -> dict:
+def table_row(r: ReplayResult, eviction_columns: bool = False, last_step: bool = False) -> dict:
     """One table row; `eviction_columns` adds policy, overhead, evictions and
-    remats (format_results adds them when any row used a policy)."""
+    remats (format_results adds them when any row used a policy); `last_step`
+    the last step's device calls and overhead (replays of several steps)."""
     fb = _core.format_bytes
     sampled = len(r.series["op"]) > 0
     row = {
@@ -45,7 +46,8 @@ def table_row(r: ReplayResult, eviction_columns: bool = False) -> dict:
         "conf": r.conf or "(defaults)",
         "budget": fb(r.budget_bytes) if r.budget_bytes else "none",
         "feasible": "yes" if r.feasible else (
-            f"OOM at op {r.oom_op}" if r.oom_op >= 0 else "OOM: initial storages"),
+            (f"OOM at op {r.oom_op}" + (f" of step {r.steps}" if r.steps > 1 else ""))
+            if r.oom_op >= 0 else "OOM: initial storages"),
         "peak allocated": fb(r.peak_allocated_bytes),
         "peak reserved": fb(r.peak_reserved_bytes),
         "reserved/allocated": f"{r.reserved_over_allocated:.3f}",
@@ -62,15 +64,25 @@ def table_row(r: ReplayResult, eviction_columns: bool = False) -> dict:
             "evictions": str(r.evictions),
             "remats": str(r.remats),
         })
+    if last_step:
+        done = r.feasible
+        row.update({
+            "steps": str(r.steps),
+            "last step cudaMalloc/cudaFree": (f"{r.last_step_device_alloc_calls}/{r.last_step_device_free_calls}"
+                                              if done else "-"),
+        })
+        if eviction_columns:
+            row["last step overhead"] = f"{r.last_step_compute_overhead:.3f}" if done else "-"
     return row
 
 
-def format_results(results: list[ReplayResult]) -> str:
-    """A plain-text table of replay results, one row each."""
+def format_results(results: list[ReplayResult], last_step: bool = False) -> str:
+    """A plain-text table of replay results, one row each; `last_step` adds
+    the last step's columns (replays of several steps)."""
     if not results:
         return "(no results)"
     evicting = any(r.policy != "none" for r in results)
-    rows = [table_row(r, eviction_columns=evicting) for r in results]
+    rows = [table_row(r, eviction_columns=evicting, last_step=last_step) for r in results]
     cols = list(rows[0])
     width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     lines = ["  ".join(c.ljust(width[c]) for c in cols), "  ".join("-" * width[c] for c in cols)]

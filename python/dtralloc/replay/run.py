@@ -22,6 +22,7 @@ def replay(
     progress: Optional[Callable[[int, int], None]] = None,
     history: bool = False,
     pin_outliving: bool = True,
+    steps: int = 1,
 ) -> ReplayResult:
     """Run `trace` through a fresh pool and measure it.
 
@@ -48,7 +49,17 @@ def replay(
             as recomputable, as replays before 2026-11-23 did; dtralloc's
             lowest budgets were then up to 0.09 of the peak too low
             (docs/live.md, "Live against replay").
+        steps: run the step this many times in the one pool, as a training
+            loop does: what a step made and kept (its gradients) dies as
+            the next one begins (``zero_grad(set_to_none=True)``), what
+            was alive before the step (parameters, optimizer state) stays.
+            The ``last_step_*`` figures are the last step's (the steady
+            state: the pool no longer starts empty) and ``series`` samples
+            it; the other figures count every step. A fractional budget is
+            a share of the peak of the same number of steps without a budget.
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"dtralloc.replay: steps must be a whole number >= 1; got {steps!r}")
     trace = _as_trace(trace)
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
@@ -56,14 +67,15 @@ def replay(
     if policy == "none":  # DTRALLOC_CONF=policy:... chooses when the call does not
         policy = _core.describe_config(text)[_POLICY_ROW]["value"]
     columns = replay_columns(trace, pin_outliving)
-    entries = _history_entries(trace) if history else 0
+    entries = _history_entries(trace, steps) if history else 0
     if budget is None and policy == "none":  # the replay is its own no-eviction reference
-        result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries)
+        result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries, steps=steps)
         result.no_eviction_peak_reserved_bytes = result.peak_reserved_bytes
     else:
-        reference = _run(columns, 0, "none", text, False, None).peak_reserved_bytes
+        reference = _run(columns, 0, "none", text, False, None, steps=steps).peak_reserved_bytes
         budget_bytes = 0 if budget is None else _resolve_budget(budget, reference)
-        result = _run(columns, budget_bytes, policy, text, check_invariants, progress, history_entries=entries)
+        result = _run(columns, budget_bytes, policy, text, check_invariants, progress, history_entries=entries,
+                      steps=steps)
         result.no_eviction_peak_reserved_bytes = reference
     result.name = str(trace.meta.get("name", ""))
     result.conf = text
@@ -161,17 +173,18 @@ def kept_column(trace: Trace) -> list[int]:
 _MAX_HISTORY = 1 << 24
 
 
-def _history_entries(trace: Trace) -> int:
+def _history_entries(trace: Trace, steps: int = 1) -> int:
     """A history ring for the whole replay: each storage makes an alloc and
-    two free events, segments come and go, and recomputes allocate again
-    (at most kMaxRematsPerOp per op before the replay calls it thrashing, but
-    a handful on average); capped at the pool's maximum."""
-    return min(_MAX_HISTORY, 4 * len(trace.storages) + 16 * len(trace.ops) + 4096)
+    two free events per step, segments come and go, and recomputes allocate
+    again (at most kMaxRematsPerOp per op before the replay calls it
+    thrashing, but a handful on average); capped at the pool's maximum."""
+    return min(_MAX_HISTORY, steps * (4 * len(trace.storages) + 16 * len(trace.ops)) + 4096)
 
 
 def _run(columns, budget_bytes: int, policy: str, conf: str, check: bool, progress,
-         measure_floor: bool = False, history_entries: int = 0) -> ReplayResult:
-    return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, history_entries, progress)
+         measure_floor: bool = False, history_entries: int = 0, steps: int = 1) -> ReplayResult:
+    return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, history_entries, progress,
+                        steps)
 
 
 def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outliving: bool = True) -> float:
