@@ -218,12 +218,14 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   PoolKind pool = BlockPool::pool_for(rounded);
   // 1. cached block (one that no evicted value left, if one fits: spare_evicted),
   // at its high end for a request expected to outlive the step (long_lived)
-  if (spare_homes && !homes_.empty()) {
-    if (Block* b = pool_.find_free_sparing(pool, stream, rounded, [this](const Block* c) { return in_home(c); },
-                                           kSpareSearch))
-      return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
-  } else if (Block* b = pool_.find_free(pool, stream, rounded)) {
-    return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
+  Block* cached = spare_homes && !homes_.empty()
+                      ? pool_.find_free_sparing(pool, stream, rounded, [this](const Block* c) { return in_home(c); },
+                                                kSpareSearch)
+                      : pool_.find_free(pool, stream, rounded);
+  if (cached) {
+    const bool long_lived = take_long_lived(rounded);
+    return pool_.allocate_from(arena_place(cached, pool, stream, rounded, long_lived), rounded, requested,
+                               long_lived);
   }
   // Every step below may call cudaMalloc, cudaFree or wait on events.
   if (is_capturing()) refuse_capture(requested, stream);
@@ -245,10 +247,20 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
       return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
-  // small_in_large (config.cpp): a small request takes a large-pool block.
+  // small_in_large (config.cpp): a small request takes a large-pool block;
+  // in an arena, at the top of the highest one.
   if (pool == kSmallPool && config_.small_in_large == Switch::kOn)
-    if (Block* b = pool_.find_free(kLargePool, stream, rounded)) return pool_.allocate_from(b, rounded, requested);
+    if (Block* b = pool_.find_free(kLargePool, stream, rounded))
+      return arena_ ? pool_.allocate_from(arena_place(b, kLargePool, stream, rounded, true), rounded, requested,
+                                          /*high=*/true, /*split=*/true)
+                    : pool_.allocate_from(b, rounded, requested);
   return nullptr;
+}
+
+Block* Allocator::arena_place(Block* b, PoolKind pool, Stream stream, std::size_t rounded, bool long_lived) const {
+  if (!arena_ || pool != kLargePool || !long_lived) return b;
+  Block* top = pool_.find_free_highest(pool, stream, rounded);
+  return top ? top : b;
 }
 
 std::string graph_capture_refusal(const std::string& what) {
@@ -505,6 +517,15 @@ void Allocator::release_cached_segments(bool keep_arena) {
 // the reserved bytes gives it back where it is empty, and the next miss
 // makes one that fits the new budget. Another stream's requests get
 // segments of their own in what the budget leaves.
+//
+// Placement in the arena is two-ended: large requests take the best fit
+// (the low end of the smallest block that serves them), while small
+// requests and what is announced to outlive the step (long_lived: the
+// gradients) take the top of the highest free block that serves them
+// (arena_place). Scattered through the arena, those blocks, which the
+// evictor cannot free (pinned) or which free little (small), cut every
+// window it could make for a large request; kept together at the top they
+// leave the rest contiguous.
 Block* Allocator::make_arena(std::size_t rounded, std::size_t requested, Stream stream, PoolKind pool) {
   if (config_.arena != Switch::kOn || arena_ || arena_refused_ || pool != kLargePool) return nullptr;
   if (budget_bytes_ >= capacity_bytes_) return nullptr;  // no budget: nothing to reserve

@@ -110,6 +110,17 @@ Block* BlockPool::find_free_any(PoolKind pool, Stream stream, std::size_t rounde
   return it == free_[pool].end() || (*it)->stream != stream ? nullptr : *it;
 }
 
+Block* BlockPool::find_free_highest(PoolKind pool, Stream stream, std::size_t rounded) const {
+  Block key;
+  key.stream = stream;
+  key.size = rounded;
+  key.addr = 0;
+  Block* top = nullptr;
+  for (auto it = free_[pool].lower_bound(&key); it != free_[pool].end() && (*it)->stream == stream; ++it)
+    if (may_serve(*it, rounded) && (!top || (*it)->addr > top->addr)) top = *it;
+  return top;
+}
+
 bool BlockPool::may_serve(const Block* b, std::size_t rounded) const {
   if (config_.max_split_size_mb == kNoLimit) return true;
   // A small request must not consume an oversize block: it could never be

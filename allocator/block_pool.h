@@ -142,6 +142,10 @@ class BlockPool {
   // than max_non_split_rounding_mb to spare): the last resort before an
   // out-of-memory error (Allocator::split_any_block).
   Block* find_free_any(PoolKind pool, Stream stream, std::size_t rounded) const;
+  // The free block at the highest address on `stream` that find_free's
+  // rules let serve `rounded`, or nullptr. Walks every free block of that
+  // size and up: for the arena's few, rarer requests (Note [arena]).
+  Block* find_free_highest(PoolKind pool, Stream stream, std::size_t rounded) const;
   // Takes `block` out of its free set, splits off the rest when worth it
   // (the request takes the low end, or the high end when `high`), marks it
   // allocated. Returns the allocated block.

@@ -566,6 +566,27 @@ def test_arena_reserves_what_the_budget_leaves_once_and_serves_every_size_in_it(
     pool.check_invariants()
 
 
+def test_arena_puts_small_requests_at_its_top_and_large_ones_best_fit(make_pool):
+    """Small tensors scattered through an arena would cut every window the
+    evictor could free for a large one: they take the top of the highest free
+    block, large requests the best fit from the bottom (Note [arena])."""
+    pool = make_pool(backend="virtual", conf="budget:300M,arena:on")
+    first = pool.malloc(30 * MiB)
+    arena = blocks_by_address(pool)[first][0]["address"]
+    assert first == arena
+    small = pool.malloc(512)
+    assert small == arena + 300 * MiB - 512  # the very top
+    below = pool.malloc(700 * KiB)
+    assert below == small - 700 * KiB
+    big = pool.malloc(5 * MiB)
+    assert big == arena + 30 * MiB  # best fit: the low end of the free middle
+    pool.free(first)
+    hole = pool.malloc(100 * KiB)  # the highest free block is the middle's, not the hole at the bottom
+    assert hole == below - 100 * KiB
+    assert len(pool.snapshot()["segments"]) == 1
+    pool.check_invariants()
+
+
 def test_arena_stays_at_the_budget_and_goes_with_empty_cache(make_pool):
     """Steps 3-4 (give cached segments back and make one) leave the arena
     alone: a request it cannot hold fails without a device call, and once
