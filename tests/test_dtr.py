@@ -532,6 +532,8 @@ def test_stats_and_arguments():
     assert stats["ops"] > 0
     # On a CPU the ops ran when called: the clock prices them, no GPU does.
     assert stats["op_seconds"] > 0 and stats["gpu_timed_ops"] == 0
+    # The mirror made its segments in the session (the first of each pool).
+    assert stats["device_calls"] >= 1 and stats["device_call_seconds"] >= 0
     with pytest.raises(TypeError, match="512M"):
         dtr(budget=0.5, device="cpu")
     with pytest.raises(ValueError, match="positive"):

@@ -216,6 +216,8 @@ void LiveSession::start() {
   const Stats at_start = pool_->stats_report().stats;
   ooms_at_start_ = at_start.num_ooms;
   long_lived_at_start_ = at_start.num_long_lived;
+  device_calls_at_start_ = at_start.num_device_alloc + at_start.num_device_free;
+  device_ns_at_start_ = at_start.device_alloc_ns + at_start.device_free_ns;
   // Announces what the step before kept where the pool places by it (its
   // long_lived resolved on: a budget in force, and would_place_); notes what
   // this step keeps wherever a budget would make it, so that a step without
@@ -1026,6 +1028,11 @@ py::dict LiveSession::stats() {
   d["chaos"] = options_.chaos;
   d["ooms"] = r.stats.num_ooms - ooms_at_start_;
   d["long_lived"] = r.stats.num_long_lived - long_lived_at_start_;
+  // The pool's segments made and given back since the session began (on
+  // CUDA cudaMalloc and cudaFree, whose wait for the device is in the time;
+  // on CPU the mirror's, which cost nothing).
+  d["device_calls"] = r.stats.num_device_alloc + r.stats.num_device_free - device_calls_at_start_;
+  d["device_call_seconds"] = static_cast<double>(r.stats.device_alloc_ns + r.stats.device_free_ns - device_ns_at_start_) * 1e-9;
   d["series_ops"] = series_.size();
   d["series_dropped"] = stats_.series_dropped;
   d["history_recorded"] = pool_->history_recorded();

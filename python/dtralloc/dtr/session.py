@@ -149,6 +149,9 @@ class Session:
         """evictions, remats, rng_replays, hold_restarts (recomputes that ran out of
         memory and started over from an emptied pool), long_lived (requests
         placed at the high end as the step before kept them: docs/live.md),
+        device_calls and device_call_seconds (segments the pool made and gave
+        back since the session began, and the host time inside those calls:
+        on CUDA cudaMalloc and cudaFree, whose wait for the device is in it),
         peak_bytes, budget_bytes, recompute_seconds, ..."""
         return self._core.stats()
 
