@@ -242,9 +242,9 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   if (!pending_events_.empty() || std::any_of(whole.begin(), whole.end(), [](const Segment* s) { return !s->arena; })) {
     ++pool_.stats().num_alloc_retries;
     synchronize_and_free_events();
-    release_cached_segments(true);
-    if (Block* b = pool_.find_free(pool, stream, rounded))
+    if (Block* b = pool_.find_free(pool, stream, rounded))  // a block the events held may serve
       return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
+    release_for_segment(rounded);
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
   // small_in_large (config.cpp): a small request takes a large-pool block;
@@ -491,6 +491,48 @@ Block* Allocator::split_any_block(std::size_t rounded, std::size_t requested, St
   if (!b) return nullptr;
   ++pool_.stats().num_split_limit_overrides;
   return pool_.allocate_from(b, rounded, requested, false, true);
+}
+
+// Step 4's release. Under the dtralloc policy, where the budget is what
+// keeps a segment for `rounded` from being made, only what makes room for
+// it goes: the smallest whole free segment that does alone, else the
+// largest ones until there is room; the rest stay cached for the requests
+// they fit (each cudaFree waits for the device, and what goes now is made
+// again later in the step: under eviction a training loop's every step,
+// bench/replay_device_calls.py). Under other policies (torch's behaviour),
+// where no budget is set or it had room (the device refused), or where all
+// of them would not make room, every whole free segment goes, as torch
+// does; so it does where unmap_pages gives pages back (there the replays
+// found no gain: one recording of 48 gained a hole). The arena stays.
+void Allocator::release_for_segment(std::size_t rounded) {
+  std::vector<Segment*> whole;
+  std::size_t total = 0;
+  for (Segment* seg : pool_.whole_free_segments())
+    if (!seg->arena) whole.push_back(seg), total += seg->size;
+  std::size_t bytes = pool_.segment_size(rounded);
+  if (BlockPool::pool_for(rounded) == kLargePool) bytes = std::min(bytes, BlockPool::own_segment_size(rounded));
+  const std::size_t reserved = reserved_bytes();
+  if (config_.policy != Policy::kDtralloc || config_.unmap_pages == Switch::kOn || budget_bytes_ >= capacity_bytes_ ||
+      reserved + bytes <= budget_bytes_ || reserved + bytes - budget_bytes_ > total) {
+    for (Segment* seg : whole) release_segment(seg);
+    return;
+  }
+  const std::size_t need = reserved + bytes - budget_bytes_;
+  // Largest first; address breaks ties, so the same state releases the same.
+  std::sort(whole.begin(), whole.end(), [](const Segment* a, const Segment* b) {
+    return a->size != b->size ? a->size > b->size : a->addr < b->addr;
+  });
+  auto alone = std::find_if(whole.rbegin(), whole.rend(), [&](const Segment* s) { return s->size >= need; });
+  if (alone != whole.rend()) {
+    release_segment(*alone);
+    return;
+  }
+  std::size_t released = 0;
+  for (Segment* seg : whole) {
+    if (released >= need) break;
+    released += seg->size;
+    release_segment(seg);
+  }
 }
 
 void Allocator::release_cached_segments(bool keep_arena) {

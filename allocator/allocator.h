@@ -328,6 +328,7 @@ class Allocator {
   Block* split_any_block(std::size_t rounded, std::size_t requested, Stream stream);
   // Every whole free segment; but the arena where `keep_arena`.
   void release_cached_segments(bool keep_arena = false);
+  void release_for_segment(std::size_t rounded);
   // arena:on (Note [arena]): the rest of the budget as one segment, for the
   // first large request the cache cannot serve; nullptr where it is not
   // made (off, no budget, made already, too small, refused by the device).

@@ -371,6 +371,40 @@ def test_cached_segments_are_released_and_the_malloc_retried(make_pool):
     pool.free(b)
 
 
+def test_the_retry_gives_back_only_what_the_budget_needs(make_pool):
+    """Step 4 under a budget: the smallest whole free segment that makes room
+    alone goes, else the largest ones until there is room; the others stay
+    cached for the sizes they fit (each cudaFree waits for the device, and a
+    segment given back is made again when its size comes back)."""
+    pool = make_pool(backend="virtual", conf="budget:100M,unmap_pages:off,policy:dtralloc")
+    held = [pool.malloc(n * MiB) for n in (30, 20, 12, 24)]  # a segment each, 86 MiB
+    for a in held[:3]:
+        pool.free(a)
+    big = pool.malloc(32 * MiB)  # 86 + 32 > 100: 18 MiB must go, and 20 alone does
+    s = pool.stats()
+    assert s["num_alloc_retries"] == 1 and s["num_device_free"] == 1
+    assert sorted(seg["total_size"] for seg in pool.snapshot()["segments"]) == [12 * MiB, 24 * MiB, 30 * MiB,
+                                                                             32 * MiB]
+    pool.free(held[3])
+    pool.free(big)
+    pool.malloc(70 * MiB)  # 98 + 70 > 100: 68 MiB; none alone, the largest first: 32, 30, 24
+    assert pool.stats()["num_device_free"] == 4
+    assert sorted(seg["total_size"] for seg in pool.snapshot()["segments"]) == [12 * MiB, 70 * MiB]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("conf", ["unmap_pages:off,policy:dtralloc", "budget:100M,unmap_pages:off"])
+def test_as_torch_the_retry_gives_back_every_whole_free_segment(make_pool, conf):
+    """Where the device refused (no budget set), or under torch's policy: as
+    torch, everything cached whole goes."""
+    pool = make_pool(backend="virtual", capacity="100M", conf=conf)
+    held = [pool.malloc(n * MiB) for n in (30, 20, 12, 24)]
+    for a in held[:3]:
+        pool.free(a)
+    pool.malloc(32 * MiB)
+    assert pool.stats()["num_device_free"] == 3
+
+
 def test_no_release_while_the_budget_has_room(make_pool):
     pool = make_pool(backend="virtual", conf="budget:1G")
     a = pool.malloc(40 * MiB)
