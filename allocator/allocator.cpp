@@ -242,9 +242,9 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   if (!pending_events_.empty() || std::any_of(whole.begin(), whole.end(), [](const Segment* s) { return !s->arena; })) {
     ++pool_.stats().num_alloc_retries;
     synchronize_and_free_events();
-    if (Block* b = pool_.find_free(pool, stream, rounded))  // a block the events held may serve
+    release_for_segment(rounded, stream);
+    if (Block* b = pool_.find_free(pool, stream, rounded))
       return pool_.allocate_from(b, rounded, requested, take_long_lived(rounded));
-    release_for_segment(rounded);
     if (Block* b = allocate_segment(rounded, requested, stream)) return b;
   }
   // small_in_large (config.cpp): a small request takes a large-pool block;
@@ -499,12 +499,13 @@ Block* Allocator::split_any_block(std::size_t rounded, std::size_t requested, St
 // largest ones until there is room; the rest stay cached for the requests
 // they fit (each cudaFree waits for the device, and what goes now is made
 // again later in the step: under eviction a training loop's every step,
-// bench/replay_device_calls.py). Under other policies (torch's behaviour),
+// bench/replay_device_calls.py); nothing goes where a block the events held
+// serves the request now. Under other policies (torch's behaviour),
 // where no budget is set or it had room (the device refused), or where all
 // of them would not make room, every whole free segment goes, as torch
 // does; so it does where unmap_pages gives pages back (there the replays
 // found no gain: one recording of 48 gained a hole). The arena stays.
-void Allocator::release_for_segment(std::size_t rounded) {
+void Allocator::release_for_segment(std::size_t rounded, Stream stream) {
   std::vector<Segment*> whole;
   std::size_t total = 0;
   for (Segment* seg : pool_.whole_free_segments())
@@ -517,6 +518,7 @@ void Allocator::release_for_segment(std::size_t rounded) {
     for (Segment* seg : whole) release_segment(seg);
     return;
   }
+  if (pool_.find_free(BlockPool::pool_for(rounded), stream, rounded)) return;
   const std::size_t need = reserved + bytes - budget_bytes_;
   // Largest first; address breaks ties, so the same state releases the same.
   std::sort(whole.begin(), whole.end(), [](const Segment* a, const Segment* b) {
@@ -817,6 +819,7 @@ void Allocator::end_override() {
 // Under mutex_. Only what resolve_config settles changes; the oversize
 // counters follow a new max_split_size_mb (BlockPool::recount_oversize).
 void Allocator::apply_resolved(const Config& resolved) {
+  config_.policy = resolved.policy;  // the session's while it runs (release_for_segment reads it)
   config_.segment_fit = resolved.segment_fit;
   config_.small_in_large = resolved.small_in_large;
   config_.spare_evicted = resolved.spare_evicted;

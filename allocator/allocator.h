@@ -221,7 +221,8 @@ class Allocator {
   // (max_split_size_mb, segment_fit, small_in_large, spare_evicted,
   // long_lived, unmap_pages where the backend can give back pages) resolved
   // as for `policy` under that budget, so that a dtralloc session places as
-  // its replay does on a pool installed without a budget or a policy.
+  // its replay does on a pool installed without a budget or a policy; the
+  // policy in config() is `policy` meanwhile.
   // Settings given on or off, or as a size, stay as given. end_override()
   // goes back to the configured budget and settings. A memory fraction
   // (set_memory_fraction) caps either budget.
@@ -328,7 +329,7 @@ class Allocator {
   Block* split_any_block(std::size_t rounded, std::size_t requested, Stream stream);
   // Every whole free segment; but the arena where `keep_arena`.
   void release_cached_segments(bool keep_arena = false);
-  void release_for_segment(std::size_t rounded);
+  void release_for_segment(std::size_t rounded, Stream stream);
   // arena:on (Note [arena]): the rest of the budget as one segment, for the
   // first large request the cache cannot serve; nullptr where it is not
   // made (off, no budget, made already, too small, refused by the device).

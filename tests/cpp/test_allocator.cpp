@@ -726,6 +726,31 @@ void test_set_memory_fraction() {
   b->check_invariants();
 }
 
+// Step 4 of the ladder under a session's dtralloc policy on a pool installed
+// with torch's (dtralloc.install(), then dtr(budget=...)): only what makes
+// room for the request's segment is given back, as under a pool configured
+// with the dtralloc policy; after the session, everything whole, as torch.
+void test_session_policy_decides_step_4() {
+  for (bool session : {true, false}) {
+    auto a = make_virtual("unmap_pages:off");
+    if (session) a->override_session(100 * kMiB, Policy::kDtralloc);
+    else a->set_memory_fraction(100.0 / 1024);  // torch's policy under the same cap
+    CHECK(session == (a->config().policy == Policy::kDtralloc));
+    std::vector<void*> held;
+    for (std::size_t n : {30, 20, 12, 24}) held.push_back(a->malloc(n * kMiB));
+    for (int i = 0; i < 3; ++i) a->free(held[i]);
+    void* big = a->malloc(32 * kMiB);  // 86 + 32 > 100: 18 MiB must go; 20 alone does
+    CHECK_EQ(a->stats_report().stats.num_device_free, session ? 1 : 3);
+    a->free(big);
+    a->free(held[3]);
+    a->check_invariants();
+    if (session) {
+      a->end_override();
+      CHECK(a->config().policy == Policy::kNone);
+    }
+  }
+}
+
 // A live session's budget (override_session) and torch's memory fraction:
 // the fraction caps whichever budget is in force, whichever came first, and
 // outlives the session.
@@ -1370,6 +1395,7 @@ int main() {
   test_budget_forms();
   test_set_memory_fraction();
   test_memory_fraction_and_session_budget();
+  test_session_policy_decides_step_4();
   test_garbage_collection_threshold();
   test_empty_cache();
   test_record_stream();
