@@ -48,6 +48,23 @@ def measure(trace: str, budget: float, conf: str, steps: int = 1) -> dict:
             "overhead": r.last_step_compute_overhead, "failed_step": r.steps}
 
 
+def break_even(base: dict, other: dict) -> str:
+    """The price of a cudaMalloc + cudaFree pair (a share of the step's
+    compute) at which `other` starts to cost less than `base`: the recompute
+    it adds over the pairs it saves. "above X": cheaper when a pair costs
+    more than X; "below X": when it costs less (`other` calls more);
+    "always" / "never": whatever a pair costs; "-": one did not run."""
+    if not (base["feasible"] and other["feasible"]):
+        return "-"
+    saved = (base["mallocs"] + base["frees"] - other["mallocs"] - other["frees"]) / 2
+    extra = other["overhead"] - base["overhead"]
+    if saved > 0:
+        return "always" if extra <= 0 else f"above {extra / saved:.3%}"
+    if saved < 0:
+        return "never" if extra >= 0 else f"below {extra / saved:.3%}"
+    return "always" if extra < 0 else "never"
+
+
 def report(rows: list, command: str, confs, steps: int = 1) -> str:
     what = ("cudaMalloc / cudaFree in the step (from an empty pool: the first `segments (peak)` mallocs fill it), "
             "evictions, and the replay's recompute overhead (not counting the calls). OOM: the step did not fit."
@@ -56,10 +73,17 @@ def report(rows: list, command: str, confs, steps: int = 1) -> str:
             f"the next begins); cudaMalloc / cudaFree in the last step (the steady state), the most segments "
             f"at once, and the last step's evictions and recompute overhead (not counting the calls). OOM "
             f"(step k: calls so far): a step did not fit.")
+    others = list(confs[1:])
     lines = [header("Device calls of a step replayed under a budget, with eviction (dtralloc policy)", command),
              "Per trace and budget (a fraction of the step's no-eviction peak), for each pool setting: " + what, "",
-             "| trace | budget | " + " | ".join(f"`{c}`" for c in confs) + " |",
-             "|---|---|" + "---|" * len(confs)]
+             *([f"Break-even: the price of a cudaMalloc + cudaFree pair, as a share of the step's compute, at "
+                f"which a setting starts to cost less than `{confs[0]}` (its extra recompute over the pairs it "
+                f"saves: 'above 0.05%' means cheaper wherever a pair costs more than 0.05% of the step; "
+                f"'always' / 'never': whatever a pair costs). A cudaFree waits for the device.", ""]
+               if others else []),
+             "| trace | budget | " + " | ".join(f"`{c}`" for c in confs)
+             + "".join(f" | break-even, `{c}`" for c in others) + " |",
+             "|---|---|" + "---|" * (len(confs) + len(others))]
     for trace, budget, cells in rows:
         out = []
         for c in confs:
@@ -70,6 +94,7 @@ def report(rows: list, command: str, confs, steps: int = 1) -> str:
                 continue
             out.append(f"{m['mallocs']} / {m['frees']} calls, {m['segments']} segments, {m['evictions']} evictions, "
                        f"overhead {m['overhead']:.3f}")
+        out += [break_even(cells[confs[0]], cells[c]) for c in others]
         lines.append(f"| {trace} | {budget:g} | " + " | ".join(out) + " |")
     totals = []
     for c in confs:

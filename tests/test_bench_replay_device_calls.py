@@ -38,9 +38,24 @@ def test_the_steady_state_is_the_last_of_several_steps(tmp_path):
     assert rdc.main(["--traces", "resnet50", "--budgets", "0.5", "--steps", "2", "--out", str(out)]) == 0
     text = out.read_text()
     assert "the step run 2 times in one pool" in text and "(last steps)" in text
+    assert "| break-even, `arena:on` |" in text
     default, arena = _cells(text)
     assert int(default.split(" calls")[0].split(" / ")[1]) > 0
     assert arena.startswith("0 / 0 calls, 1 segments")
+
+
+def _cell(mallocs, frees, overhead, feasible=True):
+    return {"feasible": feasible, "mallocs": mallocs, "frees": frees, "overhead": overhead}
+
+
+def test_break_even_prices_a_call_pair_against_the_recompute_it_saves():
+    # 10 pairs fewer for 0.1 of the step more: cheaper once a pair costs over 1% of the step.
+    assert rdc.break_even(_cell(10, 10, 0.1), _cell(0, 0, 0.2)) == "above 1.000%"
+    assert rdc.break_even(_cell(10, 10, 0.2), _cell(0, 0, 0.1)) == "always"
+    assert rdc.break_even(_cell(0, 0, 0.1), _cell(10, 10, 0.05)) == "below 0.500%"  # more calls, less recompute
+    assert rdc.break_even(_cell(0, 0, 0.1), _cell(10, 10, 0.2)) == "never"
+    assert rdc.break_even(_cell(5, 5, 0.1), _cell(5, 5, 0.1)) == "never"
+    assert rdc.break_even(_cell(5, 5, 0.1, feasible=False), _cell(0, 0, 0.0)) == "-"
 
 
 def test_budgets_are_fractions(capsys):
