@@ -120,7 +120,8 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "on: under a budget, the first large request (over 1 MB) the cache "      \
     "cannot serve reserves all the budget has left in one segment, the "       \
     "arena, which every request of its stream shares from then on (small "    \
-    "ones too), so the pool makes and gives back no segment at the budget: "   \
+    "ones and what outlives the step at its top), so the pool makes and "      \
+    "gives back no segment at the budget: "                                    \
     "eviction makes room in it by contiguous windows; empty_cache() gives "    \
     "it back. Needs "                                                          \
     "max_split_size_mb none (auto is), small_in_large on (auto is), "          \
