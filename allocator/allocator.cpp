@@ -510,8 +510,7 @@ void Allocator::release_for_segment(std::size_t rounded, Stream stream) {
   std::size_t total = 0;
   for (Segment* seg : pool_.whole_free_segments())
     if (!seg->arena) whole.push_back(seg), total += seg->size;
-  std::size_t bytes = pool_.segment_size(rounded);
-  if (BlockPool::pool_for(rounded) == kLargePool) bytes = std::min(bytes, BlockPool::own_segment_size(rounded));
+  const std::size_t bytes = smallest_segment(rounded);
   const std::size_t reserved = reserved_bytes();
   if (config_.policy != Policy::kDtralloc || config_.unmap_pages == Switch::kOn || budget_bytes_ >= capacity_bytes_ ||
       reserved + bytes <= budget_bytes_ || reserved + bytes - budget_bytes_ > total) {

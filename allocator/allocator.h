@@ -29,6 +29,7 @@
 // frees blocks, which re-enters free().
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -297,8 +298,14 @@ class Allocator {
   // resolved ones under the lock; a live session calls it with the GIL held,
   // so what reads them under the lock or the GIL sees one or the other.
   const Config& config() const { return config_; }
-  // The segment a new request of `rounded` bytes gets (config only: no lock).
-  std::size_t segment_size(std::size_t rounded) const { return pool_.segment_size(rounded); }
+  // The smallest segment a new request of `rounded` bytes can get (config
+  // only: no lock): the pool's segment for its size, or under a tight budget
+  // a large request's own 2 MiB-rounded size (allocate_segment).
+  std::size_t smallest_segment(std::size_t rounded) const {
+    const std::size_t standard = pool_.segment_size(rounded);
+    return BlockPool::pool_for(rounded) == kLargePool ? std::min(standard, BlockPool::own_segment_size(rounded))
+                                                      : standard;
+  }
   int device() const { return device_; }
   // unmap_pages on: gives back the whole free pages of segments still in
   // use, the rooms spared for evicted values' too, until the budget has room

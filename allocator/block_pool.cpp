@@ -101,22 +101,22 @@ Block* BlockPool::find_free(PoolKind pool, Stream stream, std::size_t rounded) c
   return b && may_serve(b, rounded) ? b : nullptr;
 }
 
-Block* BlockPool::find_free_any(PoolKind pool, Stream stream, std::size_t rounded) const {
+FreeSet::const_iterator BlockPool::first_fit(PoolKind pool, Stream stream, std::size_t rounded) const {
   Block key;
   key.stream = stream;
   key.size = rounded;
   key.addr = 0;
-  auto it = free_[pool].lower_bound(&key);
+  return free_[pool].lower_bound(&key);
+}
+
+Block* BlockPool::find_free_any(PoolKind pool, Stream stream, std::size_t rounded) const {
+  auto it = first_fit(pool, stream, rounded);
   return it == free_[pool].end() || (*it)->stream != stream ? nullptr : *it;
 }
 
 Block* BlockPool::find_free_highest(PoolKind pool, Stream stream, std::size_t rounded) const {
-  Block key;
-  key.stream = stream;
-  key.size = rounded;
-  key.addr = 0;
   Block* top = nullptr;
-  for (auto it = free_[pool].lower_bound(&key); it != free_[pool].end() && (*it)->stream == stream; ++it)
+  for (auto it = first_fit(pool, stream, rounded); it != free_[pool].end() && (*it)->stream == stream; ++it)
     if (may_serve(*it, rounded) && (!top || (*it)->addr > top->addr)) top = *it;
   return top;
 }

@@ -205,6 +205,10 @@ class BlockPool {
   bool oversize(std::size_t size) const { return size >= config_.max_split_size_mb; }
   // find_free's size rules for `b` (at least `rounded`): max_split_size_mb's.
   bool may_serve(const Block* b, std::size_t rounded) const;
+  // The first free block of `pool` at or after (stream, rounded): the best
+  // fit where it is on `stream`; the walk up from it visits every block of
+  // that stream and size and larger.
+  FreeSet::const_iterator first_fit(PoolKind pool, Stream stream, std::size_t rounded) const;
 
   const Config& config_;
   NodeCache free_nodes_;  // declared before the sets that allocate from it

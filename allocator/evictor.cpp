@@ -409,11 +409,9 @@ double Evictor::lower_weight(std::size_t i, bool* exact) {
 // and pushed back, so it takes segments cheapest first by exact cost.
 Evictor::Plan Evictor::choose_release(std::size_t bytes, double bound) {
   Plan plan;
-  const bool large = BlockPool::pool_for(bytes) == kLargePool;
   // What the Allocator will ask the backend for: a standard segment, or under
   // a tight budget one of the request's own 2 MiB-rounded size.
-  std::size_t segment = allocator_.segment_size(bytes);
-  if (large) segment = std::min(segment, BlockPool::own_segment_size(bytes));
+  const std::size_t segment = allocator_.smallest_segment(bytes);
   if (segment <= headroom_) return plan;  // not a question of releasing
   const std::size_t need = segment - headroom_;
   // Producer-cost bounds pay where every segment would otherwise be walked:
