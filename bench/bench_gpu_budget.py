@@ -20,6 +20,10 @@ next), the largest batch whose steps all run within M:
 * dtr [CONF]      with --also-conf CONF (GPU, repeatable): dtr again on install("policy:dtralloc,CONF"),
                   side by side with the default in the same run (e.g. arena:on, docs/allocator.md)
 
+GPT-2's loss runs in 8 pieces over the tokens in every configuration
+(--gpt2-loss-chunks; zoo.workload.chunked_lm_loss): unchunked, its backward
+alone needs more than M at 3x B.
+
 Per configuration: max batch / B, and the step time per sample over plain's
 at B (the overhead), at every batch probed. The dtr process then checks one
 forward+backward at 2B (evicting) against a plain uncapped one in the same
@@ -75,20 +79,30 @@ SMOKE_LADDER = (1, 2, 4)
 # too) and two timed, of which the faster counts (the least disturbed).
 TIMED_STEPS = 2
 SMOKE_TIMED_STEPS = 1
+# GPT-2's loss in pieces (zoo.workload.chunked_lm_loss). Unchunked, at 3x B
+# (24 x 1024 tokens) the log-softmax's backward holds its output, its
+# incoming gradient and its result, each tokens x vocab in float32: 3 x 4.9
+# GB, which with the parameters and AdamW state (1.5 GB) is more than the
+# 15.9 GB (14.8 GiB) of M, plain's peak at B on an H100 (2026-11-27). In 8
+# pieces: 1.9 GB at 3x B.
+GPT2_LOSS_CHUNKS = 8
 
 
 # ---------------------------------------------------------------- models
 
 
-def _gpt2_torch(layers: int, hidden: int, heads: int, vocab: int, seq: int):
+def _gpt2_torch(layers: int, hidden: int, heads: int, vocab: int, seq: int, loss_chunks: int):
     """GPT-2 in plain torch, for machines without `transformers`: the layout of
     transformers' GPT2LMHeadModel (learned positions, pre-LN blocks with a
     fused qkv projection, causal SDPA with dropout 0.1, GELU(tanh) MLP of 4x
     width, dropout 0.1 on embeddings and residual branches, final LN, LM head
-    tied to the token embedding), causal-LM loss on shifted tokens."""
+    tied to the token embedding), causal-LM loss on shifted tokens, in
+    `loss_chunks` pieces (zoo.workload.chunked_lm_loss)."""
     import torch
     from torch import nn
     from torch.nn import functional as F
+
+    from dtralloc.zoo.workload import chunked_lm_loss
 
     class Block(nn.Module):
         def __init__(self):
@@ -121,8 +135,7 @@ def _gpt2_torch(layers: int, hidden: int, heads: int, vocab: int, seq: int):
             x = self.drop(self.wte(tokens) + self.wpe(pos))
             for block in self.blocks:
                 x = block(x)
-            logits = F.linear(self.ln_f(x), self.wte.weight)
-            return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+            return chunked_lm_loss(self.ln_f(x), self.wte.weight, None, tokens, loss_chunks)
 
     model = GPT2().train()
     return model, model.blocks
@@ -132,10 +145,11 @@ class Model:
     """One model of the bench: its module, optimizer and loss, batches of any
     size, and checkpointing on every block."""
 
-    def __init__(self, name: str, smoke: bool, device):
+    def __init__(self, name: str, smoke: bool, device, loss_chunks: int = 1):
         import torch
 
         from dtralloc import zoo
+        from dtralloc.zoo.workload import chunked_causal_lm_loss
 
         self.name, self.device = name, device
         if name == "resnet50":
@@ -154,7 +168,7 @@ class Model:
             except ImportError:  # no transformers on this machine: the same architecture in plain torch
                 torch.manual_seed(0)
                 self.model, self.blocks = _gpt2_torch(sizes["layers"], sizes["hidden"], sizes["heads"],
-                                                      sizes["vocab"], sizes["seq"])
+                                                      sizes["vocab"], sizes["seq"], loss_chunks)
                 self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
                                                    foreach=True)
                 self.loss_fn = lambda model, tokens: model(tokens)
@@ -163,8 +177,13 @@ class Model:
                                     f"GPT2LMHeadModel, transformers not installed), AdamW (foreach)")
             else:
                 self.model, self.optimizer, self.loss_fn = w.model, w.optimizer, w.loss_fn
+                if loss_chunks > 1:
+                    self.loss_fn = lambda model, tokens: chunked_causal_lm_loss(model, tokens, loss_chunks)
                 self.blocks = None  # transformers' own switch checkpoints every GPT2Block
                 self.description = w.description.split(" batch ")[0] + f" seq {self.seq} (dtralloc.zoo)"
+            self.description += (f"; loss in {loss_chunks} pieces over the tokens (LM head + cross-entropy "
+                                 f"per piece: zoo.workload.chunked_lm_loss), in every configuration"
+                                 if loss_chunks > 1 else "; loss unchunked (the logits whole)")
         else:
             raise ValueError(f"unknown model {name!r}; available: gpt2, resnet50")
         self.model.to(device)  # parameters move in place: the optimizer still holds them
@@ -255,7 +274,7 @@ class Worker:
             # torch caps reserved bytes at int(fraction * total): 1 MiB of slack
             # (under one 2 MiB segment) keeps float rounding from cutting M short.
             torch.cuda.set_per_process_memory_fraction(min(1.0, (self.cap + MiB) / total), 0)
-        self.m = Model(spec["model"], spec["smoke"], "cuda" if self.cuda else "cpu")
+        self.m = Model(spec["model"], spec["smoke"], "cuda" if self.cuda else "cpu", spec.get("loss_chunks", 1))
         if self.config == "checkpoint":
             self.m.checkpoint_every_block()
 
@@ -552,7 +571,8 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
     also = {f"dtr [{c}]": c for c in (getattr(args, "also_conf", None) or [])}
     configs = tuple(configs) + tuple(also)
     started = time.monotonic()
-    common = {"model": name, "device": device, "smoke": smoke, "base": base, "conf": args.conf}
+    common = {"model": name, "device": device, "smoke": smoke, "base": base, "conf": args.conf,
+              "loss_chunks": getattr(args, "gpt2_loss_chunks", 1) if name == "gpt2" else 1}
     in_process = args.in_process
     # At least 45 s: a fresh process imports torch (and transformers), builds the
     # model and runs its steps before M exists, and without M nothing is measured.
@@ -727,9 +747,16 @@ def main(argv=None) -> int:
                         help="GPU only, repeatable: run the dtr search again with these settings for its "
                              "install() (as --conf), as configuration 'dtr [CONF]' in the same run, "
                              "e.g. arena:on")
+    parser.add_argument("--gpt2-loss-chunks", type=int, default=GPT2_LOSS_CHUNKS, metavar="N",
+                        help=f"GPT-2's loss in N pieces over the tokens, in every configuration (default "
+                             f"{GPT2_LOSS_CHUNKS}; 1: transformers' own loss, the logits whole). Unchunked, "
+                             "the loss's backward holds three tensors of tokens x vocab at once (14.8 GB at "
+                             "3x B), more than M leaves")
     parser.add_argument("--out", help="also write the report (markdown) here, and its data next to it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.gpt2_loss_chunks < 1:
+        parser.error(f"--gpt2-loss-chunks is a number of pieces >= 1, not {args.gpt2_loss_chunks}")
     if args.worker:
         return worker_main(json.loads(args.worker))
     if args.device is None:

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -195,3 +197,20 @@ def test_also_conf_is_checked_before_anything_runs():
     proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", "--device", "cuda", "--also-conf",
                            "arena:on,max_split_size_mb:64"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "arena:on needs max_split_size_mb:none" in proc.stderr, proc.stderr
+
+
+def test_gpt2_loss_in_pieces_is_the_same_loss_and_its_count_is_checked():
+    pytest.importorskip("transformers")
+    import torch
+
+    bench = _bench()
+    losses = []
+    for chunks in (1, 4):
+        m = bench.Model("gpt2", True, "cpu", chunks)
+        assert ("loss in 4 pieces" in m.description) == (chunks == 4), m.description
+        torch.manual_seed(0)  # dropout draws the same masks in both
+        losses.append(m.loss_fn(m.model, *m.batch(2)).detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", "--gpt2-loss-chunks", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--gpt2-loss-chunks is a number of pieces >= 1" in proc.stderr, proc.stderr

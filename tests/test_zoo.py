@@ -218,3 +218,60 @@ def test_unknown_bundled_name_lists_the_choices():
         traces.bundled_path("gpt3")
     with pytest.raises(ValueError, match="no bundled trace"):
         traces.load_bundled("../traces/gpt2")
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_chunked_lm_loss_is_transformers_causal_lm_loss(chunks):
+    """The bench's GPT-2 loss in pieces (bench_gpu_budget --gpt2-loss-chunks)
+    computes transformers' own causal-LM loss: same value and gradients, up
+    to the order of float sums (uneven pieces too: 2 x 31 tokens in 8)."""
+    pytest.importorskip("transformers")
+    from dtralloc.zoo.workload import causal_lm_loss, chunked_causal_lm_loss
+
+    w = zoo.build("gpt2", **{**SMALL_SIZES["gpt2"], "seq": 32})
+    w.model.eval()  # no dropout: the two runs must see the same function
+    tokens = w.batch[0]
+    grads = []
+    for fn in (lambda: causal_lm_loss(w.model, tokens), lambda: chunked_causal_lm_loss(w.model, tokens, chunks)):
+        w.model.zero_grad(set_to_none=True)
+        loss = fn()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in w.model.parameters()]))
+    (ref, ref_grads), (got, got_grads) = grads
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_lm_loss_pieces_are_evicted_and_brought_back_one_at_a_time():
+    """Under a dtr budget the pieces' log-softmaxes are values of their own:
+    evicted in the forward, recomputed in the backward, and the result is
+    the plain run's bit for bit."""
+    from dtralloc.zoo.workload import chunked_lm_loss
+
+    torch.manual_seed(0)
+    vocab, dim = 16384, 16
+    hidden = torch.randn(4, 65, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    tokens = torch.randint(0, vocab, (4, 65))
+
+    def run(chunks=8, **session):
+        hidden.grad = weight.grad = None
+        with dtralloc.dtr(device="cpu", **session) as s:
+            loss = chunked_lm_loss(hidden * 1, weight, None, tokens, chunks)
+            loss.backward()
+        return loss.detach(), hidden.grad.clone(), weight.grad.clone(), s.stats()
+
+    *plain, free = run()
+    # One piece's logits are 32 x 16384 floats (2 MiB); all of them 16 MiB,
+    # and unchunked the log-softmax's backward holds three such.
+    budget = free["peak_bytes"] // 2
+    *tight, budgeted = run(budget=budget)
+    assert budgeted["evictions"] > 0 and budgeted["remats"] > 0
+    assert budgeted["peak_bytes"] <= budget
+    for a, b in zip(tight, plain):
+        assert torch.equal(a, b)
+    with pytest.raises(dtralloc.OutOfMemoryError):
+        run(chunks=1, budget=budget)
+    with pytest.raises(ValueError, match="chunks is a number of pieces >= 1"):
+        chunked_lm_loss(hidden, weight, None, tokens, 0)
