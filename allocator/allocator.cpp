@@ -295,7 +295,18 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
     bytes = own;
   }
   Block* b = new_segment(bytes, stream, BlockPool::pool_for(rounded));
+  // The device refused a standard segment the budget allowed: one of the
+  // request's own size may still fit what it has left (smallest_segment,
+  // which the evictor's release plans make room for).
+  if (!b && large && own < bytes) b = new_segment(own, stream, kLargePool);
   return b ? pool_.allocate_from(b, rounded, requested) : nullptr;
+}
+
+std::size_t Allocator::headroom_locked() {
+  const std::size_t reserved = reserved_bytes();
+  const std::size_t budget = budget_bytes_;
+  const std::size_t room = budget > reserved ? budget - reserved : 0;
+  return device_limited_ && room > 0 ? std::min(room, backend_->free_bytes()) : room;
 }
 
 namespace {
@@ -328,7 +339,10 @@ void Allocator::backend_release(std::uintptr_t addr, std::size_t bytes) {
 
 Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
   void* ptr = backend_allocate(bytes);
-  if (!ptr) return nullptr;
+  if (!ptr) {
+    device_limited_ = true;  // callers ask only for what the budget allows: the device said no
+    return nullptr;
+  }
   ++pool_.stats().num_device_alloc;
   auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   record(TraceAction::kSegmentAlloc, addr, bytes, stream);

@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | op_costs | long_lived
+    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
 """
 from __future__ import annotations
@@ -407,7 +407,68 @@ def op_costs() -> dict:
             "pool_ok": _pool_ok(dtralloc)}
 
 
+def device_full() -> dict:
+    """No budget anywhere (dtralloc.install() and dtr() as they come), on a
+    GPU whose memory something else fills: a ballast cudaMalloc'd behind the
+    pool's back, as another process or the CUDA context would hold it. The
+    step needs more than the device has left; the session evicts when the
+    device refuses a segment, and the gradients equal the run with room."""
+    import ctypes
+
+    dtralloc, torch = _setup()
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Tanh()) for _ in range(12)]).cuda()
+    x = torch.randn(4096, 2048, device="cuda")  # 32 MiB per activation
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        with dtralloc.dtr() as s:
+            loss = model(x).square().mean()
+            loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()], s.stats()
+
+    def settle():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    settle()
+    before = dtralloc.memory_stats()["reserved_bytes.all.current"]
+    want, roomy = forward_backward()
+    step_bytes = roomy["peak_bytes"] - before  # what the step adds to reserved
+    cudart = ctypes.CDLL(dtralloc._core.cuda_runtime_path())
+    cudart.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    cudart.cudaFree.argtypes = [ctypes.c_void_p]
+    runs = []
+    for share in (0.7, 0.5):
+        settle()
+        free, _ = torch.cuda.mem_get_info()
+        ballast = ctypes.c_void_p()
+        room = int(step_bytes * share)
+        err = cudart.cudaMalloc(ctypes.byref(ballast), free - room)
+        if err != 0:
+            runs.append({"share": share, "ballast_error": err})
+            continue
+        try:
+            got, stats = forward_backward()
+            runs.append({"share": share, "room": room, "exact": all(torch.equal(a, b) for a, b in zip(got, want)),
+                         "evictions": stats["evictions"], "remats": stats["remats"],
+                         "budget_bytes": stats["budget_bytes"]})
+        except dtralloc.OutOfMemoryError as e:
+            runs.append({"share": share, "room": room, "oom": str(e)[:600]})
+        finally:
+            got = None
+            settle()
+            cudart.cudaFree(ballast)
+    return {"step_bytes": step_bytes, "roomy_evictions": roomy["evictions"],
+            "total": torch.cuda.get_device_properties(0).total_memory, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
+
+
 SCENARIOS = {
+    "device_full": device_full,
     "op_costs": op_costs,
     "dropout": dropout,
     "flash_dropout": flash_dropout,

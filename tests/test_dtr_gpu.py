@@ -84,6 +84,23 @@ def test_backward_on_the_device_thread_evicts_and_stays_exact():
         f"no budget made backward (on the device thread) evict: {r}"
 
 
+def test_with_no_budget_a_full_device_makes_the_session_evict():
+    """The device, not a budget, is the limit: other memory leaves the pool
+    less than the step needs. Before the pool's headroom counted the device's
+    free memory, the evictor planned no segment release (the budget, the
+    device's whole capacity, seemed to have room) and the step ran out."""
+    r = run("device_full")
+    assert r["roomy_evictions"] == 0, r
+    runs = [x for x in r["runs"] if "ballast_error" not in x]
+    assert runs, r
+    for x in runs:
+        assert "oom" not in x, x
+        assert x["exact"], x
+        assert x["evictions"] > 0 and x["remats"] > 0, x
+        assert x["budget_bytes"] > x["room"] + r["step_bytes"], x  # no budget made it evict
+    assert r["pool_ok"]
+
+
 @pytest.mark.parametrize("installed", ["configured", "plain"])
 def test_a_step_places_what_the_step_before_kept_at_the_high_end_on_cuda(installed):
     r = run("long_lived", installed)

@@ -271,6 +271,88 @@ void test_make_room_serves_request() {
   l.allocator.set_eviction_hook(nullptr);
 }
 
+// A GPU that other memory shares (its CUDA context, another process): it
+// reports `total` bytes, as cudaMemGetInfo does, but refuses segments past
+// `limit` bytes of its own, and says so in free_bytes().
+class SharedDevice final : public Backend {
+ public:
+  SharedDevice(std::size_t total, std::size_t limit) : inner_(make_virtual_backend(total)), limit_(limit) {}
+  const char* name() const override { return "shared-device"; }
+  void* allocate(std::size_t bytes) override {
+    if (used_ + bytes > limit_) return nullptr;
+    void* p = inner_->allocate(bytes);
+    if (p) used_ += bytes;
+    return p;
+  }
+  void release(void* ptr, std::size_t bytes) override {
+    inner_->release(ptr, bytes);
+    used_ -= bytes;
+  }
+  std::size_t total_bytes() override { return inner_->total_bytes(); }
+  std::size_t free_bytes() override { return limit_ - used_; }
+  EventHandle create_event() override { return inner_->create_event(); }
+  void record_event(EventHandle e, Stream s) override { inner_->record_event(e, s); }
+  bool event_completed(EventHandle e) override { return inner_->event_completed(e); }
+  void synchronize_event(EventHandle e) override { inner_->synchronize_event(e); }
+  void destroy_event(EventHandle e) override { inner_->destroy_event(e); }
+  void synchronize_device() override { inner_->synchronize_device(); }
+  void complete_events() override { inner_->complete_events(); }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::size_t limit_;
+  std::size_t used_ = 0;
+};
+
+// No budget (the pool's is the device's capacity), and the device full long
+// before it: dtralloc.install() and dtr() on a GPU, training a model that
+// does not fit. Five 12 MiB values in segments of their own fill the 64 MiB
+// the device lets the pool have; a 24 MiB output fits none of their
+// segments, so only releasing two of them makes room. Once the device has
+// refused the segment, the headroom is its 4 MiB, not the budget's 1 GiB -
+// 60 MiB: a plan that trusted the budget found nothing to release, and the
+// output ran out of memory.
+void test_the_device_limits_the_headroom_not_only_the_budget() {
+  for (const char* policy : {"dtralloc", "coop"}) {
+    Allocator allocator(std::make_unique<SharedDevice>(std::size_t{1} << 30, std::size_t{64} << 20),
+                        parse_config(std::string("unmap_pages:off,policy:") + policy));
+    PoolPort port(allocator);
+    RematEngine engine(port);
+    auto make = [&](double cost, std::size_t bytes) {
+      OpCall call;
+      call.cost = cost;
+      const int op = engine.begin_op(call);
+      const int v = engine.add_output(op, bytes);
+      engine.end_op(op);
+      return v;
+    };
+    constexpr std::size_t k12 = 12 << 20;
+    std::vector<int> made;
+    for (int i = 0; i < 5; ++i) made.push_back(make(1 + i, k12));
+    CHECK_EQ(allocator.budget_bytes(), std::size_t{1} << 30);
+    CHECK_EQ(allocator.stats_report().stats.reserved_bytes[kStatAll].current, std::int64_t{60} << 20);
+    auto ev = std::make_shared<Evictor>(allocator, engine, parse_policy(policy), allocator.config());
+    allocator.set_eviction_hook(ev);
+    const int out = make(1, 24 << 20);
+    CHECK(engine.value(out).state == ValueState::kResident);
+    CHECK_EQ(engine.counters().evictions, 2u);  // the two cheapest segments
+    CHECK(engine.value(made[0]).state == ValueState::kEvicted);
+    CHECK(engine.value(made[1]).state == ValueState::kEvicted);
+    CHECK_EQ(ev->stats().segment_releases, std::size_t{1});
+    // 60 MiB again, 4 MiB left on the device. A 3 MiB output would get a
+    // 20 MiB segment, which the device refuses; one of its own 2 MiB-rounded
+    // size (4 MiB) fits, and nothing is evicted for it.
+    const int small = make(1, 3 << 20);
+    CHECK(engine.value(small).state == ValueState::kResident);
+    CHECK_EQ(engine.counters().evictions, 2u);
+    CHECK(allocator.stats_report().stats.reserved_bytes[kStatAll].current <= std::int64_t{64} << 20);
+    allocator.check_invariants();
+    engine.check_invariants();
+    allocator.set_eviction_hook(nullptr);
+    engine.release_all();
+  }
+}
+
 // Large-pool segments of their own: X (cost 5), Y (cost 1), Z (initial,
 // pinned), 20 MiB each, in three 20 MiB segments.
 struct Segments : Graph {
@@ -456,6 +538,7 @@ int main() {
   test_dtralloc_spares_a_ruinous_victim();
   test_make_room_serves_request();
   test_release_plans();
+  test_the_device_limits_the_headroom_not_only_the_budget();
   test_release_plan_costs_chains();
   test_thorough_search();
   test_small_request_takes_a_large_window();
