@@ -302,11 +302,17 @@ Block* Allocator::allocate_segment(std::size_t rounded, std::size_t requested, S
   return b ? pool_.allocate_from(b, rounded, requested) : nullptr;
 }
 
-std::size_t Allocator::headroom_locked() {
-  const std::size_t reserved = reserved_bytes();
+std::size_t Allocator::limit_locked() {
   const std::size_t budget = budget_bytes_;
-  const std::size_t room = budget > reserved ? budget - reserved : 0;
-  return device_limited_ && room > 0 ? std::min(room, backend_->free_bytes()) : room;
+  if (!device_limited_.load(std::memory_order_relaxed)) return budget;
+  const std::size_t reserved = reserved_bytes();
+  if (reserved >= budget) return budget;
+  return std::min(budget, reserved + backend_->free_bytes());
+}
+
+std::size_t Allocator::device_free_bytes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return backend_->free_bytes();
 }
 
 namespace {
@@ -340,7 +346,7 @@ void Allocator::backend_release(std::uintptr_t addr, std::size_t bytes) {
 Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
   void* ptr = backend_allocate(bytes);
   if (!ptr) {
-    device_limited_ = true;  // callers ask only for what the budget allows: the device said no
+    device_limited_.store(true, std::memory_order_relaxed);  // callers ask only for what the budget allows
     return nullptr;
   }
   ++pool_.stats().num_device_alloc;

@@ -294,14 +294,18 @@ class Allocator {
 
   std::size_t budget_bytes() const { return budget_bytes_; }
   std::size_t capacity_bytes() const { return capacity_bytes_; }
-  // Bytes a new segment can take now: the budget's room (budget - reserved),
-  // and, once the device has refused a segment the budget allowed, no more
-  // than the device has free (other memory shares a GPU: its CUDA context,
-  // other processes; with no budget set, the budget is the device's whole
-  // capacity). The evictor's release plans size themselves by it. Call it
-  // with the pool's lock held (inside inspect_pool): it may ask the device
-  // (cudaMemGetInfo).
-  std::size_t headroom_locked();
+  // What the pool's reserved bytes can reach now: the budget, and, once the
+  // device has refused a segment the budget allowed, no more than reserved
+  // plus what the device has free (other memory shares a GPU: its CUDA
+  // context, other processes; with no budget set, the budget is the device's
+  // whole capacity). The evictor sizes its release plans and what it keeps
+  // by it. Call it with the pool's lock held (inside inspect_pool): it may
+  // ask the device (cudaMemGetInfo). Note [The device is the limit].
+  std::size_t limit_locked();
+  // Whether the device has refused a segment the budget allowed (then the
+  // device, not the budget, is the limit), and what it has free now.
+  bool device_limited() const { return device_limited_.load(std::memory_order_relaxed); }
+  std::size_t device_free_bytes();
   // The settings in force, auto resolved. override_session changes the
   // resolved ones under the lock; a live session calls it with the GIL held,
   // so what reads them under the lock or the GIL sees one or the other.
@@ -405,7 +409,7 @@ class Allocator {
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
   Segment* arena_ = nullptr;      // arena:on, once made; nullptr again once given back
   bool arena_refused_ = false;    // the device refused it at this budget: not asked again until the budget changes
-  bool device_limited_ = false;   // the device refused a segment the budget allowed (headroom_locked)
+  std::atomic<bool> device_limited_{false};  // the device refused a segment the budget allowed (limit_locked)
   // expect_long_lived: rounded sizes still expected, and from which thread.
   std::vector<std::size_t> long_lived_;
   std::thread::id long_lived_thread_;

@@ -84,8 +84,9 @@ void Evictor::walk(Stream stream, bool large_only, std::size_t window_bytes) {
   items_.clear();
   segs_.clear();
   allocator_.inspect_pool([&](const BlockPool& bp) {
-    const std::size_t budget = allocator_.budget_bytes();
-    headroom_ = allocator_.headroom_locked();
+    const std::size_t reserved = static_cast<std::size_t>(bp.stats().reserved_bytes[kStatAll].current);
+    const std::size_t budget = allocator_.limit_locked();  // the budget, or less where the device is full
+    headroom_ = budget > reserved ? budget - reserved : 0;
     small_in_large_ = allocator_.config().small_in_large == Switch::kOn;  // a session may change it (override_session)
     // kRecoverableShare (policies.h): what could not come back is kept.
     keep_above_ = std::numeric_limits<double>::infinity();

@@ -137,7 +137,7 @@ class Evictor : public EvictionHook {
   std::uint64_t rng_;
   std::vector<Item> items_;                 // reused between calls
   std::vector<SegSpan> segs_;
-  std::size_t headroom_ = 0;                // Allocator::headroom_locked() at the walk
+  std::size_t headroom_ = 0;                // Allocator::limit_locked() - reserved at the walk
   bool small_in_large_ = false;              // the pool's small_in_large at the walk (read under its lock)
   double keep_above_ = 0;                   // recompute need past which a value is kept
   std::vector<std::size_t> starts_;         // window starts (choose_window)

@@ -91,8 +91,13 @@ def test_with_no_budget_a_full_device_makes_the_session_evict():
     device's whole capacity, seemed to have room) and the step ran out."""
     r = run("device_full")
     assert r["roomy_evictions"] == 0, r
-    runs = [x for x in r["runs"] if "ballast_error" not in x]
+    *runs, short = r["runs"]
+    runs = [x for x in runs if "ballast_error" not in x]
     assert runs, r
+    # 2% of the step's bytes: less than its gradients. The error says the
+    # device, not the budget, was short.
+    assert "oom" in short and "The device itself is short of the budget" in short["oom"], short
+    assert "CUDA out of memory." in short["oom"], short
     for x in runs:
         assert "oom" not in x, x
         assert x["exact"], x

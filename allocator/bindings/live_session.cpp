@@ -978,8 +978,13 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
     << (options_.cuda ? "the pool's reserved bytes" : "a virtual pool mirroring the session's storages")
     << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "
     << format_bytes(static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].current)) << ", largest free block "
-    << format_bytes(r.largest_free_bytes) << " of " << format_bytes(r.free_cached_bytes) << " free. "
-    << "What no eviction can free now:";
+    << format_bytes(r.largest_free_bytes) << " of " << format_bytes(r.free_cached_bytes) << " free. ";
+  if (!mirror_ && pool_->device_limited())  // Note [The device is the limit] (docs/allocator.md)
+    m << "The device itself is short of the budget: it has " << format_bytes(pool_->device_free_bytes())
+      << " free of its " << format_bytes(pool_->capacity_bytes())
+      << " (its CUDA context, other processes or memory allocated outside torch hold the rest), so "
+         "the pool can reserve no more than that. ";
+  m << "What no eviction can free now:";
   auto line = [&](std::size_t bytes, const std::string& why) {
     if (bytes) m << "\n  " << format_bytes(bytes) << ": " << why;
   };
