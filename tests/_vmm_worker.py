@@ -146,7 +146,10 @@ def scenario_out_of_memory_midway_leaves_nothing_behind():
     pool.free(hold)
     pool.empty_cache()
     no_vmm_leak()
-    fake.fail_next_mem_creates(1)
+    # Two: a standard segment the device refuses is asked again at the
+    # request's own size (Note [The device is the limit]), whose first page
+    # fails too.
+    fake.fail_next_mem_creates(2)
     try:
         pool.malloc(4 * MiB)
     except dtralloc.OutOfMemoryError:
@@ -155,6 +158,13 @@ def scenario_out_of_memory_midway_leaves_nothing_behind():
         raise AssertionError("an injected cuMemCreate failure was not an out-of-memory error")
     ptr = pool.malloc(4 * MiB)
     ctypes.memset(ptr, 1, 4 * MiB)
+    pool.free(ptr)
+    pool.empty_cache()
+    no_vmm_leak()
+    # One: the 20 MiB segment is refused, the 4 MiB one of its own size made.
+    fake.fail_next_mem_creates(1)
+    ptr = pool.malloc(4 * MiB)
+    check(fake.used_bytes(0) == 4 * MiB, f"not a segment of the request's own size: {fake.used_bytes(0)}")
     pool.free(ptr)
     pool.empty_cache()
     no_vmm_leak()
