@@ -1,8 +1,10 @@
 """Ops that write in place (relu_, add_, batch norm and its running
-statistics, foreach updates) run through the session's C entry point
-(LiveSession::dispatch, written_by) instead of the mode's Python slow path
-when nothing else is decided per call. The two must be one: the same writes
-gathered, the same engine calls, the same evictions, the same results."""
+statistics, foreach updates, whole-storage overwrites: fill_, copy_, out=)
+and random ops (dropout, bernoulli_, randn_like, an explicit generator) run
+through the session's C entry point (LiveSession::dispatch, written_by,
+generator_of, covers_storage) instead of the mode's Python slow path. The two
+must be one: the same writes gathered, the same generator states saved, the
+same engine calls, the same evictions, the same results."""
 from __future__ import annotations
 
 import copy
@@ -17,26 +19,28 @@ from test_dtr import SWEEP_BATCH
 
 
 def _python_slow_path_for_writes(func):
-    fast, flags, pin, call, view, _ = _classify_for_c(func)
-    return fast, flags, pin, call, view, None
+    fast, flags, pin, call, view, _, _ = _classify_for_c(func)
+    return fast, flags, pin, call, view, None, None
 
 
 _classify_for_c = mode._classify_for_c
 
 
-@pytest.mark.parametrize("func, here", [
-    (torch.ops.aten.relu_.default, True),
-    (torch.ops.aten.add_.Tensor, True),
-    (torch.ops.aten.native_batch_norm.default, True),    # undeclared running statistics
-    (torch.ops.aten._foreach_add_.List, True),
-    (torch.ops.aten.copy_.default, False),               # overwrites: whether it covers the storage is per call
-    (torch.ops.aten.add.out, False),                     # out=: the same
-    (torch.ops.aten.bernoulli_.float, False),            # random: its generator's state is saved first
-    (torch.ops.aten.set_.source_Tensor, False),          # rebinds its tensor to other memory
-    (torch.ops.aten.add.Tensor, False),                  # writes nothing: the plain fast path
+@pytest.mark.parametrize("func, here, random", [
+    (torch.ops.aten.relu_.default, True, False),
+    (torch.ops.aten.add_.Tensor, True, False),
+    (torch.ops.aten.native_batch_norm.default, True, False),    # undeclared running statistics
+    (torch.ops.aten._foreach_add_.List, True, False),
+    (torch.ops.aten.copy_.default, True, False),       # overwrites: whether it covers the storage is asked per call
+    (torch.ops.aten.add.out, True, False),             # out=: the same
+    (torch.ops.aten.bernoulli_.float, True, True),     # random, overwrites: its generator's state is saved first
+    (torch.ops.aten.native_dropout.default, True, True),  # random, writes nothing
+    (torch.ops.aten.set_.source_Tensor, False, False),    # rebinds its tensor to other memory
+    (torch.ops.aten.add.Tensor, False, False),            # writes nothing, not random: the plain fast path
 ])
-def test_which_writing_ops_run_in_c(func, here):
-    assert (_classify_for_c(func)[5] is not None) == here
+def test_which_ops_run_in_c(func, here, random):
+    spec = _classify_for_c(func)
+    assert (spec[5] is not None) == here and (spec[6] is not None) == random
 
 
 def test_written_by_gathers_what_ops_written_does():
@@ -97,3 +101,60 @@ def test_c_and_python_paths_decide_the_same(name, monkeypatch):
         assert a[key] == b[key], (key, a[key], b[key])
     assert torch.equal(c_loss, py_loss)
     assert len(c_grads) == len(py_grads) and all(torch.equal(g, h) for g, h in zip(c_grads, py_grads))
+
+
+def _random_and_overwriting_program(x, g):
+    """Random ops (dropout, bernoulli_ with an explicit generator, a random
+    op whose dropout_p is 0), whole and partial overwrites, an out= op."""
+    h = torch.nn.functional.dropout(x * 2, 0.5, True)
+    m = torch.bernoulli(torch.sigmoid(h), generator=g)
+    full = torch.empty_like(h).fill_(0.5)                    # covers its storage: overwrites
+    part = h.clone()
+    part[:, :3].fill_(1.0)                                   # a view: writes part of it
+    out = torch.empty_like(h)
+    with torch.no_grad():
+        torch.mul(h, m, out=out)                             # out= (outside autograd)
+    q = (h + part).view(2, 4, 32, 8)
+    a = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0)  # tagged, not random here
+    return (out * full * h + a.reshape(64, 32) + torch.rand_like(h)).square().mean()
+
+
+def test_random_and_overwriting_ops_run_in_c_as_on_the_python_path(monkeypatch):
+    """Under chaos (every value evicted at every op, so every generator
+    state saved is replayed) the C path and the Python one save the same
+    states and decide the same, both bit for bit as plain eager; the C path
+    sends none of these ops to Python."""
+    def run(session):
+        torch.manual_seed(5)
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(64, 32, requires_grad=True)
+        if session is None:
+            loss = _random_and_overwriting_program(x, g)
+            loss.backward()
+            return loss.detach(), x.grad, torch.get_rng_state(), g.get_state(), None
+        with dtr(device="cpu", chaos=True, check_invariants=True) as s:
+            loss = _random_and_overwriting_program(x, g)
+            loss.backward()
+        return loss.detach(), x.grad, torch.get_rng_state(), g.get_state(), s.stats()
+
+    want = run(None)
+    seen = []
+    original = mode.Mode._slow
+
+    def spy(self, func, types, args, kwargs):
+        seen.append(str(func))
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(mode.Mode, "_slow", spy)
+    in_c = run(True)
+    assert seen == [], seen
+    monkeypatch.setattr(mode, "_classify_for_c", _python_slow_path_for_writes)
+    in_python = run(True)
+    assert "aten.bernoulli.default" in seen and "aten.fill_.Scalar" in seen, seen
+    a, b = in_c[4], in_python[4]
+    assert a["rng_replays"] > 0 and a["remats"] > 0, a
+    for key in ("ops", "evictions", "remats", "rng_replays", "peak_bytes"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    for got in (in_c, in_python):
+        for x, y in zip(got[:4], want[:4]):
+            assert torch.equal(x, y)

@@ -166,9 +166,11 @@ void bind_live(py::module_& m) {
       .def("fast_calls", &fast_calls,
            "(record, pack, dispatch) as plain CPython functions bound to this session (the per-op path)")
       .def("set_dispatch_helpers", &LiveSession::set_dispatch_helpers, py::arg("classify"), py::arg("slow"),
-           py::arg("on_error"),
-           "classify(func) -> (fast, flags, pin, call); slow(func, types, args, kwargs): the mode's Python path; "
-           "on_error(exception): may replace an error the op raised");
+           py::arg("on_error"), py::arg("default_generator"),
+           "classify(func) -> (fast, flags, pin, call, view, writes, random) (mode._classify_for_c); "
+           "slow(func, types, args, kwargs): the mode's Python path; on_error(exception): may replace an error "
+           "the op raised; default_generator(tensor): the generator a random op on its device draws from "
+           "without a generator argument, or None");
 
   m.def("live_sessions_on_device", [](int device) {
     Allocator* pool = global::existing(device);

@@ -23,6 +23,9 @@ struct Accessors {
   PyObject* storage_offset = nullptr;
   PyObject* nbytes = nullptr;
   PyObject* data_ptr = nullptr;
+  PyObject* is_contiguous = nullptr;
+  PyObject* numel = nullptr;
+  PyObject* element_size = nullptr;
   PyObject* dtype = nullptr;            // getset descriptors
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
@@ -48,6 +51,9 @@ inline void load_accessors(py::dict d) {
   a.storage_offset = take("storage_offset");
   a.nbytes = take("nbytes");
   a.data_ptr = take("data_ptr");
+  a.is_contiguous = take("is_contiguous");
+  a.numel = take("numel");
+  a.element_size = take("element_size");
   a.dtype = take("dtype");
   a.version = take("_version");
   a.cdata = take("_cdata");

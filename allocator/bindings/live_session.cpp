@@ -69,6 +69,13 @@ std::unordered_map<Allocator*, std::shared_ptr<LiveSession::OnPool>>& sessions_b
   static auto* m = new std::unordered_map<Allocator*, std::shared_ptr<LiveSession::OnPool>>();
   return *m;
 }
+
+// An op's argument at schema position `i`: positional, else the keyword
+// `name` (ops.argument). Borrowed; nullptr if absent (or on an error, set).
+PyObject* argument_of(PyObject* args, PyObject* kwargs, int i, PyObject* name) {
+  if (i < PyTuple_GET_SIZE(args)) return PyTuple_GET_ITEM(args, i);
+  return kwargs ? PyDict_GetItemWithError(kwargs, name) : nullptr;
+}
 }  // namespace
 
 // The pool's eviction hook. It takes the GIL first: on CUDA it is called from
@@ -572,10 +579,12 @@ void LiveSession::before_write(py::handle writes) {
   if (!vs.empty()) engine_->prepare_writes(vs);
 }
 
-void LiveSession::set_dispatch_helpers(py::object classify, py::object slow, py::object on_error) {
+void LiveSession::set_dispatch_helpers(py::object classify, py::object slow, py::object on_error,
+                                       py::object default_generator) {
   classify_ = std::move(classify);
   slow_ = std::move(slow);
   on_error_ = std::move(on_error);
+  default_generator_ = std::move(default_generator);
   grad_enabled_ = py::module_::import("torch").attr("is_grad_enabled");
 }
 
@@ -603,15 +612,23 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
       for (py::handle i : spec[0]) known.write_pos.push_back(i.cast<int>());
       for (py::handle k : spec[1]) known.write_kw.push_back(py::reinterpret_borrow<py::object>(k));
       known.undeclared_stats = spec[2].cast<bool>();
+      known.overwrites = spec[3].cast<bool>();
       if (known.write_pos.size() != known.write_kw.size())
         throw std::logic_error("dtralloc live session: the classifier gave write positions and names of different lengths");
       known.writes_here = true;
+    }
+    if (!answer[6].is_none()) {
+      if (!known.writes_here) throw std::logic_error("dtralloc live session: the classifier gave a random op no write spec");
+      py::tuple spec = answer[6];
+      known.dropout_pos = spec[0].cast<int>();
+      known.generator_pos = spec[1].cast<int>();
+      known.random_here = true;
     }
     known.classified = true;
   }
   if (!known.fast && !known.writes_here)
     return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
-  const std::uint32_t info_flags = known.flags;
+  std::uint32_t info_flags = known.flags;
   const int info_pin = known.pin;
   const py::object call = known.call;  // a reference of its own: the op may classify others (funcs_ grows)
   const bool has_kwargs = kwargs != Py_None && PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) > 0;
@@ -629,13 +646,47 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
     ++stats_.ops;
     return run();
   }
-  // An op that writes: the Python slow path's steps for it, in C (mode.py,
-  // Mode._dispatch): what it writes, and what depends on an unrecomputable
-  // value it is about to overwrite brought back first.
+  // A random op or one that writes: the Python slow path's steps for it, in
+  // C (mode.py, Mode._dispatch). A random op's generator state is saved
+  // first (only where its dropout_p, if it has one, is nonzero: fused
+  // attention carries the tag with its dropout off); then what the op
+  // writes, whether it overwrites it whole, and what depends on an
+  // unrecomputable value it is about to overwrite brought back first.
+  PyObject* const kw = has_kwargs ? kwargs : nullptr;
+  py::object rng = py::none();
+  if (known.random_here) {
+    static PyObject* const dropout_name = PyUnicode_InternFromString("dropout_p");
+    bool random = true;
+    if (known.dropout_pos >= 0) {
+      PyObject* p = argument_of(args, kw, known.dropout_pos, dropout_name);
+      if (!p && PyErr_Occurred()) throw py::error_already_set();
+      const int on = p ? PyObject_IsTrue(p) : 0;  // absent: its default, 0
+      if (on < 0) throw py::error_already_set();
+      random = on != 0;
+    }
+    if (random) {
+      py::object generator = generator_of(known, args, kw);
+      if (generator.is_none())  // no tensor argument, or a device whose generator is not restored: Python decides
+        return slow_(py::handle(func), py::handle(types), py::handle(args), py::handle(kwargs));
+      static PyObject* const get_state = PyUnicode_InternFromString("get_state");
+      PyObject* state = PyObject_CallMethodNoArgs(generator.ptr(), get_state);
+      if (!state) throw py::error_already_set();
+      rng = py::make_tuple(generator, py::reinterpret_steal<py::object>(state));
+    } else {
+      info_flags &= ~static_cast<std::uint32_t>(kRandom);
+    }
+  }
   py::tuple writes;
   if (known.writes_here) {
-    writes = written_by(known, args, has_kwargs ? kwargs : nullptr);
-    if (writes.size() > 0) before_write(writes);
+    writes = written_by(known, args, kw);
+    if (writes.size() > 0) {
+      before_write(writes);
+      if (known.overwrites) {
+        bool all = true;
+        for (py::handle t : writes) all = all && covers_storage(t);
+        if (all) info_flags |= kOverwrites;
+      }
+    }
   }
   // What the previous step's same op kept is announced until it is recorded
   // (on CPU the mirror places its outputs in record()); not for an op that
@@ -654,17 +705,41 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   if (!grad) throw py::error_already_set();
   const std::uint32_t flags = info_flags | (grad == Py_True ? kGradEnabled : 0);
   Py_DECREF(grad);
-  record(func, args, has_kwargs ? kwargs : Py_None, result, writes, flags, info_pin, cost, py::none());
+  record(func, args, has_kwargs ? kwargs : Py_None, result, writes, flags, info_pin, cost, rng);
   return result;
+}
+
+py::object LiveSession::generator_of(const FuncInfo& known, PyObject* args, PyObject* kwargs) const {
+  static PyObject* const generator_name = PyUnicode_InternFromString("generator");
+  if (known.generator_pos >= 0) {
+    PyObject* g = argument_of(args, kwargs, known.generator_pos, generator_name);
+    if (PyErr_Occurred()) throw py::error_already_set();
+    if (g && g != Py_None) return py::reinterpret_borrow<py::object>(g);
+  }
+  auto* tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type_.ptr());
+  PyObject* first = nullptr;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args) && !first; ++i)
+    if (PyObject_TypeCheck(PyTuple_GET_ITEM(args, i), tensor_type)) first = PyTuple_GET_ITEM(args, i);
+  if (!first && kwargs) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (!first && PyDict_Next(kwargs, &pos, &key, &value))
+      if (PyObject_TypeCheck(value, tensor_type)) first = value;
+  }
+  if (!first) return py::none();
+  return default_generator_(py::handle(first));
+}
+
+bool LiveSession::covers_storage(py::handle t) {
+  if (as_int(call_method(t, names().storage_offset)) != 0) return false;
+  if (call_method(t, names().is_contiguous).ptr() != Py_True) return false;
+  const std::int64_t bytes = as_int(call_method(t, names().numel)) * as_int(call_method(t, names().element_size));
+  return bytes == as_int(call_method(call_method(t, names().untyped_storage), names().nbytes));
 }
 
 py::tuple LiveSession::written_by(const FuncInfo& known, PyObject* args, PyObject* kwargs) const {
   PyObject* tensor_type = tensor_type_.ptr();
-  const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
-  auto argument = [&](int i, PyObject* name) -> PyObject* {  // borrowed; nullptr if absent
-    if (i < nargs) return PyTuple_GET_ITEM(args, i);
-    return kwargs ? PyDict_GetItemWithError(kwargs, name) : nullptr;
-  };
+  auto argument = [&](int i, PyObject* name) { return argument_of(args, kwargs, i, name); };
   py::list out;
   auto add = [&](PyObject* value) {
     if (!value) return;

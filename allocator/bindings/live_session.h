@@ -198,7 +198,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // The mode's __torch_dispatch__: fast ops run, are timed and recorded
   // here; the rest go to the Python slow path (set_dispatch_helpers).
   py::object dispatch(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs);
-  void set_dispatch_helpers(py::object classify, py::object slow, py::object on_error);
+  void set_dispatch_helpers(py::object classify, py::object slow, py::object on_error,
+                            py::object default_generator);
   // After an op ran: everything it read, made and wrote, in one call.
   void record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,
               std::uint32_t flags, int pin, double cost, py::handle rng);
@@ -327,16 +328,30 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     std::vector<int> write_pos;
     std::vector<py::object> write_kw;
     bool undeclared_stats = false;
+    bool overwrites = false;  // its writes replace the storage without reading it, where they cover it
+    // Random (nondeterministic_seeded) and run here: the positions of its
+    // dropout_p (random only when that is nonzero) and generator arguments,
+    // -1 where it has none.
+    bool random_here = false;
+    int dropout_pos = -1;
+    int generator_pos = -1;
   };
   // The tensors `known` writes in this call (ops.written's rule), as a tuple.
   py::tuple written_by(const FuncInfo& known, PyObject* args, PyObject* kwargs) const;
+  // The generator a random op draws from (ops.generator_for's rule): its
+  // generator argument, else the default generator of its first tensor
+  // argument's device; None where there is none to restore (the Python
+  // path then decides).
+  py::object generator_of(const FuncInfo& known, PyObject* args, PyObject* kwargs) const;
+  // Whether writing `t` writes every byte of its storage (ops.covers_storage).
+  static bool covers_storage(py::handle t);
   FuncInfo& func_info(PyObject* func);
   py::object grad_fn_name(const py::object& grad_fn);
   std::unordered_map<PyObject*, py::object> grad_fn_names_;  // by node class, kept alive by grad_fn_types_
   std::vector<py::object> grad_fn_types_;
   std::unordered_map<PyObject*, FuncInfo> funcs_;  // kept alive by func_refs_
   std::vector<py::object> func_refs_;
-  py::object classify_, slow_, on_error_, grad_enabled_;
+  py::object classify_, slow_, on_error_, grad_enabled_, default_generator_;
   std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
   std::size_t peak_reserved_bytes_ = 0;

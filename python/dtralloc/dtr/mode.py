@@ -30,10 +30,11 @@ class Mode(TorchDispatchMode):
         # The per-op path in C (allocator/bindings/live.cpp): torch looks
         # __torch_dispatch__ up on the instance, so this one takes precedence
         # over the class's below; it calls _slow for the ops it does not
-        # run itself (random ops, overwrites whose coverage is checked per
-        # call, rebinding ops, bitwise nondeterministic ones: _classify_for_c).
+        # run itself (rebinding ops, bitwise nondeterministic ones:
+        # _classify_for_c; random ops on a device it finds no generator for).
         self.__dict__["__torch_dispatch__"] = types.MethodType(fast_dispatch, self)
-        session._core.set_dispatch_helpers(_classify_for_c, self._slow, self._on_error)
+        session._core.set_dispatch_helpers(_classify_for_c, self._slow, self._on_error,
+                                           lambda t: ops.default_generator(t.device))
 
     def _slow(self, func, types, args, kwargs):
         return self._dispatch(func, _info(func), args, kwargs or {})
@@ -94,19 +95,26 @@ def _info(func) -> ops.OpInfo:
 
 
 def _classify_for_c(func):
+    """(fast, flags, pin, call, view, writes, random) for the C path
+    (LiveSession::dispatch). Ops that write or are random run in C as well,
+    which does what _dispatch does for them: `writes` = (positions, names,
+    legacy batch norm's undeclared running statistics, whether the writes
+    overwrite when they cover their storage) gathers what they write as
+    ops.written does; `random` = (dropout_p's position, the generator's;
+    -1 where none) finds the generator whose state is saved first, as
+    ops.generator_for does. Both None: the plain fast path, or (not fast)
+    this Python path: ops that rebind a tensor to other memory, and bitwise
+    nondeterministic ones (pinned on CUDA per call)."""
     info = _info(func)
     # OpOverload.__call__ only forwards to ._op: calling that saves a Python frame per op.
     call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
-    # Ops that write but decide nothing else per call (not random, not
-    # bitwise nondeterministic, no rebinding, no whole-storage overwrite to
-    # check: relu_, add_, batch norm, foreach updates) run in C as well, which
-    # gathers what they write as ops.written does: (positions, names, legacy
-    # batch norm's undeclared running statistics).
-    writes = None
-    if not info.fast and (info.write_pos or info.undeclared_stats) and not (
-            info.flags & ops.RANDOM or info.bitwise_nondeterministic or info.rebinds or info.overwrites):
-        writes = (info.write_pos, info.write_kw, info.undeclared_stats)
-    return info.fast, info.flags, info.pin, call, info.view, writes
+    writes = random = None
+    if not info.fast and not (info.bitwise_nondeterministic or info.rebinds):
+        writes = (info.write_pos, info.write_kw, info.undeclared_stats, info.overwrites)
+        if info.flags & ops.RANDOM:
+            random = (-1 if info.dropout_pos is None else info.dropout_pos,
+                      -1 if info.generator_pos is None else info.generator_pos)
+    return info.fast, info.flags, info.pin, call, info.view, writes, random
 
 
 def _deterministic() -> bool:

@@ -153,6 +153,13 @@ def generator_for(func, info: OpInfo, args, kwargs) -> Optional[torch.Generator]
     if device is None:
         d = kwargs.get("device")
         device = torch.device(d) if d is not None else torch.get_default_device()
+    return default_generator(device)
+
+
+def default_generator(device: torch.device) -> Optional[torch.Generator]:
+    """The default generator of `device` (None for a device whose generator
+    the session cannot restore). The C path asks it for the device of a
+    random op's first tensor argument (LiveSession::generator_of)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]

@@ -133,7 +133,7 @@ class Session:
             # The C++ half holds the mode's methods while the mode is active;
             # dropping them here breaks the session -> core -> mode -> session
             # cycle that Python's collector cannot see through C++.
-            self._core.set_dispatch_helpers(None, None, None)
+            self._core.set_dispatch_helpers(None, None, None, None)
             self._core.end_block()
             # The mode refers back to the session, and its per-op entry point
             # (a method bound to the mode, in the mode's own dict) back to the
