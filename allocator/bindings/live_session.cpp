@@ -798,20 +798,20 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   };
   for_each_tensor(args.ptr(), tensor_type, see);
   if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
+  written_set_.clear();
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
     const int v = value_of(storage, cdata_of(storage));
-    if (v >= 0 && std::none_of(written.begin(), written.end(), [&](const Seen& w) { return w.value == v; }))
-      written.push_back({t, v});
+    if (v >= 0 && written_set_.insert(v)) written.push_back({t, v});
   });
   // 2. What it made: output tensors on storages the session has not seen.
   int leaf = 0;
+  made_set_.clear();
   for_each_tensor(out.ptr(), tensor_type, [&](PyObject* t) {
     const int index = leaf++;
     py::object storage = call_method(t, names().untyped_storage);
     const auto cdata = cdata_of(storage);
-    if (by_storage_.count(cdata) ||
-        std::any_of(made.begin(), made.end(), [&](const Made& m) { return m.cdata == cdata; }))
+    if (by_storage_.count(cdata) || !made_set_.insert(cdata).second)
       return;  // a view of an input, the written tensor, or a second view of a new one
     const auto nbytes = static_cast<std::size_t>(as_int(call_method(storage, names().nbytes)));
     made.push_back({std::move(storage), py::reinterpret_borrow<py::object>(t), cdata, nbytes, index});
@@ -832,8 +832,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   call.reads.clear();
   call.writes.clear();
   call.random = (flags & kRandom) != 0;
+  read_set_.clear();
   for (const Seen& s : inputs)
-    if (std::find(call.reads.begin(), call.reads.end(), s.value) == call.reads.end()) call.reads.push_back(s.value);
+    if (read_set_.insert(s.value)) call.reads.push_back(s.value);
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
   const auto reason = static_cast<PinReason>(pin);
@@ -913,7 +914,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       r.value = s.value;
       py::handle t(s.tensor);
       const Slot& slot = slots_[s.value];
-      const bool is_written = std::any_of(written.begin(), written.end(), [&](const Seen& w) { return w.value == s.value; });
+      const bool is_written = written_set_.contains(s.value);
       if (slot.external.ptr() == s.tensor && !is_written) {  // held by the slot: the same object at recompute
         r.external = slot.external;
         r.version = as_int(get_attr(t, names().version));
@@ -924,9 +925,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       if (slots_[s.value].pin == PinReason::kExternal) r.version = as_int(get_attr(t, names().version));
       rec->refs.push_back(std::move(r));
     }
-    for (const Seen& w : written)
-      for (std::size_t k = 0; k < inputs.size(); ++k)
-        if (inputs[k].tensor == w.tensor || inputs[k].value == w.value) rec->written.push_back(static_cast<int>(k));
+    for (std::size_t k = 0; k < inputs.size(); ++k)  // the arguments it writes (a tensor's value is its storage's)
+      if (written_set_.contains(inputs[k].value)) rec->written.push_back(static_cast<int>(k));
     rec->args = template_of(args);
     rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : empty_kwargs_;
     if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);
