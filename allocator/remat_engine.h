@@ -150,6 +150,27 @@ struct OpCall {
   std::vector<int> writes;       // distinct values written in place (held like reads)
 };
 
+// Per-value marks that a new pass clears all at once: v is marked in the
+// current pass when at[v] == pass. Nothing is cleared but when the 32-bit
+// pass counter wraps (then no stale mark may match the new pass). The
+// engine's walks use them, and the live session's record() its per-op sets.
+struct PassMarks {
+  std::vector<std::uint32_t> at;
+  std::uint32_t pass = 0;
+  void next(std::size_t values) {  // a new pass, with a slot for each value
+    grow(values);
+    if (++pass == 0) {
+      std::fill(at.begin(), at.end(), 0);
+      pass = 1;
+    }
+  }
+  void grow(std::size_t values) {
+    if (at.size() < values) at.resize(values, 0);
+  }
+  bool marked(int v) const { return at[v] == pass; }
+  void mark(int v) { at[v] = pass; }
+};
+
 struct EngineCounters {
   std::size_t evictions = 0;
   std::size_t remats = 0;
@@ -355,25 +376,6 @@ class RematEngine {
   bool drop_spent_ = false;         // set_drop_spent
   std::vector<int> plan_uses_;      // per value: recomputes left in this hold that read it
   std::vector<int> planned_;        // the values whose plan_uses_ this hold set
-  // Per-value marks that a new pass clears all at once: v is marked in the
-  // current pass when at[v] == pass. Nothing is cleared but when the 32-bit
-  // pass counter wraps (then no stale mark may match the new pass).
-  struct PassMarks {
-    std::vector<std::uint32_t> at;
-    std::uint32_t pass = 0;
-    void next(std::size_t values) {  // a new pass, with a slot for each value
-      grow(values);
-      if (++pass == 0) {
-        std::fill(at.begin(), at.end(), 0);
-        pass = 1;
-      }
-    }
-    void grow(std::size_t values) {
-      if (at.size() < values) at.resize(values, 0);
-    }
-    bool marked(int v) const { return at[v] == pass; }
-    void mark(int v) { at[v] = pass; }
-  };
   PassMarks dropped_;               // a pass per hold that recomputes: what spend() dropped in it
   std::vector<Value> values_;
   std::vector<OpRecord> ops_;

@@ -61,6 +61,13 @@ def _train(torch, model, batch, loss_fn, steps, session=None):
     return (losses, [p.detach().clone() for p in model.parameters()], torch.cuda.get_rng_state()), s
 
 
+def _settle(torch) -> None:
+    """What the program dropped is freed and the pool's cache given back."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def _identical(torch, got, want) -> list:
     """Names of what differs (empty: bit-exact)."""
     diffs = []
@@ -299,9 +306,7 @@ def device_thread() -> dict:
         """Reserved bytes once the cache is given back: what a budget must
         hold before the step (a lowered budget releases nothing by itself, and
         peak_bytes counts reserved bytes on CUDA)."""
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _settle(torch)
         return dtralloc.memory_stats()["reserved_bytes.all.current"]
 
     at_start = resident()
@@ -430,12 +435,7 @@ def device_full() -> dict:
         torch.cuda.synchronize()
         return [p.grad.clone() for p in model.parameters()], s.stats()
 
-    def settle():
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-    settle()
+    _settle(torch)
     before = dtralloc.memory_stats()["reserved_bytes.all.current"]
     want, roomy = forward_backward()
     step_bytes = roomy["peak_bytes"] - before  # what the step adds to reserved
@@ -444,7 +444,7 @@ def device_full() -> dict:
     cudart.cudaFree.argtypes = [ctypes.c_void_p]
     runs = []
     for share in (0.7, 0.5, 0.02):  # the last leaves less than the gradients: out of memory
-        settle()
+        _settle(torch)
         free, _ = torch.cuda.mem_get_info()
         ballast = ctypes.c_void_p()
         room = int(step_bytes * share)
@@ -461,7 +461,7 @@ def device_full() -> dict:
             runs.append({"share": share, "room": room, "oom": str(e)[:2000]})
         finally:
             got = None
-            settle()
+            _settle(torch)
             cudart.cudaFree(ballast)
     return {"step_bytes": step_bytes, "roomy_evictions": roomy["evictions"],
             "total": torch.cuda.get_device_properties(0).total_memory, "runs": runs, "pool_ok": _pool_ok(dtralloc)}

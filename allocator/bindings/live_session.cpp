@@ -798,11 +798,14 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   };
   for_each_tensor(args.ptr(), tensor_type, see);
   if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
-  written_set_.clear();
+  written_set_.next(engine_->num_values());
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
     py::object storage = call_method(t, names().untyped_storage);
     const int v = value_of(storage, cdata_of(storage));
-    if (v >= 0 && written_set_.insert(v)) written.push_back({t, v});
+    if (v >= 0 && !written_set_.marked(v)) {
+      written_set_.mark(v);
+      written.push_back({t, v});
+    }
   });
   // 2. What it made: output tensors on storages the session has not seen.
   int leaf = 0;
@@ -832,9 +835,12 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   call.reads.clear();
   call.writes.clear();
   call.random = (flags & kRandom) != 0;
-  read_set_.clear();
+  read_set_.next(engine_->num_values());
   for (const Seen& s : inputs)
-    if (read_set_.insert(s.value)) call.reads.push_back(s.value);
+    if (!read_set_.marked(s.value)) {
+      read_set_.mark(s.value);
+      call.reads.push_back(s.value);
+    }
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
   const auto reason = static_cast<PinReason>(pin);
@@ -914,7 +920,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       r.value = s.value;
       py::handle t(s.tensor);
       const Slot& slot = slots_[s.value];
-      const bool is_written = written_set_.contains(s.value);
+      const bool is_written = written_set_.marked(s.value);
       if (slot.external.ptr() == s.tensor && !is_written) {  // held by the slot: the same object at recompute
         r.external = slot.external;
         r.version = as_int(get_attr(t, names().version));
@@ -926,7 +932,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       rec->refs.push_back(std::move(r));
     }
     for (std::size_t k = 0; k < inputs.size(); ++k)  // the arguments it writes (a tensor's value is its storage's)
-      if (written_set_.contains(inputs[k].value)) rec->written.push_back(static_cast<int>(k));
+      if (written_set_.marked(inputs[k].value)) rec->written.push_back(static_cast<int>(k));
     rec->args = template_of(args);
     rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : empty_kwargs_;
     if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);

@@ -43,7 +43,6 @@
 
 #include <pybind11/pybind11.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -311,27 +310,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::vector<Seen> scratch_inputs_, scratch_written_;
   std::vector<Made> scratch_made_;
   std::vector<int> scratch_recomputable_;
-  // record()'s sets of values (read, written) and of new storages, so that
-  // an op reading hundreds of tensors (a foreach update) is recorded in
-  // linear time: a value is in a set when its mark equals the call's stamp.
-  struct ValueSet {
-    std::vector<std::uint32_t> mark;
-    std::uint32_t stamp = 0;
-    void clear() {
-      if (++stamp == 0) {  // wrapped: every old mark could collide
-        std::fill(mark.begin(), mark.end(), 0);
-        stamp = 1;
-      }
-    }
-    bool contains(int v) const { return static_cast<std::size_t>(v) < mark.size() && mark[v] == stamp; }
-    bool insert(int v) {  // true if it was not in the set
-      if (static_cast<std::size_t>(v) >= mark.size()) mark.resize(static_cast<std::size_t>(v) + 1 + mark.size() / 2, 0);
-      if (mark[v] == stamp) return false;
-      mark[v] = stamp;
-      return true;
-    }
-  };
-  ValueSet read_set_, written_set_;
+  // record()'s sets of the values an op reads and writes (a pass per op
+  // over the engine's values), and of the storages it makes, so that an op
+  // of hundreds of tensors (a foreach update) is recorded in linear time.
+  PassMarks read_set_, written_set_;
   std::unordered_set<std::uintptr_t> made_set_;
   OpCall scratch_call_;
   // What the session knows of each OpOverload it met: the classifier's
