@@ -445,12 +445,15 @@ void RematEngine::unwind(std::vector<Frame>& stack) {
 
 // v's recipe: the op's inputs, each once, except `not_read`. Marks instead
 // of searches: a foreach op reads hundreds of values and writes hundreds.
-void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
+void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read, const std::vector<int>* reads) {
+  const std::vector<int>& from = reads ? *reads : ops_[op].inputs;
   visited_.next(values_.size());
-  values_[v].recipe.reserve(ops_[op].inputs.size());
+  values_[v].recipe.reserve(from.size());
   for (int r : not_read) visited_.mark(r);
-  for (int r : ops_[op].inputs) {
+  for (int r : from) {
     if (visited_.marked(r)) continue;
+    if (reads && values_[r].locks == 0)  // the op's inputs are locked while it runs
+      broken(v, "an output's reads must be among its op's");
     visited_.mark(r);
     values_[v].recipe.push_back(r);
     values_[v].recipe_bytes += values_[r].nbytes;
@@ -460,7 +463,8 @@ void RematEngine::set_recipe(int v, int op, const std::vector<int>& not_read) {
   }
 }
 
-int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, bool pinned, bool external) {
+int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, bool pinned, bool external,
+                            const std::vector<int>* reads) {
   // Memory first, under the id the value will have: if the driver throws
   // (OOM), nothing has changed. While the pool makes room the value does not
   // exist yet, so the evictor cannot pick it.
@@ -475,7 +479,7 @@ int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, boo
   if (pinned || external)
     values_[v].pinned = true;  // never recomputed: no recipe to keep
   else
-    set_recipe(v, op, ops_[op].writes);
+    set_recipe(v, op, ops_[op].writes, reads);
   lock(v);
   ops_[op].locked.push_back(v);
   take_block(v, addr);
@@ -540,7 +544,7 @@ void RematEngine::prepare_writes(const std::vector<int>& vs) {
   for (int v : vs) prepare_write(v);
 }
 
-int RematEngine::write(int op, int v, bool reads_old) {
+int RematEngine::write(int op, int v, bool reads_old, const std::vector<int>* reads) {
   if (values_[v].state != ValueState::kResident || values_[v].locks == 0)
     broken(v, "an in-place write needs the value resident and locked (begin_op's writes)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
@@ -548,9 +552,9 @@ int RematEngine::write(int op, int v, bool reads_old) {
   if (reads_old && values_[v].pinned)
     values_[n].pinned = true;  // it reads a version gone for good (below): no recipe to keep
   else if (reads_old)
-    set_recipe(n, op, {});
+    set_recipe(n, op, {}, reads);
   else
-    set_recipe(n, op, {v});
+    set_recipe(n, op, {v}, reads);
   // The block stays where it is; it now holds the new version.
   const std::uintptr_t addr = drop_block(v);
   take_block(n, addr);

@@ -199,9 +199,11 @@ class RematEngine {
   // except its writes (an op that writes a storage and creates outputs, such
   // as batch norm and its running statistics, does not read what it writes
   // for them); `pinned`: not recomputable at all; `external`: its memory is
-  // outside the pool (pinned too, no address).
+  // outside the pool (pinned too, no address). `reads`, where given, is what
+  // this output alone was computed from (a subset of the op's reads; a
+  // foreach op's output i reads element i of each list): the recipe is that.
   int add_output(int op, std::size_t nbytes, std::uintptr_t addr = 0, bool pinned = false,
-                 bool external = false);
+                 bool external = false, const std::vector<int>* reads = nullptr);
   // `op` writes `v` in place: returns the new version, which takes the block
   // (locked for the op). `v` keeps its recipe without memory, or, if `v` was
   // not recomputable, its dependents become pinned (begin_op brought back the
@@ -209,8 +211,10 @@ class RematEngine {
   // no recipe: an optimizer's in-place update of N parameters would otherwise
   // make N recipes of the op's 2N inputs, only to drop them). `reads_old`
   // false: the op overwrites all of `v` without reading it (fill_, copy_,
-  // zero_, out=), so the new version's recipe does not need `v`.
-  int write(int op, int v, bool reads_old = true);
+  // zero_, out=), so the new version's recipe does not need `v`. `reads`:
+  // as add_output's (the new version's recipe is that, less `v` where it
+  // does not read it).
+  int write(int op, int v, bool reads_old = true, const std::vector<int>* reads = nullptr);
   // What begin_op does first for its writes, for drivers that must do it
   // before the real op runs (the live driver: the write destroys the old
   // contents): what depends on an unrecomputable value about to be
@@ -322,7 +326,8 @@ class RematEngine {
   // into *peak the most one of them and its missing inputs hold at once.
   double chain_bytes(int v, double* largest, double* peak, int cap = 256);
   int new_value(std::size_t nbytes, int producer, double cost);
-  void set_recipe(int v, int op, const std::vector<int>& not_read);
+  // v's recipe: `reads` (nullptr: the op's inputs), each once, except `not_read`.
+  void set_recipe(int v, int op, const std::vector<int>& not_read, const std::vector<int>* reads = nullptr);
   // Bytes of the resident values for which pred(v) holds.
   template <typename Pred>
   std::size_t resident_bytes_if(Pred pred) const;

@@ -19,8 +19,8 @@ from test_dtr import SWEEP_BATCH
 
 
 def _python_slow_path_for_writes(func):
-    fast, flags, pin, call, view, _, _ = _classify_for_c(func)
-    return fast, flags, pin, call, view, None, None
+    fast, flags, pin, call, view, _, _, per_element = _classify_for_c(func)
+    return fast, flags, pin, call, view, None, None, per_element
 
 
 _classify_for_c = mode._classify_for_c
@@ -158,3 +158,93 @@ def test_random_and_overwriting_ops_run_in_c_as_on_the_python_path(monkeypatch):
     for got in (in_c, in_python):
         for x, y in zip(got[:4], want[:4]):
             assert torch.equal(x, y)
+
+
+def _whole_foreach_ops(func):
+    """The classifier's answer with no foreach op split by element: each
+    output's recipe is every input, as before the split existed."""
+    return _classify_for_c(func)[:7] + (0,)
+
+
+def _foreach_chain(n, ctx, reduction=True):
+    """Foreach ops whose outputs autograd saves one by one (t * t per
+    element) and whose inputs are session values: under chaos each unpack
+    recomputes its element. Every list argument kind a split must cut:
+    Tensor[] (made and written), Scalar[], a single tensor all elements
+    read, keyword arguments, and (`reduction`) a per-tensor reduction, whose
+    backward unpacks its whole list at once."""
+    torch.manual_seed(0)
+    ps = [torch.randn(16, requires_grad=True) for _ in range(n)]
+    xs = [torch.randn(16) for _ in range(n)]
+    scale = torch.tensor(1.5)
+    scalars = [0.5 + i for i in range(n)]
+    with ctx() as s:
+        y = torch._foreach_mul(ps, 2.0)
+        z = torch._foreach_add(y, xs, alpha=0.5)              # Tensor[] x 2, a keyword
+        z = torch._foreach_mul(z, scale)                      # a single tensor every element reads
+        z = torch._foreach_add(z, scalars)                    # Scalar[]
+        z = torch._foreach_lerp(z, y, [0.25] * n)             # Scalar[] after two Tensor[]
+        torch._foreach_addcmul_(z, y, xs, value=0.1)          # written in place, element by element
+        norms = torch._foreach_norm(z) if reduction else [1.0] * n  # a per-tensor reduction
+        w = [t * t * m for t, m in zip(z, norms)]
+        del y, z, norms
+        loss = sum(t.sum() for t in w)
+        del w
+    loss.backward()
+    return [p.grad for p in ps], s
+
+
+def test_foreach_ops_split_by_element(monkeypatch):
+    """A foreach op's output i (or the i-th tensor it writes) reads element i
+    of its lists: its recipe is that element's inputs, and bringing it back
+    runs the op on that element alone, bit-exact. Without the split the
+    same chain recomputes every element's inputs for each one."""
+    import contextlib
+
+    n = 6
+    chaos = lambda: dtr(device="cpu", chaos=True, check_invariants=True)  # noqa: E731
+    remats = {}
+    for reduction in (True, False):
+        plain, _ = _foreach_chain(n, contextlib.nullcontext, reduction)
+        split, s = _foreach_chain(n, chaos, reduction)
+        assert all(torch.equal(a, b) for a, b in zip(plain, split))
+        with monkeypatch.context() as m:
+            m.setattr(mode, "_classify_for_c", _whole_foreach_ops)
+            whole, w = _foreach_chain(n, chaos, reduction)
+        assert all(torch.equal(a, b) for a, b in zip(plain, whole))
+        remats[reduction] = s.stats()["remats"], w.stats()["remats"]
+    # Without the reduction (which brings its whole list back at once): 6
+    # values per element (36) where each element's recompute would bring
+    # back every element's inputs (96).
+    split_remats, whole_remats = remats[False]
+    assert 0 < split_remats and split_remats * 2 < whole_remats
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=True),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=True),
+    lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True, foreach=True),
+], ids=["sgd", "adamw", "adam-amsgrad", "rmsprop-centered"])
+def test_foreach_optimizers_inside_the_session_are_exact(make):
+    """Three steps of an optimizer with foreach ops, and clip_grad_norm_'s
+    foreach norm and scaling, inside a chaos session: parameters identical
+    to plain."""
+    def run(ctx):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(8)) for _ in range(12)]
+        opt = make(ps)
+        for _ in range(3):
+            with ctx():
+                loss = sum((p * p * p).sum() for p in ps)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+                opt.step()
+                opt.zero_grad()
+        return ps
+
+    import contextlib
+
+    plain = run(contextlib.nullcontext)
+    live = run(lambda: dtr(device="cpu", chaos=True, check_invariants=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, live))

@@ -26,6 +26,7 @@ struct Accessors {
   PyObject* is_contiguous = nullptr;
   PyObject* numel = nullptr;
   PyObject* element_size = nullptr;
+  PyObject* get_device = nullptr;
   PyObject* dtype = nullptr;            // getset descriptors
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
@@ -54,6 +55,7 @@ inline void load_accessors(py::dict d) {
   a.is_contiguous = take("is_contiguous");
   a.numel = take("numel");
   a.element_size = take("element_size");
+  a.get_device = take("get_device");
   a.dtype = take("dtype");
   a.version = take("_version");
   a.cdata = take("_cdata");

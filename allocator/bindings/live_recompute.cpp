@@ -85,6 +85,34 @@ py::object LiveSession::fill(py::handle x, const py::list& tensors, std::size_t*
   return py::reinterpret_borrow<py::object>(o);
 }
 
+// A split foreach op's arguments (args, a tuple, or kwargs, a dict) with
+// each list of `n` items (Tensor[] and Scalar[]) cut to its item `element`.
+py::object LiveSession::one_element(const py::object& x, int n, int element) {
+  auto cut = [&](PyObject* o) -> py::object {
+    if ((PyList_CheckExact(o) || PyTuple_CheckExact(o)) && PySequence_Fast_GET_SIZE(o) == n) {
+      PyObject* item = PySequence_Fast_ITEMS(o)[element];
+      py::list one(1);
+      one[0] = py::reinterpret_borrow<py::object>(item);
+      return PyTuple_CheckExact(o) ? py::object(py::tuple(one)) : py::object(one);
+    }
+    return py::reinterpret_borrow<py::object>(o);
+  };
+  if (PyTuple_CheckExact(x.ptr())) {
+    const Py_ssize_t m = PyTuple_GET_SIZE(x.ptr());
+    py::tuple out(m);
+    for (Py_ssize_t i = 0; i < m; ++i) out[i] = cut(PyTuple_GET_ITEM(x.ptr(), i));
+    return out;
+  }
+  if (PyDict_CheckExact(x.ptr())) {
+    py::dict out;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(x.ptr(), &pos, &key, &value)) out[key] = cut(value);
+    return out;
+  }
+  throw std::logic_error("dtralloc live session: a split op's arguments are neither a tuple nor a dict");
+}
+
 // ---- recompute -----------------------------------------------------------------
 
 std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
@@ -94,9 +122,16 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
   if (!op) throw std::logic_error("dtralloc live session: no recipe for value " + std::to_string(value));
   const Slot& target = slots_[value];
   auto in_recipe = [&](int v) { return std::find(x.recipe.begin(), x.recipe.end(), v) != x.recipe.end(); };
-  py::list tensors(op->refs.size());
+  // A foreach op split by element runs on the value's element alone: only
+  // that element's refs (and those every element reads) are built.
+  const int element = !op->elements ? -1 : target.out_index >= 0 ? target.out_index : op->element.at(target.write_ref);
+  py::list tensors(op->refs.size());  // None where another element's
   py::object made_storage;  // the written storage a write-made value is recomputed into
   for (std::size_t k = 0; k < op->refs.size(); ++k) {
+    if (element >= 0 && op->element[k] >= 0 && op->element[k] != element) {
+      tensors[k] = py::none();  // a list's other items: one_element drops them
+      continue;
+    }
     const ArgRef& r = op->refs[k];
     const bool is_written = std::find(op->written.begin(), op->written.end(), static_cast<int>(k)) != op->written.end();
     py::object storage;
@@ -126,6 +161,10 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
   py::object args = fill(op->args, tensors, &next);
   py::object kwargs = fill(op->kwargs, tensors, &next);
   if (next != tensors.size()) throw std::logic_error("dtralloc live session: a recipe's template lost a tensor");
+  if (element >= 0) {
+    args = one_element(args, op->elements, element);
+    kwargs = one_element(kwargs, op->elements, element);
+  }
   py::object out;
   try {
     out = run_(op->func, args, kwargs, op->rng, (op->flags & kGradEnabled) != 0);
@@ -139,8 +178,9 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
   }
   int leaves = 0;
   if (target.out_index >= 0) {
+    const int want = element >= 0 ? 0 : target.out_index;  // a split op returns its one element's output
     for_each_tensor(out.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
-      if (leaves++ == target.out_index) made_storage = call_method(t, names().untyped_storage);
+      if (leaves++ == want) made_storage = call_method(t, names().untyped_storage);
     });
   }
   if (!made_storage)

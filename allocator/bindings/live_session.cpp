@@ -624,6 +624,7 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
       known.generator_pos = spec[1].cast<int>();
       known.random_here = true;
     }
+    known.per_element = answer[7].cast<int>();
     known.classified = true;
   }
   if (!known.fast && !known.writes_here)
@@ -737,6 +738,87 @@ bool LiveSession::covers_storage(py::handle t) {
   return bytes == as_int(call_method(call_method(t, names().untyped_storage), names().nbytes));
 }
 
+// ops.PER_ELEMENT_*: the values mode.py's classifier gives (ops.py).
+constexpr int kPerElementNone = 0, kPerElementReduction = 2;
+
+int LiveSession::elements_of(const FuncInfo& known, PyObject* args, PyObject* kwargs, std::vector<int>* element) const {
+  element->clear();
+  if (known.per_element == kPerElementNone) return 0;
+  // torch's CUDA per-tensor reductions size their partial sums by the whole
+  // list (ops.py, PER_ELEMENT_REDUCTION): not split there.
+  if (options_.cuda && known.per_element == kPerElementReduction) return 0;
+  auto* tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type_.ptr());
+  Py_ssize_t n = -1;
+  std::vector<Py_ssize_t> scalar_lists;  // lengths of the lists without tensors (Scalar[])
+  std::vector<PyObject*> tensors, scalars;
+  // One argument, as for_each_tensor walks it (a list's items in order).
+  auto argument = [&](PyObject* o) {
+    if (PyObject_TypeCheck(o, tensor_type)) {
+      element->push_back(-1);
+      tensors.push_back(o);
+      return true;
+    }
+    if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return true;  // a scalar, None, a dtype...
+    const Py_ssize_t m = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    bool any_tensor = false;
+    for (Py_ssize_t k = 0; k < m; ++k) any_tensor = any_tensor || PyObject_TypeCheck(items[k], tensor_type);
+    if (!any_tensor) {
+      for (Py_ssize_t k = 0; k < m; ++k) {
+        if (PyList_Check(items[k]) || PyTuple_Check(items[k])) return false;  // nested: not a Scalar[]
+        scalars.push_back(items[k]);
+      }
+      scalar_lists.push_back(m);
+      return true;
+    }
+    if (n >= 0 && m != n) return false;  // Tensor[] arguments of different lengths
+    n = m;
+    for (Py_ssize_t k = 0; k < m; ++k) {
+      if (!PyObject_TypeCheck(items[k], tensor_type)) return false;  // a None in a Tensor?[]
+      element->push_back(static_cast<int>(k));
+      tensors.push_back(items[k]);
+    }
+    return true;
+  };
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(args); ++i) ok = argument(PyTuple_GET_ITEM(args, i));
+  if (ok && kwargs) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (ok && PyDict_Next(kwargs, &pos, &key, &value)) ok = argument(value);
+  }
+  for (Py_ssize_t m : scalar_lists) ok = ok && m == n;
+  if (!ok || n < 2) {
+    element->clear();
+    return 0;
+  }
+  if (options_.cuda) {
+    // torch takes its fused kernel for a whole list or its per-tensor loop;
+    // one element must take the kernel the list took. What decides it for
+    // the whole list and not per element: one dtype and one device for all
+    // the tensors, and scalars of one kind (ForeachUtils.h).
+    PyObject* dtype = nullptr;
+    std::int64_t device = -2;
+    for (PyObject* t : tensors) {
+      py::object d = get_attr(t, names().dtype);
+      const std::int64_t index = as_int(call_method(t, names().get_device));
+      if (!dtype) {
+        dtype = d.ptr();
+        device = index;
+      } else if (d.ptr() != dtype || index != device) {  // dtypes are singletons
+        ok = false;
+        break;
+      }
+    }
+    for (PyObject* x : scalars) ok = ok && Py_TYPE(x) == Py_TYPE(scalars.front());
+    if (!ok) {
+      element->clear();
+      return 0;
+    }
+  }
+  return static_cast<int>(n);
+}
+
 py::tuple LiveSession::written_by(const FuncInfo& known, PyObject* args, PyObject* kwargs) const {
   PyObject* tensor_type = tensor_type_.ptr();
   auto argument = [&](int i, PyObject* name) { return argument_of(args, kwargs, i, name); };
@@ -771,6 +853,28 @@ py::tuple LiveSession::written_by(const FuncInfo& known, PyObject* args, PyObjec
   return py::tuple(out);
 }
 
+// record()'s split of a foreach op by element (elements_of), given the
+// inputs it saw (scratch_inputs_) and how many tensors the op returned and
+// wrote: the number of elements, or 0 where the call does not split (its
+// outputs or writes are not one tensor per element, in element order). Fills
+// scratch_by_element_: element i's input values, then those every element reads.
+int LiveSession::split_elements(py::handle func, py::handle args, py::handle kwargs, int outputs, int writes) {
+  const FuncInfo& known = func_info(func.ptr());
+  const int n = elements_of(known, args.ptr(), kwargs && !kwargs.is_none() ? kwargs.ptr() : nullptr, &scratch_element_);
+  if (!n) return 0;
+  const std::vector<Seen>& inputs = scratch_inputs_;
+  if (scratch_element_.size() != inputs.size())
+    throw std::logic_error("dtralloc live session: a foreach op's elements and its tensor arguments disagree");
+  if ((!scratch_made_.empty() && outputs != n) || (!scratch_written_.empty() && writes != n)) return 0;
+  if (scratch_by_element_.size() < static_cast<std::size_t>(n) + 1) scratch_by_element_.resize(n + 1);
+  for (int e = 0; e <= n; ++e) scratch_by_element_[e].clear();
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    const int e = scratch_element_[k];
+    scratch_by_element_[e < 0 ? n : e].push_back(inputs[k].value);
+  }
+  return n;
+}
+
 void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py::handle out, py::handle writes,
                          std::uint32_t flags, int pin, double cost, py::handle rng) {
   flush_deaths();
@@ -799,12 +903,14 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   for_each_tensor(args.ptr(), tensor_type, see);
   if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
   written_set_.next(engine_->num_values());
+  int write_index = 0;
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
+    const int index = write_index++;
     py::object storage = call_method(t, names().untyped_storage);
     const int v = value_of(storage, cdata_of(storage));
     if (v >= 0 && !written_set_.marked(v)) {
       written_set_.mark(v);
-      written.push_back({t, v});
+      written.push_back({t, v, index});
     }
   });
   // 2. What it made: output tensors on storages the session has not seen.
@@ -824,6 +930,17 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     if (options_.chaos) engine_->evict_all();
     return;  // views, detach, scalar reads: nothing for the engine
   }
+  // A foreach op whose output i (or i-th written tensor) reads element i of
+  // its lists (ops.PER_ELEMENT_*): each gets a recipe of its element's
+  // inputs, not of all of them (n outputs x 2n inputs an optimizer step).
+  const int elements = made.size() + written.size() > 1 ? split_elements(func, args, kwargs, leaf, write_index) : 0;
+  auto reads_of = [&](int element) -> const std::vector<int>* {
+    if (!elements) return nullptr;
+    scratch_reads_ = scratch_by_element_[element];
+    const std::vector<int>& every = scratch_by_element_[elements];
+    scratch_reads_.insert(scratch_reads_.end(), every.begin(), every.end());
+    return &scratch_reads_;
+  };
   const std::size_t ordinal = op_funcs_.size();
   const bool noting = lifetimes_on_ && ordinal < kLifetimeOps;
   if (noting) {
@@ -844,6 +961,13 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
   const auto reason = static_cast<PinReason>(pin);
+  // Where each written value is first among the op's tensor arguments (its
+  // ref in the recipe); a foreach update writes hundreds.
+  std::unordered_map<int, int>& first_read = scratch_first_read_;
+  first_read.clear();
+  if (!written.empty())
+    for (std::size_t k = 0; k < inputs.size(); ++k)
+      if (written_set_.marked(inputs[k].value)) first_read.emplace(inputs[k].value, static_cast<int>(k));
   std::vector<int>& recomputable = scratch_recomputable_;
   recomputable.clear();
   try {
@@ -854,7 +978,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
         addr = static_cast<std::uintptr_t>(as_int(call_method(m.storage, names().data_ptr)));
         foreign = !pool_->owns(reinterpret_cast<void*>(addr));
       }
-      const int v = engine_->add_output(op, m.nbytes, addr, reason != PinReason::kNone, foreign);
+      const int v = engine_->add_output(op, m.nbytes, addr, reason != PinReason::kNone, foreign, reads_of(m.out_index));
       Slot& s = slot(v);
       s.pin = foreign ? PinReason::kForeign : reason;
       s.out_index = m.out_index;
@@ -864,7 +988,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     }
     for (const Seen& w : written) {
       const bool reads_old = !(flags & kOverwrites);
-      const int n = engine_->write(op, w.value, reads_old);
+      const int n = engine_->write(op, w.value, reads_old, reads_of(w.element));
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];
       // The storage now holds the new version: its watch and family move
@@ -886,11 +1010,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       by_storage_[s.cdata] = n;
       old.overwritten = true;
       s.version = as_int(get_attr(w.tensor, names().version));
-      for (std::size_t k = 0; k < inputs.size(); ++k)
-        if (inputs[k].value == w.value) {
-          s.write_ref = static_cast<int>(k);
-          break;
-        }
+      const auto ref = first_read.find(w.value);
+      s.write_ref = ref == first_read.end() ? -1 : ref->second;
       if (!engine_->value(n).pinned) recomputable.push_back(n);
     }
   } catch (const OutOfMemoryError&) {
@@ -914,6 +1035,10 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     rec->flags = flags;
     rec->rng = py::reinterpret_borrow<py::object>(rng);
     rec->recipes = static_cast<int>(recomputable.size());
+    if (elements) {
+      rec->elements = elements;
+      rec->element = scratch_element_;
+    }
     rec->refs.reserve(inputs.size());
     for (const Seen& s : inputs) {
       ArgRef r;

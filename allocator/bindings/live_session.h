@@ -121,6 +121,11 @@ struct LiveOp {                 // what recomputing an op's outputs needs
   py::object rng;                 // (generator, state) or None
   std::uint32_t flags = 0;
   int recipes = 0;                // unreleased recomputable values it made
+  // A foreach op split by element (LiveSession::elements_of): how many, and
+  // the element each ref belongs to (-1: read by every element). A value it
+  // made or wrote is recomputed by running the op on its element alone.
+  int elements = 0;
+  std::vector<int> element;
 };
 
 struct Slot {
@@ -300,6 +305,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   struct Seen {
     PyObject* tensor;  // borrowed from the op's arguments
     int value;
+    int element = -1;  // written by a split foreach op: its element
   };
   struct Made {
     py::object storage, tensor;
@@ -310,6 +316,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::vector<Seen> scratch_inputs_, scratch_written_;
   std::vector<Made> scratch_made_;
   std::vector<int> scratch_recomputable_;
+  std::vector<int> scratch_element_;                  // elements_of's answer
+  std::vector<std::vector<int>> scratch_by_element_;  // a split op's reads, per element (-1's last)
+  std::vector<int> scratch_reads_;                    // one element's reads
+  std::unordered_map<int, int> scratch_first_read_;   // a written value's first input index
   // record()'s sets of the values an op reads and writes (a pass per op
   // over the engine's values), and of the storages it makes, so that an op
   // of hundreds of tensors (a foreach update) is recorded in linear time.
@@ -341,6 +351,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     bool random_here = false;
     int dropout_pos = -1;
     int generator_pos = -1;
+    int per_element = 0;  // ops.PER_ELEMENT_*
   };
   // The tensors `known` writes in this call (ops.written's rule), as a tuple.
   py::tuple written_by(const FuncInfo& known, PyObject* args, PyObject* kwargs) const;
@@ -351,6 +362,12 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   py::object generator_of(const FuncInfo& known, PyObject* args, PyObject* kwargs) const;
   // Whether writing `t` writes every byte of its storage (ops.covers_storage).
   static bool covers_storage(py::handle t);
+  // How a foreach op's call splits by element: the number of elements (0:
+  // not split), and into *element the element of each tensor argument in
+  // for_each_tensor's order (-1: a single tensor every element reads).
+  int elements_of(const FuncInfo& known, PyObject* args, PyObject* kwargs, std::vector<int>* element) const;
+  int split_elements(py::handle func, py::handle args, py::handle kwargs, int outputs, int writes);
+  static py::object one_element(const py::object& x, int n, int element);
   FuncInfo& func_info(PyObject* func);
   py::object grad_fn_name(const py::object& grad_fn);
   std::unordered_map<PyObject*, py::object> grad_fn_names_;  // by node class, kept alive by grad_fn_types_

@@ -237,6 +237,53 @@ void test_foreach_write_to_pinned_values_keeps_no_recipe() {
   e.release_all();
 }
 
+// A foreach op's outputs and writes, each given the reads of its own element
+// (add_output's and write's `reads`): recipes of 2 or 3 values, not 2N; a
+// recompute of one output brings back its element's inputs alone.
+void test_per_output_reads_make_per_element_recipes() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  constexpr int kN = 20;
+  std::vector<int> xs, ys, all;
+  for (int i = 0; i < kN; ++i) xs.push_back(leaf(e, 1024, 1));
+  for (int i = 0; i < kN; ++i) ys.push_back(leaf(e, 1024, 1));
+  const int scale = leaf(e, 64, 1);  // a single tensor every element reads
+  all = xs;
+  all.insert(all.end(), ys.begin(), ys.end());
+  all.push_back(scale);
+  const int op = e.begin_op(call(kN, all));
+  std::vector<int> outs;
+  for (int i = 0; i < kN; ++i) {
+    const std::vector<int> reads{xs[i], ys[i], scale};
+    outs.push_back(e.add_output(op, 1024, 0, false, false, &reads));
+  }
+  e.end_op(op);
+  for (int i = 0; i < kN; ++i) {
+    CHECK((e.value(outs[i]).recipe == std::vector<int>{xs[i], ys[i], scale}));
+    CHECK(e.value(xs[i]).dependents == std::vector<int>{outs[i]});
+  }
+  CHECK(e.value(scale).dependents.size() == static_cast<std::size_t>(kN));
+  // In place, over the outputs: the new version of element i reads its old
+  // version and x_i; with reads_old false, x_i alone.
+  std::vector<int> reads_w = outs;
+  reads_w.insert(reads_w.end(), xs.begin(), xs.end());
+  const int w = e.begin_op(call(1, reads_w, outs));
+  const std::vector<int> r0{outs[0], xs[0]}, r1{outs[1], xs[1]};
+  const int n0 = e.write(w, outs[0], true, &r0);
+  const int n1 = e.write(w, outs[1], false, &r1);
+  e.end_op(w);
+  CHECK((e.value(n0).recipe == std::vector<int>{outs[0], xs[0]}));
+  CHECK((e.value(n1).recipe == std::vector<int>{xs[1]}));
+  // Evict element 5's inputs and output: bringing it back recomputes x_5,
+  // y_5 and the output, none of the other elements.
+  for (int v : {xs[5], ys[5], outs[5]}) e.evict(v);
+  const std::size_t before = e.counters().remats;
+  read(e, {outs[5]});
+  CHECK(e.counters().remats - before == 3);
+  e.check_invariants();
+  e.release_all();
+}
+
 void test_locked_never_evicted_and_random() {
   FakeMemory mem;
   RematEngine e(mem);
@@ -540,6 +587,7 @@ int main() {
   test_in_place_versions();
   test_write_to_pinned_value();
   test_foreach_write_to_pinned_values_keeps_no_recipe();
+  test_per_output_reads_make_per_element_recipes();
   test_locked_never_evicted_and_random();
   test_missing_inputs();
   test_recompute_need_bytes();

@@ -95,7 +95,7 @@ def _info(func) -> ops.OpInfo:
 
 
 def _classify_for_c(func):
-    """(fast, flags, pin, call, view, writes, random) for the C path
+    """(fast, flags, pin, call, view, writes, random, per_element) for the C path
     (LiveSession::dispatch). Ops that write or are random run in C as well,
     which does what _dispatch does for them: `writes` = (positions, names,
     legacy batch norm's undeclared running statistics, whether the writes
@@ -104,7 +104,8 @@ def _classify_for_c(func):
     -1 where none) finds the generator whose state is saved first, as
     ops.generator_for does. Both None: the plain fast path, or (not fast)
     this Python path: ops that rebind a tensor to other memory, and bitwise
-    nondeterministic ones (pinned on CUDA per call)."""
+    nondeterministic ones (pinned on CUDA per call). `per_element`:
+    ops.PER_ELEMENT_*, how a foreach op's outputs read its lists."""
     info = _info(func)
     # OpOverload.__call__ only forwards to ._op: calling that saves a Python frame per op.
     call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
@@ -114,7 +115,7 @@ def _classify_for_c(func):
         if info.flags & ops.RANDOM:
             random = (-1 if info.dropout_pos is None else info.dropout_pos,
                       -1 if info.generator_pos is None else info.generator_pos)
-    return info.fast, info.flags, info.pin, call, info.view, writes, random
+    return info.fast, info.flags, info.pin, call, info.view, writes, random, info.per_element
 
 
 def _deterministic() -> bool:

@@ -49,6 +49,18 @@ _UNDECLARED_RUNNING_STATS = {"aten::native_batch_norm", "aten::cudnn_batch_norm"
 _REBINDING = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::_resize_output_"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"}
 
+# How a foreach op's outputs depend on its list arguments (OpInfo.per_element).
+# NONE: each output reads every input. ELEMENTWISE: output i (or the i-th
+# tensor it writes) reads element i of each Tensor[] and Scalar[] argument and
+# every single tensor argument, and the op run on those elements alone gives
+# it bit for bit (torch's CPU kernels loop over the tensors; on CUDA the
+# session checks per call that one element takes the kernel the whole list
+# took: LiveSession::elements_of). REDUCTION: the same, for a per-tensor
+# reduction (_foreach_norm, _foreach_max): split on CPU only, where it is the
+# same loop; torch's CUDA kernel sizes its partial sums by the whole list.
+PER_ELEMENT_NONE, PER_ELEMENT_ELEMENTWISE, PER_ELEMENT_REDUCTION = range(3)
+_FOREACH_REDUCTIONS = {"aten::_foreach_norm", "aten::_foreach_max"}
+
 
 class OpInfo(NamedTuple):
     fast: bool                    # nothing to decide per call: record(flags, pin) as they are
@@ -63,6 +75,7 @@ class OpInfo(NamedTuple):
     overwrites: bool              # writes replace the storage without reading it, if they cover it
     bitwise_nondeterministic: bool
     rebinds: bool
+    per_element: int              # PER_ELEMENT_*: a foreach op's output i reads element i of its lists
 
 
 def _name(func) -> str:
@@ -106,7 +119,20 @@ def classify(func) -> OpInfo:
             and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
             and not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
     return OpInfo(fast, view, flags, pin, write_pos, write_kw, undeclared, dropout_pos, generator_pos, overwrites,
-                  bitwise, rebinds)
+                  bitwise, rebinds, _per_element(name, args))
+
+
+def _per_element(name: str, args) -> int:
+    if not name.startswith("aten::_foreach_"):
+        return PER_ELEMENT_NONE
+    if not any(isinstance(a.type, torch.ListType) and a.type.getElementType().isSubtypeOf(torch.TensorType.get())
+               for a in args):
+        return PER_ELEMENT_NONE
+    # addcmul/addcdiv's `scalars` tensor holds one scalar per element: the
+    # split would have to slice it. Kept whole.
+    if any(a.name == "scalars" and not isinstance(a.type, torch.ListType) for a in args):
+        return PER_ELEMENT_NONE
+    return PER_ELEMENT_REDUCTION if name in _FOREACH_REDUCTIONS else PER_ELEMENT_ELEMENTWISE
 
 
 def argument(info_pos: int, name: str, args, kwargs):

@@ -127,7 +127,7 @@ def _accessors() -> dict:
             "_version": tensor.__dict__["_version"], "device": tensor.__dict__["device"],
             "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
-            "element_size": tensor.element_size}
+            "element_size": tensor.element_size, "get_device": tensor.get_device}
 
 
 def helpers(device: str) -> dict:
