@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived
+    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
 """
 from __future__ import annotations
@@ -467,7 +467,63 @@ def device_full() -> dict:
             "total": torch.cuda.get_device_properties(0).total_memory, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
 
 
+def foreach() -> dict:
+    """Foreach ops split by element on CUDA (LiveSession::elements_of): a
+    chain of them under chaos, bit-exact with plain, with float32 lists (one
+    dtype: split, fewer recomputes than with every-input recipes) and with
+    float32 and bfloat16 alternating (torch's per-tensor loop for the list:
+    not split, the same recomputes either way); then three AdamW steps
+    after clip_grad_norm_, foreach, inside chaos sessions."""
+    dtralloc, torch = _setup()
+    from _foreach_chain import foreach_chain
+    from dtralloc.dtr import mode
+
+    def grads_equal(a, b):
+        return [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+
+    n = 6
+    chaos = lambda: dtralloc.dtr(chaos=True, check_invariants=True)  # noqa: E731
+    chains = {}
+    for name, dtypes in (("float32", None), ("mixed", [torch.float32, torch.bfloat16] * (n // 2))):
+        for reduction in (True, False):
+            run = lambda ctx: foreach_chain(torch, n, ctx, reduction, "cuda", dtypes)  # noqa: E731
+            plain, _ = run(contextlib.nullcontext)
+            again, _ = run(contextlib.nullcontext)
+            split, s = run(chaos)
+            classify = mode._classify_for_c
+            mode._classify_for_c = lambda func: classify(func)[:7] + (0,)
+            try:
+                whole, w = run(chaos)
+            finally:
+                mode._classify_for_c = classify
+            chains[f"{name}, {'norm' if reduction else 'no norm'}"] = {
+                "control": grads_equal(again, plain), "split_diffs": grads_equal(split, plain),
+                "whole_diffs": grads_equal(whole, plain), "split_remats": s.stats()["remats"],
+                "whole_remats": w.stats()["remats"]}
+            _settle(torch)
+
+    def adamw(session):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(8 + i, device="cuda")) for i in range(12)]
+        opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+        for _ in range(3):
+            with session():
+                loss = sum((p * p * p).sum() for p in ps)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+                opt.step()
+                opt.zero_grad()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in ps]
+
+    want = adamw(contextlib.nullcontext)
+    optimizer = {"control": grads_equal(adamw(contextlib.nullcontext), want),
+                 "diffs": grads_equal(adamw(chaos), want)}
+    return {"chains": chains, "optimizer": optimizer, "pool_ok": _pool_ok(dtralloc)}
+
+
 SCENARIOS = {
+    "foreach": foreach,
     "device_full": device_full,
     "op_costs": op_costs,
     "dropout": dropout,

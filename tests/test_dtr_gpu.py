@@ -127,3 +127,16 @@ def test_ops_are_priced_by_their_time_on_the_gpu():
     # wall clock's can differ while other processes share the GPU).
     assert 0.7 * r["gpu_ran_s"] <= r["op_seconds"] <= 1.2 * r["gpu_ran_s"], r
     assert r["pool_ok"]
+
+
+def test_foreach_ops_split_by_element_on_cuda_only_where_one_element_takes_the_lists_kernel():
+    r = run("foreach")
+    for name, c in r["chains"].items():
+        assert c["control"] == [], f"{name}: plain differs from plain on this GPU: {c}"
+        assert c["split_diffs"] == [] and c["whole_diffs"] == [], (name, c)
+        assert c["split_remats"] > 0, (name, c)
+    one_dtype, mixed = r["chains"]["float32, no norm"], r["chains"]["mixed, no norm"]
+    assert one_dtype["split_remats"] * 2 < one_dtype["whole_remats"], one_dtype  # split
+    assert mixed["split_remats"] == mixed["whole_remats"], mixed  # kept whole: the list ran torch's loop
+    assert r["optimizer"]["control"] == [] and r["optimizer"]["diffs"] == [], r["optimizer"]
+    assert r["pool_ok"]

@@ -14,6 +14,7 @@ import torch
 
 from dtralloc.dtr import dtr, mode
 
+from _foreach_chain import foreach_chain
 from _live_models import NAMES, build
 from test_dtr import SWEEP_BATCH
 
@@ -166,34 +167,6 @@ def _whole_foreach_ops(func):
     return _classify_for_c(func)[:7] + (0,)
 
 
-def _foreach_chain(n, ctx, reduction=True):
-    """Foreach ops whose outputs autograd saves one by one (t * t per
-    element) and whose inputs are session values: under chaos each unpack
-    recomputes its element. Every list argument kind a split must cut:
-    Tensor[] (made and written), Scalar[], a single tensor all elements
-    read, keyword arguments, and (`reduction`) a per-tensor reduction, whose
-    backward unpacks its whole list at once."""
-    torch.manual_seed(0)
-    ps = [torch.randn(16, requires_grad=True) for _ in range(n)]
-    xs = [torch.randn(16) for _ in range(n)]
-    scale = torch.tensor(1.5)
-    scalars = [0.5 + i for i in range(n)]
-    with ctx() as s:
-        y = torch._foreach_mul(ps, 2.0)
-        z = torch._foreach_add(y, xs, alpha=0.5)              # Tensor[] x 2, a keyword
-        z = torch._foreach_mul(z, scale)                      # a single tensor every element reads
-        z = torch._foreach_add(z, scalars)                    # Scalar[]
-        z = torch._foreach_lerp(z, y, [0.25] * n)             # Scalar[] after two Tensor[]
-        torch._foreach_addcmul_(z, y, xs, value=0.1)          # written in place, element by element
-        norms = torch._foreach_norm(z) if reduction else [1.0] * n  # a per-tensor reduction
-        w = [t * t * m for t, m in zip(z, norms)]
-        del y, z, norms
-        loss = sum(t.sum() for t in w)
-        del w
-    loss.backward()
-    return [p.grad for p in ps], s
-
-
 def test_foreach_ops_split_by_element(monkeypatch):
     """A foreach op's output i (or the i-th tensor it writes) reads element i
     of its lists: its recipe is that element's inputs, and bringing it back
@@ -205,12 +178,12 @@ def test_foreach_ops_split_by_element(monkeypatch):
     chaos = lambda: dtr(device="cpu", chaos=True, check_invariants=True)  # noqa: E731
     remats = {}
     for reduction in (True, False):
-        plain, _ = _foreach_chain(n, contextlib.nullcontext, reduction)
-        split, s = _foreach_chain(n, chaos, reduction)
+        plain, _ = foreach_chain(torch, n, contextlib.nullcontext, reduction)
+        split, s = foreach_chain(torch, n, chaos, reduction)
         assert all(torch.equal(a, b) for a, b in zip(plain, split))
         with monkeypatch.context() as m:
             m.setattr(mode, "_classify_for_c", _whole_foreach_ops)
-            whole, w = _foreach_chain(n, chaos, reduction)
+            whole, w = foreach_chain(torch, n, chaos, reduction)
         assert all(torch.equal(a, b) for a, b in zip(plain, whole))
         remats[reduction] = s.stats()["remats"], w.stats()["remats"]
     # Without the reduction (which brings its whole list back at once): 6

@@ -1,0 +1,33 @@
+"""A chain of foreach ops for the split-by-element tests (test_dtr_write_path.py
+on CPU, _dtr_gpu_worker.py's `foreach` scenario on CUDA)."""
+from __future__ import annotations
+
+
+def foreach_chain(torch, n, ctx, reduction=True, device="cpu", dtypes=None):
+    """Foreach ops whose outputs autograd saves one by one (t * t per
+    element) and whose inputs are session values: under chaos each unpack
+    recomputes its element. Every list argument kind a split must cut:
+    Tensor[] (made and written), Scalar[], a single tensor all elements
+    read, keyword arguments, and (`reduction`) a per-tensor reduction, whose
+    backward unpacks its whole list at once. `dtypes`: element i's dtype
+    (default float32). Returns the gradients and the session (ctx's value)."""
+    dtypes = dtypes or [torch.float32] * n
+    torch.manual_seed(0)
+    ps = [torch.randn(16, device=device, dtype=d, requires_grad=True) for d in dtypes]
+    xs = [torch.randn(16, device=device, dtype=d) for d in dtypes]
+    scale = torch.tensor(1.5, device=device)
+    scalars = [0.5 + i for i in range(n)]
+    with ctx() as s:
+        y = torch._foreach_mul(ps, 2.0)
+        z = torch._foreach_add(y, xs, alpha=0.5)              # Tensor[] x 2, a keyword
+        z = torch._foreach_mul(z, scale)                      # a single tensor every element reads
+        z = torch._foreach_add(z, scalars)                    # Scalar[]
+        z = torch._foreach_lerp(z, y, [0.25] * n)             # Scalar[] after two Tensor[]
+        torch._foreach_addcmul_(z, y, xs, value=0.1)          # written in place, element by element
+        norms = torch._foreach_norm(z) if reduction else [1.0] * n  # a per-tensor reduction
+        w = [t * t * m for t, m in zip(z, norms)]
+        del y, z, norms
+        loss = sum(t.float().sum() for t in w)
+        del w
+    loss.backward()
+    return [p.grad for p in ps], s
