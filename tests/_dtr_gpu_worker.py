@@ -475,7 +475,7 @@ def foreach() -> dict:
     not split, the same recomputes either way); then three AdamW steps
     after clip_grad_norm_, foreach, inside chaos sessions."""
     dtralloc, torch = _setup()
-    from _foreach_chain import foreach_chain
+    from _foreach_chain import foreach_chain, optimizer_steps
     from dtralloc.dtr import mode
 
     def grads_equal(a, b):
@@ -503,18 +503,9 @@ def foreach() -> dict:
             _settle(torch)
 
     def adamw(session):
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(8 + i, device="cuda")) for i in range(12)]
-        opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
-        for _ in range(3):
-            with session():
-                loss = sum((p * p * p).sum() for p in ps)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
-                opt.step()
-                opt.zero_grad()
+        steps = optimizer_steps(torch, lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True), session, "cuda")
         torch.cuda.synchronize()
-        return [p.detach().clone() for p in ps]
+        return steps
 
     want = adamw(contextlib.nullcontext)
     optimizer = {"control": grads_equal(adamw(contextlib.nullcontext), want),

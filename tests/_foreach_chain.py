@@ -31,3 +31,21 @@ def foreach_chain(torch, n, ctx, reduction=True, device="cpu", dtypes=None):
         del w
     loss.backward()
     return [p.grad for p in ps], s
+
+
+def optimizer_steps(torch, make, ctx, device="cpu", steps=3):
+    """`steps` training steps of 12 parameters (of 8 to 19 floats) with the
+    optimizer `make(params)` gives, each inside `ctx()`: forward, backward,
+    clip_grad_norm_ (foreach: a norm per tensor, then a scaling), the
+    optimizer's step. Returns the parameters."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(8 + i, device=device)) for i in range(12)]
+    opt = make(ps)
+    for _ in range(steps):
+        with ctx():
+            loss = sum((p * p * p).sum() for p in ps)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in ps]

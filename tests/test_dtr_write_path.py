@@ -14,7 +14,7 @@ import torch
 
 from dtralloc.dtr import dtr, mode
 
-from _foreach_chain import foreach_chain
+from _foreach_chain import foreach_chain, optimizer_steps
 from _live_models import NAMES, build
 from test_dtr import SWEEP_BATCH
 
@@ -203,21 +203,8 @@ def test_foreach_optimizers_inside_the_session_are_exact(make):
     """Three steps of an optimizer with foreach ops, and clip_grad_norm_'s
     foreach norm and scaling, inside a chaos session: parameters identical
     to plain."""
-    def run(ctx):
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(8)) for _ in range(12)]
-        opt = make(ps)
-        for _ in range(3):
-            with ctx():
-                loss = sum((p * p * p).sum() for p in ps)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
-                opt.step()
-                opt.zero_grad()
-        return ps
-
     import contextlib
 
-    plain = run(contextlib.nullcontext)
-    live = run(lambda: dtr(device="cpu", chaos=True, check_invariants=True))
+    plain = optimizer_steps(torch, make, contextlib.nullcontext)
+    live = optimizer_steps(torch, make, lambda: dtr(device="cpu", chaos=True, check_invariants=True))
     assert all(torch.equal(a, b) for a, b in zip(plain, live))
