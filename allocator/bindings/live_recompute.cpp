@@ -5,6 +5,7 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "live_python.h"
 #include "live_session.h"
@@ -127,6 +128,11 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
   const int element = !op->elements ? -1 : target.out_index >= 0 ? target.out_index : op->element.at(target.write_ref);
   py::list tensors(op->refs.size());  // None where another element's
   py::object made_storage;  // the written storage a write-made value is recomputed into
+  // The storage each written value gets, shared by all its refs: an op may
+  // write one storage through two arguments (the same tensor twice in a
+  // foreach list, two views of one base), and reads what it wrote.
+  std::unordered_map<int, py::object> written_storage;
+  const int target_old = target.write_ref >= 0 ? op->refs.at(target.write_ref).value : -1;
   for (std::size_t k = 0; k < op->refs.size(); ++k) {
     if (element >= 0 && op->element[k] >= 0 && op->element[k] != element) {
       tensors[k] = py::none();  // a list's other items: one_element drops them
@@ -139,11 +145,17 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
       // Never the live storage: the op writes what it gets. The value being
       // recomputed gets a copy of the old version (or fresh memory, if the op
       // overwrites it whole); other written arguments get scratch copies.
-      const bool resident = engine_->value(r.value).state == ValueState::kResident;
-      const bool copy = resident && (static_cast<int>(k) != target.write_ref || in_recipe(r.value));
-      py::object like = resident ? storage_of(r.value) : py::object(py::none());
-      storage = new_storage_(engine_->value(r.value).nbytes, like, copy, device_);
-      if (static_cast<int>(k) == target.write_ref) made_storage = storage;
+      auto shared = written_storage.find(r.value);
+      if (shared != written_storage.end()) {
+        storage = shared->second;
+      } else {
+        const bool resident = engine_->value(r.value).state == ValueState::kResident;
+        const bool copy = resident && (r.value != target_old || in_recipe(r.value));
+        py::object like = resident ? storage_of(r.value) : py::object(py::none());
+        storage = new_storage_(engine_->value(r.value).nbytes, like, copy, device_);
+        if (r.value == target_old) made_storage = storage;
+        written_storage.emplace(r.value, storage);
+      }
     } else {
       const Slot& s = slots_[r.value];
       if (!r.external) storage = storage_of(r.value);

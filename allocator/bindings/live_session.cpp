@@ -866,6 +866,20 @@ int LiveSession::split_elements(py::handle func, py::handle args, py::handle kwa
   if (scratch_element_.size() != inputs.size())
     throw std::logic_error("dtralloc live session: a foreach op's elements and its tensor arguments disagree");
   if ((!scratch_made_.empty() && outputs != n) || (!scratch_written_.empty() && writes != n)) return 0;
+  // One element alone must see what the whole op saw: no storage written by
+  // two elements (the same tensor twice, two views of one base), nor written
+  // by one and read by another (torch's loop would show the second the
+  // first's write).
+  const std::vector<Seen>& written = scratch_written_;
+  if (written.size() != static_cast<std::size_t>(writes)) return 0;  // a value written twice
+  if (!written.empty()) {
+    std::unordered_map<int, int> written_at;  // value -> its element
+    for (const Seen& w : written) written_at.emplace(w.value, w.element);
+    for (std::size_t k = 0; k < inputs.size(); ++k) {
+      const auto it = written_at.find(inputs[k].value);
+      if (it != written_at.end() && it->second != scratch_element_[k]) return 0;
+    }
+  }
   if (scratch_by_element_.size() < static_cast<std::size_t>(n) + 1) scratch_by_element_.resize(n + 1);
   for (int e = 0; e <= n; ++e) scratch_by_element_[e].clear();
   for (std::size_t k = 0; k < inputs.size(); ++k) {
