@@ -251,3 +251,41 @@ def test_an_op_writing_one_storage_through_two_arguments_recomputes_exactly(case
     got, s = _aliased_foreach_write(lambda: dtr(device="cpu", chaos=True, check_invariants=True), case)
     assert torch.equal(got, want)
     assert s.stats()["remats"] > 0
+
+
+def _out_on_an_input(ctx, write):
+    """An op with out= on one of its own inputs (it overwrites the storage
+    whole, yet reads it), its result saved by autograd and, under chaos,
+    recomputed."""
+    torch.manual_seed(0)
+    p = torch.randn(8, requires_grad=True)
+    b = torch.randn(8)
+    with ctx() as s:
+        x = p * 2
+        with torch.no_grad():
+            write(x, b)
+        loss = (x * x).sum()
+        del x
+        if s is not None:
+            s.evict_all()
+    loss.backward()
+    return p.grad, s
+
+
+@pytest.mark.parametrize("write", [
+    lambda x, b: torch.add(x, b, out=x),
+    lambda x, b: torch.mul(b, x, out=x),       # out= on the second input
+    lambda x, b: torch.mul(x, 3.0, out=x),
+    lambda x, b: x.copy_(x.flip(0).clone()),   # overwrites, reads only a copy: no old version needed
+], ids=["add-out-self", "mul-out-other", "mul-scalar-out-self", "copy-from-a-copy"])
+def test_an_op_writing_out_over_its_own_input_is_recomputed_from_the_old_version(write):
+    """out= (and fill_, copy_) writes all of its storage, so its new version
+    needs no old one, unless another argument of the op is on that storage:
+    torch.add(x, y, out=x) reads x. Without the old version the recompute
+    read fresh memory."""
+    import contextlib
+
+    want, _ = _out_on_an_input(contextlib.nullcontext, write)
+    got, s = _out_on_an_input(lambda: dtr(device="cpu", chaos=True, check_invariants=True), write)
+    assert torch.equal(got, want)
+    assert s.stats()["remats"] > 0

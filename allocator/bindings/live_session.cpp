@@ -853,6 +853,14 @@ py::tuple LiveSession::written_by(const FuncInfo& known, PyObject* args, PyObjec
   return py::tuple(out);
 }
 
+// Empties one of record()'s scratch hash tables: clear() zeroes every
+// bucket, as many as the largest op (a foreach update) ever needed, so an
+// empty table is left alone.
+template <typename Table>
+void clear_kept(Table& table) {
+  if (!table.empty()) table.clear();
+}
+
 // record()'s split of a foreach op by element (elements_of), given the
 // inputs it saw (scratch_inputs_) and how many tensors the op returned and
 // wrote: the number of elements, or 0 where the call does not split (its
@@ -917,19 +925,22 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   for_each_tensor(args.ptr(), tensor_type, see);
   if (kwargs && !kwargs.is_none()) for_each_tensor(kwargs.ptr(), tensor_type, see);
   written_set_.next(engine_->num_values());
+  clear_kept(scratch_writes_on_);
   int write_index = 0;
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
     const int index = write_index++;
     py::object storage = call_method(t, names().untyped_storage);
     const int v = value_of(storage, cdata_of(storage));
-    if (v >= 0 && !written_set_.marked(v)) {
+    if (v < 0) return;
+    ++scratch_writes_on_[v];  // written tensors on each value (read_besides_writes)
+    if (!written_set_.marked(v)) {
       written_set_.mark(v);
       written.push_back({t, v, index});
     }
   });
   // 2. What it made: output tensors on storages the session has not seen.
   int leaf = 0;
-  made_set_.clear();
+  clear_kept(made_set_);
   for_each_tensor(out.ptr(), tensor_type, [&](PyObject* t) {
     const int index = leaf++;
     py::object storage = call_method(t, names().untyped_storage);
@@ -976,12 +987,20 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   const int op = engine_->begin_op(call);
   const auto reason = static_cast<PinReason>(pin);
   // Where each written value is first among the op's tensor arguments (its
-  // ref in the recipe); a foreach update writes hundreds.
+  // ref in the recipe; a foreach update writes hundreds), and how many of
+  // them are on it: more than the tensors written there, and the op reads
+  // it through another argument.
   std::unordered_map<int, int>& first_read = scratch_first_read_;
-  first_read.clear();
+  std::unordered_map<int, int>& on_written = scratch_on_written_;
+  clear_kept(first_read);
+  clear_kept(on_written);
   if (!written.empty())
     for (std::size_t k = 0; k < inputs.size(); ++k)
-      if (written_set_.marked(inputs[k].value)) first_read.emplace(inputs[k].value, static_cast<int>(k));
+      if (written_set_.marked(inputs[k].value)) {
+        first_read.emplace(inputs[k].value, static_cast<int>(k));
+        ++on_written[inputs[k].value];
+      }
+  auto read_besides_writes = [&](int v) { return on_written[v] > scratch_writes_on_[v]; };
   std::vector<int>& recomputable = scratch_recomputable_;
   recomputable.clear();
   try {
@@ -1001,7 +1020,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       if (!engine_->value(v).pinned) recomputable.push_back(v);
     }
     for (const Seen& w : written) {
-      const bool reads_old = !(flags & kOverwrites);
+      // An overwriting op reads the old contents after all where another of
+      // its arguments is on the written storage (torch.add(x, y, out=x)).
+      const bool reads_old = !(flags & kOverwrites) || read_besides_writes(w.value);
       const int n = engine_->write(op, w.value, reads_old, reads_of(w.element));
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];

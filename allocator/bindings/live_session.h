@@ -320,6 +320,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::vector<std::vector<int>> scratch_by_element_;  // a split op's reads, per element (-1's last)
   std::vector<int> scratch_reads_;                    // one element's reads
   std::unordered_map<int, int> scratch_first_read_;   // a written value's first input index
+  std::unordered_map<int, int> scratch_on_written_;   // how many inputs are on a written value
+  std::unordered_map<int, int> scratch_writes_on_;    // how many written tensors are on it
   // record()'s sets of the values an op reads and writes (a pass per op
   // over the engine's values), and of the storages it makes, so that an op
   // of hundreds of tensors (a foreach update) is recorded in linear time.
