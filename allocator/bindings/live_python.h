@@ -27,6 +27,8 @@ struct Accessors {
   PyObject* numel = nullptr;
   PyObject* element_size = nullptr;
   PyObject* get_device = nullptr;
+  PyObject* is_conj = nullptr;
+  PyObject* is_neg = nullptr;
   PyObject* dtype = nullptr;            // getset descriptors
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
@@ -56,6 +58,8 @@ inline void load_accessors(py::dict d) {
   a.numel = take("numel");
   a.element_size = take("element_size");
   a.get_device = take("get_device");
+  a.is_conj = take("is_conj");
+  a.is_neg = take("is_neg");
   a.dtype = take("dtype");
   a.version = take("_version");
   a.cdata = take("_cdata");

@@ -18,10 +18,13 @@ Geometry Geometry::of(py::handle tensor) {
   g.size = exact_tuple(call_method(tensor, names().size));  // a torch.Size
   g.stride = exact_tuple(call_method(tensor, names().stride));
   g.offset = as_int(call_method(tensor, names().storage_offset));
+  if (call_method(tensor, names().is_conj).ptr() == Py_True) g.bits |= 1;
+  if (call_method(tensor, names().is_neg).ptr() == Py_True) g.bits |= 2;
   return g;
 }
 
 py::object Geometry::view(const py::object& view_fn, const py::object& storage) const {
+  if (bits) return view_fn(storage, dtype, size, stride, offset, static_cast<int>(bits));
   return view_fn(storage, dtype, size, stride, offset);
 }
 

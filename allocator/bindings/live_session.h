@@ -101,6 +101,9 @@ struct Geometry {
   py::object dtype;             // a torch.dtype: a singleton, nothing allocated
   py::object size, stride;
   std::int64_t offset = 0;
+  // torch's lazy conjugate (1) and negative (2) bits: `x.conj()` and
+  // `x.conj().imag` are views that only flag their data (runner.view's CONJ, NEG).
+  std::uint8_t bits = 0;
   static Geometry of(py::handle tensor);
   // A tensor with this geometry on `storage`, made by the runner's view().
   py::object view(const py::object& view_fn, const py::object& storage) const;

@@ -13,13 +13,24 @@ _no_dispatch = torch._C._DisableTorchDispatch
 _empty = torch.empty
 
 
-def view(storage, dtype, size, stride, offset):
-    """A tensor on `storage` with the geometry autograd (or an op) saw. Each
-    unpack in a backward calls this, where torch's argument parsing runs cold
+CONJ, NEG = 1, 2  # view()'s `bits` (Geometry::bits, live_session.h)
+
+
+def view(storage, dtype, size, stride, offset, bits=0):
+    """A tensor on `storage` with the geometry autograd (or an op) saw, and
+    its lazy conjugate and negative bits (`x.conj()`, `x.conj().imag` are
+    views that only flag their data). Each unpack in a backward calls this,
+    where torch's argument parsing runs cold
     (bench/results/live_overhead-2026-11-24b-cpu.md): the fewest calls and
     lookups."""
     with _no_dispatch():
-        return _empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+        t = _empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+        if bits:
+            if bits & CONJ:
+                t = t._conj()
+            if bits & NEG:
+                t = t._neg_view()
+        return t
 
 
 def detached(t):
@@ -127,7 +138,8 @@ def _accessors() -> dict:
             "_version": tensor.__dict__["_version"], "device": tensor.__dict__["device"],
             "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
-            "element_size": tensor.element_size, "get_device": tensor.get_device}
+            "element_size": tensor.element_size, "get_device": tensor.get_device, "is_conj": tensor.is_conj,
+            "is_neg": tensor.is_neg}
 
 
 def helpers(device: str) -> dict:
