@@ -86,6 +86,16 @@ inline std::int64_t as_int(const py::object& o) {
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
 }
+// A tensor's untyped storage, or None for a tensor without one the session
+// can own: sparse and mkldnn tensors (torch raises NotImplementedError).
+inline py::object storage_or_none(py::handle t) {
+  PyObject* self = t.ptr();
+  PyObject* r = PyObject_Vectorcall(names().untyped_storage, &self, 1, nullptr);
+  if (r) return py::reinterpret_steal<py::object>(r);
+  if (!PyErr_ExceptionMatches(PyExc_NotImplementedError)) throw py::error_already_set();
+  PyErr_Clear();
+  return py::none();
+}
 // A storage's StorageImpl address (its `_cdata`): what the registry keys on.
 inline std::uintptr_t cdata_of(py::handle storage) {
   return static_cast<std::uintptr_t>(as_int(get_attr(storage, names().cdata)));

@@ -23,6 +23,16 @@ Geometry Geometry::of(py::handle tensor) {
   return g;
 }
 
+bool Geometry::try_of(py::handle tensor, Geometry* g) {
+  try {
+    *g = of(tensor);
+    return true;
+  } catch (py::error_already_set& e) {
+    if (e.matches(PyExc_RuntimeError) || e.matches(PyExc_NotImplementedError)) return false;
+    throw;
+  }
+}
+
 py::object Geometry::view(const py::object& view_fn, const py::object& storage) const {
   if (bits) return view_fn(storage, dtype, size, stride, offset, static_cast<int>(bits));
   return view_fn(storage, dtype, size, stride, offset);

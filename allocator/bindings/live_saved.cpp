@@ -12,10 +12,16 @@ namespace dtralloc::live {
 
 py::object LiveSession::pack(py::handle tensor) {
   flush_deaths();
-  py::object storage = call_method(tensor, names().untyped_storage);
+  // None: autograd keeps the tensor itself (mode.pack's (tensor, version)):
+  // one made outside the session, or one no view can rebuild (sparse, a
+  // legacy nested tensor).
+  py::object storage = storage_or_none(tensor);
+  if (storage.is_none()) return py::none();
   const auto cdata = cdata_of(storage);
   const int v = value_of(storage, cdata);
   if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
+  Geometry geometry;
+  if (!Geometry::try_of(tensor, &geometry)) return py::none();
   Slot& s = slots_[v];
   if (!s.storage) s.storage = storage;  // the registry owns it now
   if (!s.family) {  // the saved tensor's version counter: a change outside the session shows there
@@ -28,7 +34,7 @@ py::object LiveSession::pack(py::handle tensor) {
   auto handle = std::make_unique<SavedValue>();
   handle->session = shared_from_this();
   handle->value = v;
-  handle->geometry = Geometry::of(tensor);
+  handle->geometry = std::move(geometry);
   handle->version = as_int(get_attr(tensor, names().version));
   // What torch's version error would name (built only if it is raised).
   handle->device = get_attr(tensor, names().device);
@@ -106,7 +112,8 @@ void LiveSession::version_error(py::handle what, std::int64_t now, std::int64_t 
 }
 
 void LiveSession::exported(py::handle tensor) {
-  py::object storage = call_method(tensor, names().untyped_storage);
+  py::object storage = storage_or_none(tensor);
+  if (storage.is_none()) return;
   const int v = value_of(storage, cdata_of(storage));
   if (v < 0) return;
   Slot& s = slots_[v];

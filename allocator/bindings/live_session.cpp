@@ -572,7 +572,8 @@ void LiveSession::before_write(py::handle writes) {
   flush_deaths();
   std::vector<int> vs;
   for_each_tensor(writes.ptr(), tensor_type_.ptr(), [&](PyObject* t) {
-    py::object storage = call_method(t, names().untyped_storage);
+    py::object storage = storage_or_none(t);
+    if (storage.is_none()) return;  // sparse: not the session's
     const int v = value_of(storage, cdata_of(storage));
     if (v >= 0 && engine_->value(v).pinned) vs.push_back(v);
   });
@@ -732,10 +733,12 @@ py::object LiveSession::generator_of(const FuncInfo& known, PyObject* args, PyOb
 }
 
 bool LiveSession::covers_storage(py::handle t) {
+  py::object storage = storage_or_none(t);
+  if (storage.is_none()) return false;
   if (as_int(call_method(t, names().storage_offset)) != 0) return false;
   if (call_method(t, names().is_contiguous).ptr() != Py_True) return false;
   const std::int64_t bytes = as_int(call_method(t, names().numel)) * as_int(call_method(t, names().element_size));
-  return bytes == as_int(call_method(call_method(t, names().untyped_storage), names().nbytes));
+  return bytes == as_int(call_method(storage, names().nbytes));
 }
 
 // ops.PER_ELEMENT_*: the values mode.py's classifier gives (ops.py).
@@ -915,8 +918,16 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     std::vector<Made>& m;
     ~ClearMade() { m.clear(); }
   } clear_made{made};
+  // A tensor without a storage the session can own (sparse, mkldnn) is not
+  // one of its values; an op reading one cannot be rerun from the registry,
+  // so what it makes and writes is pinned (kOpaque).
+  bool reads_opaque = false;
   auto see = [&](PyObject* t) {
-    py::object storage = call_method(t, names().untyped_storage);
+    py::object storage = storage_or_none(t);
+    if (storage.is_none()) {
+      reads_opaque = true;
+      return;
+    }
     const auto cdata = cdata_of(storage);
     int v = value_of(storage, cdata);
     if (v < 0) v = external_value(t, storage, cdata);
@@ -929,7 +940,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   int write_index = 0;
   for_each_tensor(writes.ptr(), tensor_type, [&](PyObject* t) {
     const int index = write_index++;
-    py::object storage = call_method(t, names().untyped_storage);
+    py::object storage = storage_or_none(t);
+    if (storage.is_none()) return;
     const int v = value_of(storage, cdata_of(storage));
     if (v < 0) return;
     ++scratch_writes_on_[v];  // written tensors on each value (read_besides_writes)
@@ -943,7 +955,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   clear_kept(made_set_);
   for_each_tensor(out.ptr(), tensor_type, [&](PyObject* t) {
     const int index = leaf++;
-    py::object storage = call_method(t, names().untyped_storage);
+    py::object storage = storage_or_none(t);
+    if (storage.is_none()) return;  // a sparse output: its memory is not a value of the session
     const auto cdata = cdata_of(storage);
     if (by_storage_.count(cdata) || !made_set_.insert(cdata).second)
       return;  // a view of an input, the written tensor, or a second view of a new one
@@ -958,7 +971,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   // A foreach op whose output i (or i-th written tensor) reads element i of
   // its lists (ops.PER_ELEMENT_*): each gets a recipe of its element's
   // inputs, not of all of them (n outputs x 2n inputs an optimizer step).
-  const int elements = made.size() + written.size() > 1 ? split_elements(func, args, kwargs, leaf, write_index) : 0;
+  const int elements =
+      !reads_opaque && made.size() + written.size() > 1 ? split_elements(func, args, kwargs, leaf, write_index) : 0;
   auto reads_of = [&](int element) -> const std::vector<int>* {
     if (!elements) return nullptr;
     scratch_reads_ = scratch_by_element_[element];
@@ -985,7 +999,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     }
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
-  const auto reason = static_cast<PinReason>(pin);
+  const auto reason = reads_opaque && pin == 0 ? PinReason::kOpaque : static_cast<PinReason>(pin);
   // Where each written value is first among the op's tensor arguments (its
   // ref in the recipe; a foreach update writes hundreds), and how many of
   // them are on it: more than the tensors written there, and the op reads
@@ -1024,6 +1038,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       // its arguments is on the written storage (torch.add(x, y, out=x)).
       const bool reads_old = !(flags & kOverwrites) || read_besides_writes(w.value);
       const int n = engine_->write(op, w.value, reads_old, reads_of(w.element));
+      if (reads_opaque) engine_->pin(n);  // its recipe would need the opaque tensor
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];
       // The storage now holds the new version: its watch and family move
@@ -1035,7 +1050,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       py::object dropped = std::move(old.storage);
       s.external = std::move(old.external);
       s.family = old.family;
-      s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal : PinReason::kNone;
+      s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal
+              : reads_opaque                   ? PinReason::kOpaque
+                                               : PinReason::kNone;
       if (old.watch) {
         watched_[old.watch.ptr()] = n;
         s.watch = std::move(old.watch);
@@ -1064,7 +1081,6 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   if (++ops_since_poll_ >= kPollEvery) poll_owned();
   // 4. The recipe, if anything it made can be recomputed.
   if (!recomputable.empty()) {
-    for (int v : recomputable) slots_[v].counted = true;
     auto rec = std::make_unique<LiveOp>();
     rec->func = py::reinterpret_borrow<py::object>(func);
     rec->flags = flags;
@@ -1075,6 +1091,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       rec->element = scratch_element_;
     }
     rec->refs.reserve(inputs.size());
+    bool described = true;  // every input's geometry read (a legacy nested tensor has no sizes)
     for (const Seen& s : inputs) {
       ArgRef r;
       r.value = s.value;
@@ -1087,16 +1104,27 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
         rec->refs.push_back(std::move(r));
         continue;
       }
-      r.geometry = Geometry::of(t);
+      if (!Geometry::try_of(t, &r.geometry)) {
+        described = false;
+        break;
+      }
       if (slots_[s.value].pin == PinReason::kExternal) r.version = as_int(get_attr(t, names().version));
       rec->refs.push_back(std::move(r));
     }
-    for (std::size_t k = 0; k < inputs.size(); ++k)  // the arguments it writes (a tensor's value is its storage's)
-      if (written_set_.marked(inputs[k].value)) rec->written.push_back(static_cast<int>(k));
-    rec->args = template_of(args);
-    rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : empty_kwargs_;
-    if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);
-    ops_[op] = std::move(rec);
+    if (!described) {  // no recipe can rebuild its inputs: what it made and wrote is pinned
+      for (int v : recomputable) {
+        engine_->pin(v);
+        slots_[v].pin = PinReason::kOpaque;
+      }
+    } else {
+      for (int v : recomputable) slots_[v].counted = true;
+      for (std::size_t k = 0; k < inputs.size(); ++k)  // the arguments it writes (a tensor's value is its storage's)
+        if (written_set_.marked(inputs[k].value)) rec->written.push_back(static_cast<int>(k));
+      rec->args = template_of(args);
+      rec->kwargs = kwargs && !kwargs.is_none() ? template_of(kwargs) : empty_kwargs_;
+      if (static_cast<std::size_t>(op) >= ops_.size()) ops_.resize(op + 1);
+      ops_[op] = std::move(rec);
+    }
   }
   if (!mirror_) peak_reserved_bytes_ = std::max(peak_reserved_bytes_, pool_->usage().reserved);
   if (options_.chaos) engine_->evict_all();
@@ -1198,7 +1226,7 @@ std::size_t LiveSession::evict_all() {
 std::string LiveSession::oom_report(std::size_t request_bytes) {
   // Resident bytes nothing can evict now, by why.
   std::size_t locked = 0, held = 0, dependents = 0;
-  std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kForeign) + 1, 0);
+  std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kOpaque) + 1, 0);
   for (int v : engine_->resident()) {
     const Value& x = engine_->value(v);
     if (engine_->evictable(v)) continue;

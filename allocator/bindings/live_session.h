@@ -73,7 +73,8 @@ namespace py = pybind11;
   X(kPythonData, "made from Python data (torch.tensor)")                                           \
   X(kSideEffects, "outputs of ops that write state besides their outputs")                         \
   X(kNondeterministic, "outputs of ops that are not bitwise deterministic on this device")         \
-  X(kForeign, "memory dtralloc's pool does not hold")
+  X(kForeign, "memory dtralloc's pool does not hold")                                              \
+  X(kOpaque, "made or written by ops reading tensors with no strided storage (sparse, mkldnn, nested)")
 
 enum class PinReason : std::uint8_t {
 #define DTRALLOC_PIN_ENUM(e, doc) e,
@@ -105,6 +106,9 @@ struct Geometry {
   // `x.conj().imag` are views that only flag their data (runner.view's CONJ, NEG).
   std::uint8_t bits = 0;
   static Geometry of(py::handle tensor);
+  // of(), or false where torch gives the tensor no sizes or strides (a
+  // legacy nested tensor): nothing can rebuild it from its storage.
+  static bool try_of(py::handle tensor, Geometry* g);
   // A tensor with this geometry on `storage`, made by the runner's view().
   py::object view(const py::object& view_fn, const py::object& storage) const;
 };

@@ -21,7 +21,7 @@ GRAD_ENABLED = 8
 
 # PinReason (live_session.h), in order
 PIN_NONE, PIN_EXTERNAL, PIN_UNWRITTEN, PIN_EXPORTED, PIN_COLLECTIVE, PIN_PYTHON_DATA, PIN_SIDE_EFFECTS, \
-    PIN_NONDETERMINISTIC, PIN_FOREIGN = range(9)
+    PIN_NONDETERMINISTIC, PIN_FOREIGN, PIN_OPAQUE = range(10)
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 _BITWISE = getattr(torch.Tag, "nondeterministic_bitwise", None)
@@ -159,8 +159,9 @@ def written(func, info: OpInfo, args, kwargs) -> tuple:
 
 
 def covers_storage(t: torch.Tensor) -> bool:
-    """True when writing `t` writes every byte of its storage."""
-    return (t.storage_offset() == 0 and t.is_contiguous()
+    """True when writing `t` writes every byte of its storage (never for a
+    tensor without a strided storage: sparse, mkldnn)."""
+    return (t.layout == torch.strided and not t.is_mkldnn and t.storage_offset() == 0 and t.is_contiguous()
             and t.numel() * t.element_size() == t.untyped_storage().nbytes())
 
 
