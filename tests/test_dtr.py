@@ -617,3 +617,22 @@ def test_a_nested_tensor_runs_as_in_plain_eager():
     with dtr(device="cpu", chaos=True, check_invariants=True):
         got = step()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
+def test_a_tensor_subclass_with_its_own_dispatch_runs_as_in_plain_eager(chaos):
+    """A jagged NestedTensor wraps its data (sizes with a symbolic length, a
+    storage that is not its data's): it is not the session's value, and
+    autograd keeps it whole."""
+    def step():
+        torch.manual_seed(0)
+        a = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged,
+                                       requires_grad=True)
+        b = (a * a).sin()
+        b.values().sum().backward()
+        return a.grad.values()
+
+    want = step()
+    with dtr(device="cpu", chaos=chaos, check_invariants=True):
+        got = step()
+    assert torch.equal(got, want)

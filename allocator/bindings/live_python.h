@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 namespace dtralloc::live {
@@ -35,6 +36,8 @@ struct Accessors {
   PyObject* device = nullptr;
   PyObject* grad_fn = nullptr;
   PyObject* output_nr = nullptr;
+  PyObject* tensor = nullptr;             // torch.Tensor, and the __torch_dispatch__ it has
+  PyObject* disabled_torch_dispatch = nullptr;
 };
 inline Accessors& names() {
   static Accessors a;
@@ -66,6 +69,8 @@ inline void load_accessors(py::dict d) {
   a.device = take("device");
   a.grad_fn = take("grad_fn");
   a.output_nr = take("output_nr");
+  a.tensor = take("Tensor");
+  a.disabled_torch_dispatch = take("disabled_torch_dispatch");
 }
 
 // A method descriptor called on `o` (no arguments).
@@ -86,9 +91,28 @@ inline std::int64_t as_int(const py::object& o) {
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
 }
+// Whether `t` is of a tensor subclass with a __torch_dispatch__ of its own
+// (a jagged NestedTensor, DTensor): a wrapper whose storage and sizes are
+// not its data's. Asked once per class (kept alive by the cache).
+inline bool is_wrapper_subclass(PyObject* t) {
+  PyTypeObject* type = Py_TYPE(t);
+  if (reinterpret_cast<PyObject*>(type) == names().tensor) return false;
+  static auto* known = new std::unordered_map<PyTypeObject*, bool>();  // under the GIL
+  auto it = known->find(type);
+  if (it != known->end()) return it->second;
+  static PyObject* const name = PyUnicode_InternFromString("__torch_dispatch__");
+  PyObject* dispatch = _PyType_Lookup(type, name);  // borrowed, not bound
+  const bool wrapper = dispatch && dispatch != names().disabled_torch_dispatch;
+  Py_INCREF(type);
+  known->emplace(type, wrapper);
+  return wrapper;
+}
+
 // A tensor's untyped storage, or None for a tensor without one the session
-// can own: sparse and mkldnn tensors (torch raises NotImplementedError).
+// can own: sparse and mkldnn tensors (torch raises NotImplementedError), and
+// wrapper subclasses (is_wrapper_subclass).
 inline py::object storage_or_none(py::handle t) {
+  if (is_wrapper_subclass(t.ptr())) return py::none();
   PyObject* self = t.ptr();
   PyObject* r = PyObject_Vectorcall(names().untyped_storage, &self, 1, nullptr);
   if (r) return py::reinterpret_steal<py::object>(r);

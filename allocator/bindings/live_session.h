@@ -74,7 +74,7 @@ namespace py = pybind11;
   X(kSideEffects, "outputs of ops that write state besides their outputs")                         \
   X(kNondeterministic, "outputs of ops that are not bitwise deterministic on this device")         \
   X(kForeign, "memory dtralloc's pool does not hold")                                              \
-  X(kOpaque, "made or written by ops reading tensors with no strided storage (sparse, mkldnn, nested)")
+  X(kOpaque, "made or written by ops reading tensors with no strided storage (sparse, nested, subclasses)")
 
 enum class PinReason : std::uint8_t {
 #define DTRALLOC_PIN_ENUM(e, doc) e,

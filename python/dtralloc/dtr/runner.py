@@ -139,7 +139,8 @@ def _accessors() -> dict:
             "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
             "element_size": tensor.element_size, "get_device": tensor.get_device, "is_conj": tensor.is_conj,
-            "is_neg": tensor.is_neg}
+            "is_neg": tensor.is_neg, "Tensor": torch.Tensor,
+            "disabled_torch_dispatch": torch._C._disabled_torch_dispatch_impl}
 
 
 def helpers(device: str) -> dict:
