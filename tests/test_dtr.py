@@ -636,3 +636,24 @@ def test_a_tensor_subclass_with_its_own_dispatch_runs_as_in_plain_eager(chaos):
     with dtr(device="cpu", chaos=chaos, check_invariants=True):
         got = step()
     assert torch.equal(got, want)
+
+
+def _reentrant_checkpoint_step():
+    """torch.utils.checkpoint(use_reentrant=True): the backward reruns the
+    block on detached copies of the inputs it saved, which autograd saves
+    again. Those copies are views the unpack rebuilt, each with a version
+    counter of its own."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16), nn.LayerNorm(16))
+    x = torch.randn(8, 16, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+    y.square().sum().backward()
+    return [p.grad for p in block.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
+def test_reentrant_checkpoint_inside_the_session_raises_no_false_version_error(chaos):
+    want = _reentrant_checkpoint_step()
+    with dtr(device="cpu", chaos=chaos, check_invariants=True):
+        got = _reentrant_checkpoint_step()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -221,7 +221,6 @@ std::uintptr_t LiveSession::recompute(int value, std::size_t bytes) {
     addr = static_cast<std::uintptr_t>(as_int(call_method(made_storage, names().data_ptr)));
   Slot& s = slot(value);
   s.storage = made_storage;  // owned: nobody else has it
-  s.family = py::object();
   watch(value, made_storage, cdata);
   stats_.recompute_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

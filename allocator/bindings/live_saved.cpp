@@ -22,19 +22,18 @@ py::object LiveSession::pack(py::handle tensor) {
   if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
   Geometry geometry;
   if (!Geometry::try_of(tensor, &geometry)) return py::none();
+  PyObject* ref = PyWeakref_NewRef(tensor.ptr(), nullptr);
+  if (!ref) throw py::error_already_set();
+  py::object tensor_ref = py::reinterpret_steal<py::object>(ref);
   Slot& s = slots_[v];
   if (!s.storage) s.storage = storage;  // the registry owns it now
-  if (!s.family) {  // the saved tensor's version counter: a change outside the session shows there
-    PyObject* fam = PyWeakref_NewRef(tensor.ptr(), nullptr);
-    if (!fam) throw py::error_already_set();
-    s.family = py::reinterpret_steal<py::object>(fam);
-  }
   ++s.handles;
   ++stats_.saved;
   auto handle = std::make_unique<SavedValue>();
   handle->session = shared_from_this();
   handle->value = v;
   handle->geometry = std::move(geometry);
+  handle->tensor = std::move(tensor_ref);
   handle->version = as_int(get_attr(tensor, names().version));
   // What torch's version error would name (built only if it is raised).
   handle->device = get_attr(tensor, names().device);
@@ -81,20 +80,22 @@ py::object LiveSession::unpack(const SavedValue& saved) {
                     now, saved.version);
     }
   };
-  const Slot& s = slots_[value];
-  if (s.overwritten) {
+  // The saved tensor's own version, where it is still alive (torch checks
+  // that counter; other tensors on the storage count their own).
+  auto saved_now = [&]() -> std::int64_t {
+    PyObject* t = saved.tensor ? PyWeakref_GetObject(saved.tensor.ptr()) : nullptr;
+    return t && t != Py_None ? as_int(get_attr(t, names().version)) : -1;
+  };
+  if (slots_[value].overwritten) {
     // A recorded in-place op wrote the storage after autograd saved it.
-    PyObject* fam = s.family ? PyWeakref_GetObject(s.family.ptr()) : nullptr;
-    check_version(fam && fam != Py_None ? as_int(get_attr(fam, names().version)) : saved.version + 1);
+    const std::int64_t now = saved_now();
+    check_version(now >= 0 ? now : saved.version + 1);
   }
   engine_->acquire(value);
   py::object tensor;
   try {
-    const Slot& after = slots_[value];
-    if (after.family) {  // an untracked in-place write (outside the session) shows in the version
-      PyObject* fam = PyWeakref_GetObject(after.family.ptr());
-      if (fam && fam != Py_None) check_version(as_int(get_attr(fam, names().version)));
-    }
+    const std::int64_t now = saved_now();  // an untracked in-place write (outside the session) shows there
+    if (now >= 0) check_version(now);
     tensor = saved.geometry.view(view_, storage_of(value));
   } catch (...) {
     engine_->unacquire(value);

@@ -169,7 +169,6 @@ LiveSession::~LiveSession() {
   watched_.clear();
   for (Slot& s : slots_) {
     s.storage = py::object();
-    s.family = py::object();
     s.external = py::object();
   }
   ops_.clear();
@@ -414,7 +413,6 @@ void LiveSession::flush_deaths() {
       if (it != by_storage_.end() && it->second == v) by_storage_.erase(it);
       s.cdata = 0;
     }
-    s.family = py::object();
     if (engine_->value(v).state != ValueState::kReleased) engine_->kill(v);
   }
 }
@@ -437,7 +435,6 @@ void LiveSession::release(int value, std::uintptr_t addr) {
   if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
   Slot& s = slot(value);
   unwatch(value);
-  s.family = py::object();
   // Last: dropping the storage may free device memory (dtralloc_free, which
   // re-enters the pool; it is not locked here).
   py::object storage = std::move(s.storage);
@@ -1041,15 +1038,14 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       if (reads_opaque) engine_->pin(n);  // its recipe would need the opaque tensor
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];
-      // The storage now holds the new version: its watch and family move
-      // over; the old version keeps its recipe (and a family reference, for
-      // the version its saved handles will see). The registry owned the
+      // The storage now holds the new version: its watch moves over; the
+      // old version keeps its recipe (its saved handles check their own
+      // tensors' versions). The registry owned the
       // storage for the old version's handles, not for the new version: the
       // program holds it (it just wrote through it), and it dies when the
       // program lets go.
       py::object dropped = std::move(old.storage);
       s.external = std::move(old.external);
-      s.family = old.family;
       s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal
               : reads_opaque                   ? PinReason::kOpaque
                                                : PinReason::kNone;
@@ -1061,7 +1057,6 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       old.cdata = 0;
       by_storage_[s.cdata] = n;
       old.overwritten = true;
-      s.version = as_int(get_attr(w.tensor, names().version));
       const auto ref = first_read.find(w.value);
       s.write_ref = ref == first_read.end() ? -1 : ref->second;
       if (!engine_->value(n).pinned) recomputable.push_back(n);

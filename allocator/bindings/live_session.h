@@ -10,8 +10,8 @@
 //   slots_        per engine value: the real storage behind it (a strong
 //                 reference while the registry owns it: saved by autograd, or
 //                 brought back by a recompute), a weak reference that reports
-//                 its death, a weak reference to a saved tensor on it (its
-//                 version counter), the saved handles that name it
+//                 its death, the saved handles that name it (each with a weak
+//                 reference to the tensor autograd saved: its version counter)
 //   by_storage_   StorageImpl address (_cdata) -> its current value
 //   ops_          per engine op with recomputable outputs: the OpOverload and
 //                 its arguments with every tensor replaced by a placeholder,
@@ -138,10 +138,8 @@ struct LiveOp {                 // what recomputing an op's outputs needs
 struct Slot {
   py::object storage;           // strong: the registry owns the storage
   py::object watch;             // weakref to the storage; its callback reports the death
-  py::object family;            // weakref to a tensor on the storage (its version counter)
   py::object external;          // external values: the tensor itself (kept, for versions)
   std::uintptr_t cdata = 0;     // StorageImpl address while the storage lives
-  std::int64_t version = 0;     // family's _version when this value became current
   int handles = 0;              // saved handles naming it
   int out_index = -1;           // which tensor output of its producer (-1: made by a write)
   int write_ref = -1;           // made by a write: the producer's ref it wrote
@@ -424,6 +422,11 @@ struct SavedValue {
   int value;
   Geometry geometry;
   std::int64_t version;
+  // A weakref to the tensor autograd saved: its version counter is the one
+  // torch would check (an in-place write outside the session shows there;
+  // other tensors on the storage, such as views the unpack rebuilt, count
+  // their own versions).
+  py::object tensor;
   // What torch's version error names, with the geometry's dtype and size:
   py::object device, grad_fn_name;  // grad_fn_name unset for a leaf
   std::int64_t output_nr = 0;
