@@ -556,6 +556,17 @@ def test_stats_and_arguments():
             pass
 
 
+def _same_as_plain(step, chaos):
+    """`step()` plainly, then inside dtr(device="cpu", chaos=chaos): what it
+    returns (a tensor or a list of them) identical. Returns the session."""
+    want = step()
+    with dtr(device="cpu", chaos=chaos, check_invariants=True) as s:
+        got = step()
+    want, got = (want, got) if isinstance(want, (list, tuple)) else ([want], [got])
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    return s
+
+
 def _complex_step():
     """Complex math whose saved tensors and op inputs are lazy views that
     only flag their data: x.conj() (the conjugate bit), x.conj().imag (the
@@ -573,10 +584,7 @@ def _complex_step():
 
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
 def test_complex_conjugate_and_negative_views_come_back_as_they_were_saved(chaos):
-    want = _complex_step()
-    with dtr(device="cpu", chaos=chaos, check_invariants=True) as s:
-        got = _complex_step()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    s = _same_as_plain(_complex_step, chaos)
     if chaos:
         assert s.stats()["remats"] > 0
 
@@ -599,10 +607,7 @@ def _sparse_step():
 
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
 def test_sparse_tensors_run_as_in_plain_eager(chaos):
-    want = _sparse_step()
-    with dtr(device="cpu", chaos=chaos, check_invariants=True):
-        got = _sparse_step()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _same_as_plain(_sparse_step, chaos)
 
 
 def test_a_nested_tensor_runs_as_in_plain_eager():
@@ -613,10 +618,7 @@ def test_a_nested_tensor_runs_as_in_plain_eager():
         a = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
         return (a * 2 + 1).to_padded_tensor(0.0)
 
-    want = step()
-    with dtr(device="cpu", chaos=True, check_invariants=True):
-        got = step()
-    assert torch.equal(got, want)
+    _same_as_plain(step, chaos=True)
 
 
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
@@ -632,10 +634,7 @@ def test_a_tensor_subclass_with_its_own_dispatch_runs_as_in_plain_eager(chaos):
         b.values().sum().backward()
         return a.grad.values()
 
-    want = step()
-    with dtr(device="cpu", chaos=chaos, check_invariants=True):
-        got = step()
-    assert torch.equal(got, want)
+    _same_as_plain(step, chaos)
 
 
 def _reentrant_checkpoint_step():
@@ -653,7 +652,4 @@ def _reentrant_checkpoint_step():
 
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
 def test_reentrant_checkpoint_inside_the_session_raises_no_false_version_error(chaos):
-    want = _reentrant_checkpoint_step()
-    with dtr(device="cpu", chaos=chaos, check_invariants=True):
-        got = _reentrant_checkpoint_step()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _same_as_plain(_reentrant_checkpoint_step, chaos)
