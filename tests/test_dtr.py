@@ -653,3 +653,49 @@ def _reentrant_checkpoint_step():
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
 def test_reentrant_checkpoint_inside_the_session_raises_no_false_version_error(chaos):
     _same_as_plain(_reentrant_checkpoint_step, chaos)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16), nn.LayerNorm(16))
+
+
+def _checkpointed():
+    m, x = _mlp(), torch.randn(8, 16, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+    torch.utils.checkpoint.checkpoint(m, y, use_reentrant=False).square().sum().backward()
+    return [p.grad for p in m.parameters()] + [x.grad]
+
+
+def _autocast():
+    m, x = _mlp(), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(x).float().square().sum()
+    loss.backward()
+    return [p.grad for p in m.parameters()]
+
+
+def _double_backward():
+    m, x = _mlp(), torch.randn(8, 16, requires_grad=True)
+    g, = torch.autograd.grad(m(x).tanh().sum(), x, create_graph=True)
+    g.square().sum().backward()
+    return [p.grad for p in m.parameters()] + [x.grad]
+
+
+def _vmap():
+    torch.manual_seed(0)
+    w, xs = torch.randn(4, 4, requires_grad=True), torch.randn(3, 4)
+    torch.vmap(lambda x: (w @ x).tanh())(xs).square().sum().backward()
+    return [w.grad]
+
+
+def _jacobian():
+    torch.manual_seed(0)
+    return [torch.autograd.functional.jacobian(lambda x: x.exp() * x.sin(), torch.randn(4))]
+
+
+@pytest.mark.parametrize("step", [_checkpointed, _autocast, _double_backward, _vmap, _jacobian],
+                         ids=["checkpoint", "autocast-bf16", "double-backward", "vmap", "jacobian"])
+@pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
+def test_autograd_features_run_as_in_plain_eager(step, chaos):
+    _same_as_plain(step, chaos)
