@@ -596,7 +596,8 @@ def _sparse_step():
     torch.manual_seed(0)
     emb = nn.Embedding(50, 8, sparse=True)
     idx = torch.randint(0, 50, (6, 4))
-    s = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]), torch.tensor([3.0, 4.0, 5.0]), (2, 3))
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]), torch.tensor([3.0, 4.0, 5.0]), (2, 3),
+                                check_invariants=True)
     w = torch.randn(3, 8, requires_grad=True)
     h = torch.sparse.mm(s, w)                  # dense, read from a sparse tensor: pinned
     loss = (emb(idx).sum(1)[:2] * h.tanh()).square().sum()
@@ -610,6 +611,7 @@ def test_sparse_tensors_run_as_in_plain_eager(chaos):
     _same_as_plain(_sparse_step, chaos)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_a_nested_tensor_runs_as_in_plain_eager():
     """A (legacy) nested tensor has a storage but no sizes: nothing can
     rebuild it as a view, so it is kept, not recomputed."""
