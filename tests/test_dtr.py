@@ -696,8 +696,23 @@ def _jacobian():
     return [torch.autograd.functional.jacobian(lambda x: x.exp() * x.sin(), torch.randn(4))]
 
 
-@pytest.mark.parametrize("step", [_checkpointed, _autocast, _double_backward, _vmap, _jacobian],
-                         ids=["checkpoint", "autocast-bf16", "double-backward", "vmap", "jacobian"])
+def _packed_rnns():
+    """LSTM and GRU over a packed batch: torch's CPU cells split the gates
+    with unsafe_split (views of one storage, each with a version counter of
+    its own) and apply sigmoid_/tanh_ to each in place, so the storage a
+    saved gate is on is written again after the save."""
+    torch.manual_seed(0)
+    lstm, gru = nn.LSTM(6, 8, batch_first=True), nn.GRU(6, 8, batch_first=True)
+    x = torch.randn(3, 5, 6)
+    packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([5, 3, 2]), batch_first=True)
+    loss = sum(nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True)[0].square().sum()
+               for rnn in (lstm, gru))
+    loss.backward()
+    return [p.grad for p in lstm.parameters()] + [p.grad for p in gru.parameters()]
+
+
+@pytest.mark.parametrize("step", [_checkpointed, _autocast, _double_backward, _vmap, _jacobian, _packed_rnns],
+                         ids=["checkpoint", "autocast-bf16", "double-backward", "vmap", "jacobian", "packed-rnns"])
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
 def test_autograd_features_run_as_in_plain_eager(step, chaos):
     _same_as_plain(step, chaos)

@@ -86,15 +86,23 @@ py::object LiveSession::unpack(const SavedValue& saved) {
     PyObject* t = saved.tensor ? PyWeakref_GetObject(saved.tensor.ptr()) : nullptr;
     return t && t != Py_None ? as_int(get_attr(t, names().version)) : -1;
   };
+  // Checked before and after bringing the value back: a recorded in-place op
+  // (or one outside the session) that wrote through a tensor sharing the
+  // saved one's counter shows there, as torch would see it. A write to the
+  // storage through a tensor with a counter of its own (the gates
+  // unsafe_split makes in an LSTM cell, another view an unpack rebuilt) is
+  // not a change of the saved tensor: its value at save time comes back
+  // (the old version, recomputed where the write destroyed it). So does one
+  // made through a view of a saved tensor that is itself gone (torch would
+  // raise there; the session cannot see the counter any more).
   if (slots_[value].overwritten) {
-    // A recorded in-place op wrote the storage after autograd saved it.
     const std::int64_t now = saved_now();
-    check_version(now >= 0 ? now : saved.version + 1);
+    if (now >= 0) check_version(now);
   }
   engine_->acquire(value);
   py::object tensor;
   try {
-    const std::int64_t now = saved_now();  // an untracked in-place write (outside the session) shows there
+    const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
     tensor = saved.geometry.view(view_, storage_of(value));
   } catch (...) {
