@@ -941,7 +941,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     if (storage.is_none()) return;
     const int v = value_of(storage, cdata_of(storage));
     if (v < 0) return;
-    ++scratch_writes_on_[v];  // written tensors on each value (read_besides_writes)
+    if (flags & kOverwrites) ++scratch_writes_on_[v];  // written tensors on each value (read_besides_writes)
     if (!written_set_.marked(v)) {
       written_set_.mark(v);
       written.push_back({t, v, index});
@@ -998,9 +998,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   const int op = engine_->begin_op(call);
   const auto reason = reads_opaque && pin == 0 ? PinReason::kOpaque : static_cast<PinReason>(pin);
   // Where each written value is first among the op's tensor arguments (its
-  // ref in the recipe; a foreach update writes hundreds), and how many of
-  // them are on it: more than the tensors written there, and the op reads
-  // it through another argument.
+  // ref in the recipe; a foreach update writes hundreds), and, for an op
+  // whose writes may overwrite, how many of them are on it: more than the
+  // tensors written there, and the op reads it through another argument.
   std::unordered_map<int, int>& first_read = scratch_first_read_;
   std::unordered_map<int, int>& on_written = scratch_on_written_;
   clear_kept(first_read);
@@ -1009,7 +1009,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     for (std::size_t k = 0; k < inputs.size(); ++k)
       if (written_set_.marked(inputs[k].value)) {
         first_read.emplace(inputs[k].value, static_cast<int>(k));
-        ++on_written[inputs[k].value];
+        if (flags & kOverwrites) ++on_written[inputs[k].value];
       }
   auto read_besides_writes = [&](int v) { return on_written[v] > scratch_writes_on_[v]; };
   std::vector<int>& recomputable = scratch_recomputable_;
