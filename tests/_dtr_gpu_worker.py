@@ -475,8 +475,7 @@ def foreach() -> dict:
     not split, the same recomputes either way); then three AdamW steps
     after clip_grad_norm_, foreach, inside chaos sessions."""
     dtralloc, torch = _setup()
-    from _foreach_chain import foreach_chain, optimizer_steps
-    from dtralloc.dtr import mode
+    from _foreach_chain import foreach_chain, optimizer_steps, whole_foreach_recipes
 
     def grads_equal(a, b):
         return [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
@@ -490,12 +489,8 @@ def foreach() -> dict:
             plain, _ = run(contextlib.nullcontext)
             again, _ = run(contextlib.nullcontext)
             split, s = run(chaos)
-            classify = mode._classify_for_c
-            mode._classify_for_c = lambda func: classify(func)[:7] + (0,)
-            try:
+            with whole_foreach_recipes():
                 whole, w = run(chaos)
-            finally:
-                mode._classify_for_c = classify
             chains[f"{name}, {'norm' if reduction else 'no norm'}"] = {
                 "control": grads_equal(again, plain), "split_diffs": grads_equal(split, plain),
                 "whole_diffs": grads_equal(whole, plain), "split_remats": s.stats()["remats"],

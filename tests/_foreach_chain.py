@@ -2,6 +2,23 @@
 on CPU, _dtr_gpu_worker.py's `foreach` scenario on CUDA)."""
 from __future__ import annotations
 
+import contextlib
+
+
+@contextlib.contextmanager
+def whole_foreach_recipes():
+    """Sessions entered inside split no foreach op by element: the classifier
+    answers PER_ELEMENT_NONE (each output's recipe is every input, as before
+    the split existed). bench/bench_live_optimizer.py has the same switch."""
+    from dtralloc.dtr import mode
+
+    classify = mode._classify_for_c
+    mode._classify_for_c = lambda func: classify(func)[:7] + (0,)
+    try:
+        yield
+    finally:
+        mode._classify_for_c = classify
+
 
 def foreach_chain(torch, n, ctx, reduction=True, device="cpu", dtypes=None):
     """Foreach ops whose outputs autograd saves one by one (t * t per

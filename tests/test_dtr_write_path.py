@@ -14,7 +14,7 @@ import torch
 
 from dtralloc.dtr import dtr, mode
 
-from _foreach_chain import foreach_chain, optimizer_steps
+from _foreach_chain import foreach_chain, optimizer_steps, whole_foreach_recipes
 from _live_models import NAMES, build
 from test_dtr import SWEEP_BATCH
 
@@ -161,13 +161,7 @@ def test_random_and_overwriting_ops_run_in_c_as_on_the_python_path(monkeypatch):
             assert torch.equal(x, y)
 
 
-def _whole_foreach_ops(func):
-    """The classifier's answer with no foreach op split by element: each
-    output's recipe is every input, as before the split existed."""
-    return _classify_for_c(func)[:7] + (0,)
-
-
-def test_foreach_ops_split_by_element(monkeypatch):
+def test_foreach_ops_split_by_element():
     """A foreach op's output i (or the i-th tensor it writes) reads element i
     of its lists: its recipe is that element's inputs, and bringing it back
     runs the op on that element alone, bit-exact. Without the split the
@@ -181,8 +175,7 @@ def test_foreach_ops_split_by_element(monkeypatch):
         plain, _ = foreach_chain(torch, n, contextlib.nullcontext, reduction)
         split, s = foreach_chain(torch, n, chaos, reduction)
         assert all(torch.equal(a, b) for a, b in zip(plain, split))
-        with monkeypatch.context() as m:
-            m.setattr(mode, "_classify_for_c", _whole_foreach_ops)
+        with whole_foreach_recipes():
             whole, w = foreach_chain(torch, n, chaos, reduction)
         assert all(torch.equal(a, b) for a, b in zip(plain, whole))
         remats[reduction] = s.stats()["remats"], w.stats()["remats"]
@@ -238,17 +231,16 @@ def _aliased_foreach_write(ctx, case):
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
 @pytest.mark.parametrize("case", ["same", "halves", "cross"])
-def test_an_op_writing_one_storage_through_two_arguments_recomputes_exactly(case, split, monkeypatch):
+def test_an_op_writing_one_storage_through_two_arguments_recomputes_exactly(case, split):
     """A recompute gives every argument an op writes one storage per value,
     shared by the arguments on it (each its own copy made the op's second
     write land elsewhere); and such a foreach call is not split by element
     (one element alone would not see the other's write)."""
     import contextlib
 
-    if not split:
-        monkeypatch.setattr(mode, "_classify_for_c", _whole_foreach_ops)
-    want, _ = _aliased_foreach_write(contextlib.nullcontext, case)
-    got, s = _aliased_foreach_write(lambda: dtr(device="cpu", chaos=True, check_invariants=True), case)
+    with contextlib.nullcontext() if split else whole_foreach_recipes():
+        want, _ = _aliased_foreach_write(contextlib.nullcontext, case)
+        got, s = _aliased_foreach_write(lambda: dtr(device="cpu", chaos=True, check_invariants=True), case)
     assert torch.equal(got, want)
     assert s.stats()["remats"] > 0
 
