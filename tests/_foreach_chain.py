@@ -2,22 +2,14 @@
 on CPU, _dtr_gpu_worker.py's `foreach` scenario on CUDA)."""
 from __future__ import annotations
 
-import contextlib
+import os
+import sys
 
-
-@contextlib.contextmanager
-def whole_foreach_recipes():
-    """Sessions entered inside split no foreach op by element: the classifier
-    answers PER_ELEMENT_NONE (each output's recipe is every input, as before
-    the split existed). bench/bench_live_optimizer.py has the same switch."""
-    from dtralloc.dtr import mode
-
-    classify = mode._classify_for_c
-    mode._classify_for_c = lambda func: classify(func)[:7] + (0,)
-    try:
-        yield
-    finally:
-        mode._classify_for_c = classify
+# Sessions entered inside whole_foreach_recipes() split no foreach op by
+# element: each output's recipe is every input, as before the split existed.
+# The benchmark that compares the two owns the switch.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bench_live_optimizer import whole_recipes as whole_foreach_recipes  # noqa: E402,F401
 
 
 def foreach_chain(torch, n, ctx, reduction=True, device="cpu", dtypes=None):
