@@ -55,8 +55,14 @@ py::object LiveSession::grad_fn_name(const py::object& grad_fn) {
 }
 
 void LiveSession::drop_handle(int value) {
+  --slots_[value].handles;
+  // A handle of an older version rides on the storage's newest version.
+  if (slots_[value].next >= 0) {
+    value = latest(value);
+    --slots_[value].riders;
+  }
   Slot& s = slots_[value];
-  if (--s.handles > 0) return;
+  if (s.handles + s.riders > 0) return;
   const Value& x = engine_->value(value);
   if (x.state == ValueState::kEvicted) {
     engine_->kill(value);  // nobody can read it any more
@@ -88,28 +94,39 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   };
   // Checked before and after bringing the value back: a recorded in-place op
   // (or one outside the session) that wrote through a tensor sharing the
-  // saved one's counter shows there, as torch would see it. A write to the
-  // storage through a tensor with a counter of its own (the gates
-  // unsafe_split makes in an LSTM cell, another view an unpack rebuilt) is
-  // not a change of the saved tensor: its value at save time comes back
-  // (the old version, recomputed where the write destroyed it). So does one
-  // made through a view of a saved tensor that is itself gone (torch would
-  // raise there; the session cannot see the counter any more).
+  // saved one's counter shows there, as torch would see it. A write through
+  // a tensor with a counter of its own (the gates unsafe_split makes in an
+  // RNN cell, `.data`, another view an unpack rebuilt) is not a change of
+  // the saved tensor for torch, and autograd reads the storage as it is
+  // then: so does the unpack, from the storage's newest version (evicted,
+  // it is recomputed). Its bytes under the saved view are the saved ones
+  // unless such a write covered them, and then they are what plain eager
+  // reads too. A write through a view of a saved tensor that is itself gone
+  // is not seen either (torch would raise; the counter is gone).
   if (slots_[value].overwritten) {
     const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
   }
-  engine_->acquire(value);
+  int read = value;
+  if (slots_[value].next >= 0) {
+    read = latest(value);
+    // Never released while handles ride on it (the registry owns its storage
+    // until they go; see record()'s writes): a broken link is a bug.
+    if (engine_->value(read).state == ValueState::kReleased)
+      throw std::logic_error("dtralloc live session: the newest version (value " + std::to_string(read) +
+                             ") of a saved value's storage (value " + std::to_string(value) + ") was released");
+  }
+  engine_->acquire(read);
   py::object tensor;
   try {
     const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
-    tensor = saved.geometry.view(view_, storage_of(value));
+    tensor = saved.geometry.view(view_, storage_of(read));
   } catch (...) {
-    engine_->unacquire(value);
+    engine_->unacquire(read);
     throw;
   }
-  engine_->unacquire(value);
+  engine_->unacquire(read);
   publish_counts();
   if (options_.check_invariants) check_invariants();
   return tensor;

@@ -377,6 +377,19 @@ Slot& LiveSession::slot(int value) {
   return slots_[value];
 }
 
+int LiveSession::latest(int value) {
+  int last = value;
+  while (slots_[last].next >= 0) last = slots_[last].next;
+  // Every version on the way now links to the newest: a storage written in
+  // place a thousand times (an accumulator) is walked once.
+  while (slots_[value].next >= 0 && slots_[value].next != last) {
+    const int next = slots_[value].next;
+    slots_[value].next = last;
+    value = next;
+  }
+  return last;
+}
+
 // ---- watching storages ---------------------------------------------------
 
 void LiveSession::watch(int value, py::handle storage, std::uintptr_t cdata) {
@@ -524,7 +537,7 @@ void LiveSession::own_for_recipes(int value) {
   const Value& x = engine_->value(value);
   if (s.storage || s.external || !x.pinned || x.needed_by <= 0 || x.state != ValueState::kResident) return;
   s.storage = storage_of(value);
-  if (s.handles == 0) polled_.push_back(value);
+  if (s.handles + s.riders == 0) polled_.push_back(value);
 }
 
 void LiveSession::poll_owned() {
@@ -534,7 +547,7 @@ void LiveSession::poll_owned() {
     const int v = polled_[i];
     Slot& s = slots_[v];
     const Value& x = engine_->value(v);
-    if (x.state == ValueState::kReleased || !x.alive || s.handles > 0) continue;  // no longer ours to poll
+    if (x.state == ValueState::kReleased || !x.alive || s.handles + s.riders > 0) continue;  // no longer ours to poll
     if (x.locks > 0) {  // the op in flight (or a recompute) reads it now
       polled_[kept++] = v;
       continue;
@@ -1039,12 +1052,18 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];
       // The storage now holds the new version: its watch moves over; the
-      // old version keeps its recipe (its saved handles check their own
-      // tensors' versions). The registry owned the
-      // storage for the old version's handles, not for the new version: the
-      // program holds it (it just wrote through it), and it dies when the
-      // program lets go.
+      // old version keeps its recipe, for the recipes that read it. Its
+      // saved handles (and those riding on it) read the storage as it is
+      // now, as autograd reads a tensor it saved that another tensor wrote
+      // through (each handle checks its own tensor's version first): they
+      // ride on the new version, and the registry keeps owning the storage
+      // for them. Without them the program holds it (it just wrote through
+      // it), and it dies when the program lets go.
+      old.next = n;
+      s.riders = old.handles + old.riders;
+      old.riders = 0;
       py::object dropped = std::move(old.storage);
+      if (s.riders > 0) s.storage = std::move(dropped);
       s.external = std::move(old.external);
       s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal
               : reads_opaque                   ? PinReason::kOpaque
@@ -1326,6 +1345,16 @@ void LiveSession::check_invariants() {
       throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) +
                              " has no block in the mirror pool (3.6)");
   }
+  // Each version's riders are the handles of the older versions of its
+  // storage, and only the newest version has any.
+  std::vector<int> riders(slots_.size(), 0);
+  for (std::size_t v = 0; v < slots_.size(); ++v)
+    if (slots_[v].next >= 0) riders[latest(static_cast<int>(v))] += slots_[v].handles;
+  for (std::size_t v = 0; v < slots_.size(); ++v)
+    if (slots_[v].riders != riders[v])
+      throw std::logic_error("dtralloc live session: value " + std::to_string(v) + " has " +
+                             std::to_string(slots_[v].riders) + " riders; its older versions have " +
+                             std::to_string(riders[v]) + " handles");
 }
 
 }  // namespace dtralloc::live

@@ -141,6 +141,15 @@ struct Slot {
   py::object external;          // external values: the tensor itself (kept, for versions)
   std::uintptr_t cdata = 0;     // StorageImpl address while the storage lives
   int handles = 0;              // saved handles naming it
+  // A storage written in place after a save. The older version's handles
+  // read the storage as it is now, as autograd would read the tensor it
+  // saved: `next` is the version that replaced this one (-1: none; an old
+  // version's link may skip ahead to a newer one, LiveSession::latest), and
+  // `riders` counts the older versions' handles whose unpack reads this
+  // version's storage. While it is > 0 the registry owns the storage, as
+  // for the value's own handles.
+  int next = -1;
+  int riders = 0;
   int out_index = -1;           // which tensor output of its producer (-1: made by a write)
   int write_ref = -1;           // made by a write: the producer's ref it wrote
   PinReason pin = PinReason::kNone;
@@ -264,6 +273,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void watch(int value, py::handle storage, std::uintptr_t cdata);
   void unwatch(int value);
   Slot& slot(int value);
+  // The newest version of `value`'s storage (`value` itself if nothing
+  // wrote it since); shortens the links it walks.
+  int latest(int value);
   py::object storage_of(int value) const;
   std::int64_t use_count(std::uintptr_t cdata) const;
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
