@@ -280,7 +280,46 @@ def _shape_error():
     torch.randn(3, 4, requires_grad=True) @ torch.randn(5, 6)
 
 
-@pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_parameter_outside, _backward_twice, _shape_error])
+def _modify_saved_input_through_a_view():
+    # Torch names the input's grad_fn at the backward: CopySlices, which the
+    # in-place op on its view made.
+    a = torch.randn(4, requires_grad=True)
+    x = a * 2
+    y = x.sin()
+    x[:2].mul_(3)
+    y.sum().backward()
+
+
+def _modify_saved_input_then_drop_it():
+    # Autograd would keep x; the session's handle only watches it.
+    a = torch.randn(4, requires_grad=True)
+    x = a * 2
+    y = x.sin()
+    x.sigmoid_()
+    del x
+    y.sum().backward()
+
+
+def _modify_the_base_of_a_saved_view():
+    # The saved view x[::2] dies at once; its base tells the write.
+    a = torch.randn(6, requires_grad=True)
+    x = a * 2
+    y = x[::2].sin()
+    x.mul_(3)
+    y.sum().backward()
+
+
+def _modify_saved_output_of_a_numbered_node():
+    # PowBackward2: torch 2.13 names it Pow2.
+    a = torch.randn(4, requires_grad=True)
+    y = torch.pow(2, a)
+    y.add_(1)
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_parameter_outside, _backward_twice, _shape_error,
+                                    _modify_saved_input_through_a_view, _modify_saved_input_then_drop_it,
+                                    _modify_the_base_of_a_saved_view, _modify_saved_output_of_a_numbered_node])
 def test_misuse_gives_the_same_error_as_plain_eager(misuse):
     plain = _error_of(misuse)
     assert plain is not None

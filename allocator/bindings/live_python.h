@@ -36,6 +36,7 @@ struct Accessors {
   PyObject* device = nullptr;
   PyObject* grad_fn = nullptr;
   PyObject* output_nr = nullptr;
+  PyObject* base = nullptr;             // _base: a view's base tensor, or None
   PyObject* tensor = nullptr;             // torch.Tensor, and the __torch_dispatch__ it has
   PyObject* disabled_torch_dispatch = nullptr;
 };
@@ -69,6 +70,7 @@ inline void load_accessors(py::dict d) {
   a.device = take("device");
   a.grad_fn = take("grad_fn");
   a.output_nr = take("output_nr");
+  a.base = take("_base");
   a.tensor = take("Tensor");
   a.disabled_torch_dispatch = take("disabled_torch_dispatch");
 }

@@ -1,5 +1,7 @@
 // LiveSession's saved tensors: autograd's pack and unpack hooks, handles,
 // torch's version error (live_session.h).
+#include <algorithm>
+#include <cassert>
 #include <stdexcept>
 #include <string>
 
@@ -34,12 +36,34 @@ py::object LiveSession::pack(py::handle tensor) {
   handle->value = v;
   handle->geometry = std::move(geometry);
   handle->tensor = std::move(tensor_ref);
+  py::object base = get_attr(tensor, names().base);
+  if (!base.is_none()) {
+    PyObject* base_ref = PyWeakref_NewRef(base.ptr(), nullptr);
+    if (!base_ref) throw py::error_already_set();
+    handle->base = py::reinterpret_steal<py::object>(base_ref);
+  }
   handle->version = as_int(get_attr(tensor, names().version));
   // What torch's version error would name (built only if it is raised).
   handle->device = get_attr(tensor, names().device);
   handle->output_nr = as_int(get_attr(tensor, names().output_nr));
   py::object grad_fn = get_attr(tensor, names().grad_fn);
-  if (!grad_fn.is_none()) handle->grad_fn_name = grad_fn_name(grad_fn);
+  handle->listed = static_cast<int>(s.saved.size());
+  s.saved.push_back(handle.get());
+  if (!grad_fn.is_none()) {
+    handle->grad_fn_name = grad_fn_name(grad_fn);
+    // An output's grad_fn is the node saving it, the newest one (a node is
+    // made before the inputs it saves are packed).
+    static PyObject* const sequence_nr = PyUnicode_InternFromString("_sequence_nr");
+    if (!next_sequence_nr_.is_none()) {
+      PyObject* method = PyObject_GetAttr(grad_fn.ptr(), sequence_nr);
+      if (method) {  // a node type without it: taken for an input (only the error's wording depends on it)
+        py::object bound = py::reinterpret_steal<py::object>(method);
+        handle->is_output = as_int(bound()) == as_int(next_sequence_nr_()) - 1;
+      } else {
+        PyErr_Clear();
+      }
+    }
+  }
   return py::cast(std::move(handle));
 }
 
@@ -52,6 +76,38 @@ py::object LiveSession::grad_fn_name(const py::object& grad_fn) {
     it = grad_fn_names_.emplace(type, grad_fn.attr("name")()).first;
   }
   return it->second;
+}
+
+void LiveSession::unlist(const SavedValue& saved) {
+  if (saved.listed < 0) return;  // its pack did not finish
+  Slot& holder = slots_[slots_[saved.value].next >= 0 ? latest(saved.value) : saved.value];
+  // check_invariants checks that each handle is where its index says.
+  assert(static_cast<std::size_t>(saved.listed) < holder.saved.size() && holder.saved[saved.listed] == &saved);
+  holder.saved[saved.listed] = holder.saved.back();
+  holder.saved[saved.listed]->listed = saved.listed;
+  holder.saved.pop_back();
+}
+
+void LiveSession::note_versions(const std::vector<SavedValue*>& handles, py::handle writes) {
+  // torch bumps each written tensor's version counter once the op returns
+  // (its ADInplaceOrView kernel, after this record). A tensor shares the
+  // counter of a written one where both are one tensor or views of one
+  // base (a detach() alias shares it too, and is not seen here).
+  auto root = [](PyObject* t) {
+    py::object base = get_attr(t, names().base);
+    return base.is_none() ? t : base.ptr();  // a view holds its base: the pointer stays valid
+  };
+  std::vector<PyObject*> written;
+  for_each_tensor(writes.ptr(), tensor_type_.ptr(), [&](PyObject* t) { written.push_back(root(t)); });
+  for (SavedValue* h : handles) {
+    PyObject* t = h->tensor ? PyWeakref_GetObject(h->tensor.ptr()) : nullptr;
+    if (!t || t == Py_None) t = h->base ? PyWeakref_GetObject(h->base.ptr()) : nullptr;
+    if (!t || t == Py_None) continue;
+    const auto bumps = std::count(written.begin(), written.end(), root(t));
+    if (bumps == 0) continue;
+    h->seen = as_int(get_attr(t, names().version)) + bumps;
+    if (!h->is_output && !h->held && !next_sequence_nr_.is_none()) h->held = py::reinterpret_borrow<py::object>(t);
+  }
 }
 
 void LiveSession::drop_handle(int value) {
@@ -80,17 +136,34 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   const int value = saved.value;
   auto check_version = [&](std::int64_t now) {
     if (now != saved.version) {
+      // The node torch's error names: for an output, the node that saved it
+      // (its grad_fn at the pack); for an input, its grad_fn now (the
+      // in-place op that moved its version made a new one), and for a saved
+      // view that is gone, the node torch gives such a view once its base
+      // was written (runner.version_error makes one to ask).
       py::object grad_fn = saved.grad_fn_name ? saved.grad_fn_name : py::object(py::none());
+      PyObject* t = saved.tensor ? PyWeakref_GetObject(saved.tensor.ptr()) : nullptr;
+      PyObject* base = saved.base ? PyWeakref_GetObject(saved.base.ptr()) : nullptr;
+      if (!saved.is_output && t && t != Py_None) {
+        py::object current = get_attr(t, names().grad_fn);
+        if (!current.is_none()) grad_fn = grad_fn_name(current);
+      } else if (!saved.is_output && base && base != Py_None) {
+        grad_fn = py::make_tuple(py::reinterpret_borrow<py::object>(base), saved.geometry.size,
+                                 saved.geometry.stride, saved.geometry.offset);
+      }
       version_error(py::make_tuple(saved.geometry.dtype, saved.device, saved.geometry.size,
                                    saved.output_nr, grad_fn),
                     now, saved.version);
     }
   };
-  // The saved tensor's own version, where it is still alive (torch checks
-  // that counter; other tensors on the storage count their own).
+  // The saved tensor's own version, where it or its base is still alive
+  // (torch checks that counter; other tensors on the storage count their own).
   auto saved_now = [&]() -> std::int64_t {
-    PyObject* t = saved.tensor ? PyWeakref_GetObject(saved.tensor.ptr()) : nullptr;
-    return t && t != Py_None ? as_int(get_attr(t, names().version)) : -1;
+    for (const py::object* ref : {&saved.tensor, &saved.base}) {
+      PyObject* t = *ref ? PyWeakref_GetObject(ref->ptr()) : nullptr;
+      if (t && t != Py_None) return as_int(get_attr(t, names().version));
+    }
+    return saved.seen;  // neither is alive: -1 unless a recorded write moved the counter
   };
   // Checked before and after bringing the value back: a recorded in-place op
   // (or one outside the session) that wrote through a tensor sharing the
@@ -101,8 +174,9 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   // then: so does the unpack, from the storage's newest version (evicted,
   // it is recomputed). Its bytes under the saved view are the saved ones
   // unless such a write covered them, and then they are what plain eager
-  // reads too. A write through a view of a saved tensor that is itself gone
-  // is not seen either (torch would raise; the counter is gone).
+  // reads too. Once the saved tensor and its base are both gone, only a
+  // tensor made by detach() can still share their counter: a write through
+  // it is not seen (torch would raise).
   if (slots_[value].overwritten) {
     const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
@@ -150,7 +224,10 @@ void LiveSession::exported(py::handle tensor) {
 }
 
 SavedValue::~SavedValue() {
-  if (session) session->drop_handle(value);
+  if (session) {
+    session->unlist(*this);
+    session->drop_handle(value);
+  }
 }
 
 }  // namespace dtralloc::live

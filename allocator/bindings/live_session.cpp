@@ -110,6 +110,7 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   new_storage_ = helpers["new_storage"];
   use_count_fn_ = helpers["use_count"];
   version_error_ = helpers["version_error"];
+  next_sequence_nr_ = helpers["next_sequence_nr"];
   tensor_type_ = helpers["tensor_type"];
   load_accessors(helpers["accessors"]);
   device_ = helpers["device"];
@@ -1062,6 +1063,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       old.next = n;
       s.riders = old.handles + old.riders;
       old.riders = 0;
+      if (!old.saved.empty()) note_versions(old.saved, writes);
+      s.saved = std::move(old.saved);
+      old.saved.clear();
       py::object dropped = std::move(old.storage);
       if (s.riders > 0) s.storage = std::move(dropped);
       s.external = std::move(old.external);
@@ -1350,11 +1354,22 @@ void LiveSession::check_invariants() {
   std::vector<int> riders(slots_.size(), 0);
   for (std::size_t v = 0; v < slots_.size(); ++v)
     if (slots_[v].next >= 0) riders[latest(static_cast<int>(v))] += slots_[v].handles;
-  for (std::size_t v = 0; v < slots_.size(); ++v)
-    if (slots_[v].riders != riders[v])
+  for (std::size_t v = 0; v < slots_.size(); ++v) {
+    const Slot& s = slots_[v];
+    if (s.riders != riders[v])
       throw std::logic_error("dtralloc live session: value " + std::to_string(v) + " has " +
-                             std::to_string(slots_[v].riders) + " riders; its older versions have " +
+                             std::to_string(s.riders) + " riders; its older versions have " +
                              std::to_string(riders[v]) + " handles");
+    // Its list holds exactly those handles and its own, each at its index.
+    if (s.saved.size() != static_cast<std::size_t>(s.next >= 0 ? 0 : s.handles + s.riders))
+      throw std::logic_error("dtralloc live session: value " + std::to_string(v) + " lists " +
+                             std::to_string(s.saved.size()) + " saved handles, not " +
+                             std::to_string(s.next >= 0 ? 0 : s.handles + s.riders));
+    for (std::size_t i = 0; i < s.saved.size(); ++i)
+      if (s.saved[i]->listed != static_cast<int>(i) || latest(s.saved[i]->value) != static_cast<int>(v))
+        throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(s.saved[i]->value) +
+                               " is not where value " + std::to_string(v) + "'s list says");
+  }
 }
 
 }  // namespace dtralloc::live

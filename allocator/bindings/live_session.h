@@ -150,6 +150,10 @@ struct Slot {
   // for the value's own handles.
   int next = -1;
   int riders = 0;
+  // The newest version's: every handle reading the storage (its own and
+  // the riders), whose tensors' versions each recorded write looks at
+  // (LiveSession::note_versions).
+  std::vector<struct SavedValue*> saved;
   int out_index = -1;           // which tensor output of its producer (-1: made by a write)
   int write_ref = -1;           // made by a write: the producer's ref it wrote
   PinReason pin = PinReason::kNone;
@@ -193,7 +197,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // use_count(cdata) -> int; version_error(what, now, expected) raises;
   // detached(tensor) -> the tensor outside autograd (an external input a
   // recompute reads); tensor_type (torch.Tensor); device (the session's
-  // device string); accessors (the tensor and storage descriptors read per op).
+  // device string); accessors (the tensor and storage descriptors read per op);
+  // next_sequence_nr (torch._C._autograd._get_sequence_nr, or None).
   LiveSession(const Options& options, py::dict helpers);
   ~LiveSession();
   LiveSession(const LiveSession&) = delete;
@@ -229,6 +234,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // The saved tensor back (recomputing what is missing).
   py::object unpack(const struct SavedValue& saved);
   void drop_handle(int value);
+  // A handle going away leaves its storage's list (Slot::saved).
+  void unlist(const struct SavedValue& saved);
   // The data of `tensor` leave the dispatcher: its value is never recomputed.
   void exported(py::handle tensor);
   // Values whose storage died since the last entry point go to the engine.
@@ -276,6 +283,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // The newest version of `value`'s storage (`value` itself if nothing
   // wrote it since); shortens the links it walks.
   int latest(int value);
+  // A recorded op wrote (`writes`, its written tensors) the storage these
+  // handles read: the handles whose saved tensors' version counters it
+  // moves note the counter and hold their inputs (SavedValue::seen, held).
+  void note_versions(const std::vector<SavedValue*>& handles, py::handle writes);
   py::object storage_of(int value) const;
   std::int64_t use_count(std::uintptr_t cdata) const;
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
@@ -297,6 +308,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   Options options_;
   py::object view_, detached_, empty_kwargs_, run_, new_storage_, use_count_fn_, version_error_, tensor_type_, device_,
       watch_callback_;
+  // torch._C._autograd._get_sequence_nr (None where torch lacks it): the
+  // sequence number the next autograd node will get, on this thread.
+  py::object next_sequence_nr_;
   std::unique_ptr<Allocator> mirror_;   // CPU: the virtual pool mirroring the session's storages
   Allocator* pool_ = nullptr;           // the pool the evictor walks (the mirror, or the device's)
   std::unique_ptr<Driver> driver_;
@@ -439,9 +453,31 @@ struct SavedValue {
   // other tensors on the storage, such as views the unpack rebuilt, count
   // their own versions).
   py::object tensor;
+  // A weakref to its base, where the saved tensor is a view (None
+  // otherwise): the base and every view of it share one version counter,
+  // and any live view keeps its base alive, so once the saved view itself
+  // is gone (a view made for the op, `x[::2].sin()`) the base still tells
+  // a write through any of them.
+  py::object base;
   // What torch's version error names, with the geometry's dtype and size:
   py::object device, grad_fn_name;  // grad_fn_name unset for a leaf
+  // Saved as an output of the node that saved it (exp saves its result),
+  // not as an input: torch's error then names that node; for an input it
+  // names the tensor's grad_fn at the unpack (an in-place op moved it).
+  bool is_output = false;
   std::int64_t output_nr = 0;
+  // Once a recorded write moved the saved tensor's version counter, its
+  // unpack will raise torch's error, even if the program drops the tensor
+  // before the backward (autograd would have kept it): `seen` is the
+  // counter after that write (-1: no such write), and a saved input (or its
+  // base, the saved view being gone) is held, so that the error names its
+  // grad_fn then, as torch's does. An output is not: it would hold the node
+  // that holds this handle (torch does not keep outputs for that reason),
+  // and the error names that node anyway. Programs that do not misuse
+  // in-place ops never get either.
+  std::int64_t seen = -1;
+  py::object held;
+  int listed = -1;  // its index in Slot::saved of the storage's newest version
   ~SavedValue();
 };
 

@@ -111,6 +111,20 @@ def _torch_words() -> tuple:
 _HINT, _NAMES_THE_OP = _torch_words()
 
 
+def _view_node(base: torch.Tensor, size, stride, offset):
+    """The name of the grad_fn torch gives a view of `base` once the base
+    was written in place (torch remakes it on access; the error names it)."""
+    with _no_dispatch(), torch.enable_grad():
+        node = base.as_strided(size, stride, offset).grad_fn
+    return node.name() if node is not None else None
+
+
+def _op_name(node: str) -> str:
+    """How torch 2.13's error names a backward node: ExpBackward0 -> Exp,
+    PowBackward2 -> Pow2; C++ nodes (torch::autograd::CopySlices) as they are."""
+    return re.sub(r"Backward([0-9]*)$", lambda m: "" if m.group(1) in ("", "0") else m.group(1), node)
+
+
 def version_error(what, now: int, expected: int):
     """Raise torch's own "modified by an inplace operation" error: with
     saved-tensor hooks installed torch no longer checks versions itself."""
@@ -118,11 +132,13 @@ def version_error(what, now: int, expected: int):
         subject = what
     else:
         dtype, device, shape, output_nr, grad_fn = what
+        if isinstance(grad_fn, tuple):  # a saved view that is gone: (its base, size, stride, offset)
+            grad_fn = _view_node(*grad_fn)
         with _no_dispatch():
             type_name = torch.empty((0,), dtype=dtype, device=device).type()
         subject = f"[{type_name} {list(shape)}]"
         if grad_fn is not None:
-            node = re.sub(r"Backward[0-9]*$", "", grad_fn) if _NAMES_THE_OP else grad_fn
+            node = _op_name(grad_fn) if _NAMES_THE_OP else grad_fn
             subject += f", which is output {output_nr} of {node},"
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
@@ -136,7 +152,8 @@ def _accessors() -> dict:
     return {"untyped_storage": tensor.untyped_storage, "size": tensor.size, "stride": tensor.stride,
             "storage_offset": tensor.storage_offset, "dtype": tensor.__dict__["dtype"],
             "_version": tensor.__dict__["_version"], "device": tensor.__dict__["device"],
-            "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
+            "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"],
+            "_base": tensor.__dict__["_base"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
             "element_size": tensor.element_size, "get_device": tensor.get_device, "is_conj": tensor.is_conj,
             "is_neg": tensor.is_neg, "Tensor": torch.Tensor,
@@ -147,6 +164,7 @@ def helpers(device: str) -> dict:
     return {"view": view, "detached": detached, "run": run, "new_storage": new_storage, "use_count": use_count,
             "version_error": version_error, "tensor_type": torch.Tensor,
             "device": device, "accessors": _accessors(),
+            "next_sequence_nr": getattr(torch._C._autograd, "_get_sequence_nr", None),
             # CUDA: the raw handle of torch's current stream on a device,
             # where the session marks each op's end (op costs, op_timer.h).
             "current_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None)}
