@@ -473,7 +473,8 @@ def foreach() -> dict:
     dtype: split, fewer recomputes than with every-input recipes) and with
     float32 and bfloat16 alternating (torch's per-tensor loop for the list:
     not split, the same recomputes either way); then three AdamW steps
-    after clip_grad_norm_, foreach, inside chaos sessions."""
+    after clip_grad_norm_, foreach, inside chaos sessions; then the version
+    counters in-place foreach ops leave, plain and inside a session."""
     dtralloc, torch = _setup()
     from _foreach_chain import foreach_chain, optimizer_steps, whole_foreach_recipes
 
@@ -505,7 +506,22 @@ def foreach() -> dict:
     want = adamw(contextlib.nullcontext)
     optimizer = {"control": grads_equal(adamw(contextlib.nullcontext), want),
                  "diffs": grads_equal(adamw(chaos), want)}
-    return {"chains": chains, "optimizer": optimizer, "pool_ok": _pool_ok(dtralloc)}
+
+    # In-place foreach ops move their tensors' version counters as in plain
+    # eager: the fused kernel bumps them itself, torch's per-tensor loop
+    # (mixed dtypes) does not under a dispatch mode, and the session bumps
+    # those (ops.OpInfo.bumps_versions).
+    def versions(ctx, dtypes):
+        ts = [torch.randn(8, device="cuda", dtype=d) for d in dtypes]
+        with ctx():
+            torch._foreach_mul_(ts, 0.5)
+            torch._foreach_add_(ts, ts)
+        return [t._version for t in ts]
+
+    counters = {name: {"plain": versions(contextlib.nullcontext, dtypes), "dtr": versions(dtralloc.dtr, dtypes)}
+                for name, dtypes in (("float32", [torch.float32] * 4),
+                                     ("mixed", [torch.float32, torch.bfloat16] * 2))}
+    return {"chains": chains, "optimizer": optimizer, "versions": counters, "pool_ok": _pool_ok(dtralloc)}
 
 
 SCENARIOS = {

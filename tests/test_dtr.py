@@ -317,7 +317,23 @@ def _modify_saved_output_of_a_numbered_node():
     y.sum().backward()
 
 
+def _optimizer_step_between_forward_and_backward():
+    # A GAN's generator loss reads the discriminator's weights; stepping the
+    # discriminator's optimizer (foreach) first writes them. Under any
+    # dispatch mode torch's CPU foreach ops bump no version counter; the
+    # session bumps them.
+    torch.manual_seed(0)
+    d, g = nn.Linear(4, 1), nn.Linear(2, 4)
+    opt = torch.optim.SGD(d.parameters(), lr=0.1, foreach=True)
+    fake = g(torch.randn(3, 2))
+    d(fake.detach()).mean().backward()
+    loss = -d(fake).mean()
+    opt.step()
+    loss.backward()
+
+
 @pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_parameter_outside, _backward_twice, _shape_error,
+                                    _optimizer_step_between_forward_and_backward,
                                     _modify_saved_input_through_a_view, _modify_saved_input_then_drop_it,
                                     _modify_the_base_of_a_saved_view, _modify_saved_output_of_a_numbered_node])
 def test_misuse_gives_the_same_error_as_plain_eager(misuse):

@@ -43,6 +43,12 @@ UNARY = [
     torch.relu,
     lambda x: x * x,                 # the same tensor saved twice
     lambda x: (x.abs() + 1).log(),
+    lambda x: x.softmax(0),          # saves its output
+    lambda x: x.cumsum(0),
+    lambda x: x * x.norm(),
+    lambda x: x.sort()[0],           # a second output (the indices) the backward reads
+    lambda x: x.reshape(-1)[torch.arange(x.numel() - 1, -1, -1)],  # an index tensor saved
+    lambda x: torch.cat([x, x.flip(0)])[: x.shape[0]],
 ]
 BINARY = [
     torch.mul,
@@ -61,6 +67,9 @@ INPLACE = [
     (lambda t, o: t.copy_(o), True),
     (lambda t, o: t.clamp_(-1, 1), False),
     (lambda t, o: t.fill_(0.5), False),
+    (lambda t, o: t.masked_fill_(t > 0, 0.0), False),
+    (lambda t, o: torch._foreach_mul_([t, o], 0.5), True),  # two tensors written by one op
+    (lambda t, o: t.index_add_(0, torch.zeros(1, dtype=torch.long), o[:1]), True),
 ]
 RANDOM = [
     lambda x: F.dropout(x, 0.3),
@@ -68,7 +77,8 @@ RANDOM = [
     lambda x: torch.bernoulli(x.detach().sigmoid()) * x,
 ]
 
-KINDS = ["unary", "binary", "view-op", "split", "data", "detach", "slice", "inplace", "random", "out", "del"]
+KINDS = ["unary", "binary", "view-op", "split", "data", "detach", "slice", "inplace", "random", "out", "del",
+         "foreach"]
 INSTRUCTION = st.tuples(st.sampled_from(KINDS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63))
 PROGRAM = st.tuples(st.lists(INSTRUCTION, min_size=1, max_size=32), st.booleans())
 
@@ -134,6 +144,10 @@ def execute(program, params):
                     op(target, other)
                 except RuntimeError as e:
                     raise _Invalid(str(e)) from e
+        elif kind == "foreach":  # a list op: one output per element
+            y, _ = pool.pick(b, x.numel())
+            for t in torch._foreach_add([x, y], [y, x]) if c % 2 else torch._foreach_exp([x, y]):
+                pool.add(t)
         elif kind == "random":
             pool.add(RANDOM[c % len(RANDOM)](x))
         elif kind == "out":

@@ -344,3 +344,29 @@ def test_rnn_cells_writing_their_gates_in_place_recompute_nothing_without_a_budg
     s = _same_as_plain(_packed_rnns, chaos=False)
     assert s.stats()["remats"] == 0 and s.stats()["unpacked"] > 0
     _nothing_left(s)
+
+
+@pytest.mark.parametrize("op", [
+    lambda a, b: torch._foreach_mul_(a, 0.5),
+    lambda a, b: torch._foreach_add_(a, b, alpha=2.0),
+    lambda a, b: torch._foreach_addcmul_(a, b, b, value=0.1),
+    lambda a, b: torch._foreach_lerp_(a, b, 0.3),
+    lambda a, b: torch._foreach_copy_(a, b),
+    lambda a, b: torch._foreach_zero_(a),
+    lambda a, b: a[0].mul_(2),  # an ordinary in-place op: torch bumps it (ADInplaceOrView), the session must not
+], ids=["mul_", "add_", "addcmul_", "lerp_", "copy_", "zero_", "plain-mul_"])
+def test_inplace_ops_move_version_counters_as_in_plain_eager(op):
+    """Under any dispatch mode torch's CPU foreach kernels bump no version
+    counter (their per-tensor ops run below ADInplaceOrView), so autograd
+    missed what they wrote: the session bumps each written tensor once."""
+    def versions(ctx):
+        torch.manual_seed(0)
+        a, b = [torch.randn(4) for _ in range(3)], [torch.randn(4) for _ in range(3)]
+        with ctx():
+            op(a, b)
+            op(a, b)
+        return [t._version for t in a]
+
+    import contextlib
+
+    assert versions(lambda: dtr(device="cpu")) == versions(contextlib.nullcontext)

@@ -88,9 +88,10 @@ void LiveSession::unlist(const SavedValue& saved) {
   holder.saved.pop_back();
 }
 
-void LiveSession::note_versions(const std::vector<SavedValue*>& handles, py::handle writes) {
+void LiveSession::note_versions(const std::vector<SavedValue*>& handles, py::handle writes, bool bumped) {
   // torch bumps each written tensor's version counter once the op returns
-  // (its ADInplaceOrView kernel, after this record). A tensor shares the
+  // (its ADInplaceOrView kernel, after this record), unless the session
+  // `bumped` them already (in-place foreach ops). A tensor shares the
   // counter of a written one where both are one tensor or views of one
   // base (a detach() alias shares it too, and is not seen here).
   auto root = [](PyObject* t) {
@@ -105,7 +106,7 @@ void LiveSession::note_versions(const std::vector<SavedValue*>& handles, py::han
     if (!t || t == Py_None) continue;
     const auto bumps = std::count(written.begin(), written.end(), root(t));
     if (bumps == 0) continue;
-    h->seen = as_int(get_attr(t, names().version)) + bumps;
+    h->seen = as_int(get_attr(t, names().version)) + (bumped ? 0 : bumps);
     if (!h->is_output && !h->held && !next_sequence_nr_.is_none()) h->held = py::reinterpret_borrow<py::object>(t);
   }
 }

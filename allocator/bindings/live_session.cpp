@@ -625,6 +625,7 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
       for (py::handle k : spec[1]) known.write_kw.push_back(py::reinterpret_borrow<py::object>(k));
       known.undeclared_stats = spec[2].cast<bool>();
       known.overwrites = spec[3].cast<bool>();
+      known.bumps_versions = spec[4].cast<bool>();
       if (known.write_pos.size() != known.write_kw.size())
         throw std::logic_error("dtralloc live session: the classifier gave write positions and names of different lengths");
       known.writes_here = true;
@@ -711,9 +712,18 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
       if (set) pool->clear_long_lived();
     }
   } clear_long_lived{pool_, !known.writes_here && expect_long_lived(func)};
+  // An in-place foreach op: its tensors' version counters, bumped below
+  // where the call did not (ops.OpInfo.bumps_versions says why).
+  const bool bumps = known.bumps_versions && writes.size() > 0;
+  const std::int64_t before = bumps ? as_int(get_attr(writes[0], names().version)) : 0;
   const auto start = std::chrono::steady_clock::now();
   py::object result = run();
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  if (bumps && as_int(get_attr(writes[0], names().version)) == before) {
+    if (!increment_version_) increment_version_ = py::module_::import("torch").attr("_C").attr("_increment_version");
+    increment_version_(writes);
+    info_flags |= kVersionsBumped;
+  }
   PyObject* grad = PyObject_CallNoArgs(grad_enabled_.ptr());
   if (!grad) throw py::error_already_set();
   const std::uint32_t flags = info_flags | (grad == Py_True ? kGradEnabled : 0);
@@ -1060,10 +1070,15 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       // ride on the new version, and the registry keeps owning the storage
       // for them. Without them the program holds it (it just wrote through
       // it), and it dies when the program lets go.
+      // Only a storage's newest version is ever written (by_storage_ names
+      // it; an older one recomputed lives in a storage only the registry holds).
+      if (old.next >= 0)
+        throw std::logic_error("dtralloc live session: value " + std::to_string(w.value) +
+                               " written in place again after value " + std::to_string(old.next) + " replaced it");
       old.next = n;
       s.riders = old.handles + old.riders;
       old.riders = 0;
-      if (!old.saved.empty()) note_versions(old.saved, writes);
+      if (!old.saved.empty()) note_versions(old.saved, writes, (flags & kVersionsBumped) != 0);
       s.saved = std::move(old.saved);
       old.saved.clear();
       py::object dropped = std::move(old.storage);

@@ -89,6 +89,8 @@ enum OpFlag : std::uint32_t {
   kScratchWrites = 4,   // it writes arguments it does not read for its outputs (batch norm's
                         // running statistics): recomputes pass scratch copies
   kGradEnabled = 8,     // grad mode was on when it ran (some kernels differ: RNN workspaces)
+  kVersionsBumped = 16, // the session bumped its written tensors' version counters before
+                        // record() (ops.bump_versions); else torch bumps them after it returns
 };
 
 // A tensor's dtype and place on its storage. Sizes and strides are exact
@@ -286,7 +288,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // A recorded op wrote (`writes`, its written tensors) the storage these
   // handles read: the handles whose saved tensors' version counters it
   // moves note the counter and hold their inputs (SavedValue::seen, held).
-  void note_versions(const std::vector<SavedValue*>& handles, py::handle writes);
+  void note_versions(const std::vector<SavedValue*>& handles, py::handle writes, bool bumped);
   py::object storage_of(int value) const;
   std::int64_t use_count(std::uintptr_t cdata) const;
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
@@ -378,6 +380,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     std::vector<py::object> write_kw;
     bool undeclared_stats = false;
     bool overwrites = false;  // its writes replace the storage without reading it, where they cover it
+    bool bumps_versions = false;  // an in-place foreach op: ops.OpInfo.bumps_versions
     // Random (nondeterministic_seeded) and run here: the positions of its
     // dropout_p (random only when that is nonzero) and generator arguments,
     // -1 where it has none.
@@ -408,6 +411,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unordered_map<PyObject*, FuncInfo> funcs_;  // kept alive by func_refs_
   std::vector<py::object> func_refs_;
   py::object classify_, slow_, on_error_, grad_enabled_, default_generator_;
+  py::object increment_version_;  // torch._C._increment_version, looked up at first use
   std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
   std::size_t peak_reserved_bytes_ = 0;

@@ -68,6 +68,7 @@ class Mode(TorchDispatchMode):
             core.before_write(writes)
             if info.overwrites and all(ops.covers_storage(t) for t in writes):
                 flags |= ops.OVERWRITES
+        before = writes[0]._version if info.bumps_versions and writes else 0
         start = _ns()
         try:
             out = func(*args, **kwargs)
@@ -75,6 +76,8 @@ class Mode(TorchDispatchMode):
             self._oom(e)
             raise
         cost = _ns() - start
+        if info.bumps_versions and ops.bump_versions(writes, before):
+            flags |= ops.VERSIONS_BUMPED
         self._record(func, args, kwargs, out, writes, flags, pin, float(cost), rng)
         if info.rebinds:
             for t in writes:
@@ -99,7 +102,8 @@ def _classify_for_c(func):
     (LiveSession::dispatch). Ops that write or are random run in C as well,
     which does what _dispatch does for them: `writes` = (positions, names,
     legacy batch norm's undeclared running statistics, whether the writes
-    overwrite when they cover their storage) gathers what they write as
+    overwrite when they cover their storage, whether the session bumps their
+    version counters: OpInfo.bumps_versions) gathers what they write as
     ops.written does; `random` = (dropout_p's position, the generator's;
     -1 where none) finds the generator whose state is saved first, as
     ops.generator_for does. Both None: the plain fast path, or (not fast)
@@ -111,7 +115,7 @@ def _classify_for_c(func):
     call = func._op if type(func).__call__ is torch._ops.OpOverload.__call__ else func
     writes = random = None
     if not info.fast and not (info.bitwise_nondeterministic or info.rebinds):
-        writes = (info.write_pos, info.write_kw, info.undeclared_stats, info.overwrites)
+        writes = (info.write_pos, info.write_kw, info.undeclared_stats, info.overwrites, info.bumps_versions)
         if info.flags & ops.RANDOM:
             random = (-1 if info.dropout_pos is None else info.dropout_pos,
                       -1 if info.generator_pos is None else info.generator_pos)

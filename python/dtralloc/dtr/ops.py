@@ -18,6 +18,7 @@ RANDOM = 1
 OVERWRITES = 2
 SCRATCH_WRITES = 4
 GRAD_ENABLED = 8
+VERSIONS_BUMPED = 16
 
 # PinReason (live_session.h), in order
 PIN_NONE, PIN_EXTERNAL, PIN_UNWRITTEN, PIN_EXPORTED, PIN_COLLECTIVE, PIN_PYTHON_DATA, PIN_SIDE_EFFECTS, \
@@ -76,6 +77,7 @@ class OpInfo(NamedTuple):
     bitwise_nondeterministic: bool
     rebinds: bool
     per_element: int              # PER_ELEMENT_*: a foreach op's output i reads element i of its lists
+    bumps_versions: bool          # the session bumps the version counters of what it writes (below)
 
 
 def _name(func) -> str:
@@ -118,8 +120,28 @@ def classify(func) -> OpInfo:
     view = (fast and pin == PIN_NONE and bool(schema.returns)
             and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
             and not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+    # An in-place foreach op has no ADInplaceOrView kernel to bump its tensors'
+    # version counters: on CPU (and on CUDA where the fused kernel does not
+    # apply) torch's kernel runs the per-tensor in-place op for each element,
+    # whose ADInplaceOrView kernel bumps it; CUDA's fused kernels bump them
+    # explicitly. Under a dispatch mode those inner ops run below
+    # ADInplaceOrView and bump nothing, so autograd would not see that the
+    # op wrote them (optimizer.step() between a forward and its backward).
+    # The session bumps each written tensor once, where the call did not.
+    bumps = bool(write_pos) and name.startswith("aten::_foreach_") and not func.has_kernel_for_dispatch_key(
+        torch._C.DispatchKey.ADInplaceOrView)
     return OpInfo(fast, view, flags, pin, write_pos, write_kw, undeclared, dropout_pos, generator_pos, overwrites,
-                  bitwise, rebinds, _per_element(name, args))
+                  bitwise, rebinds, _per_element(name, args), bumps)
+
+
+def bump_versions(writes, before: int) -> bool:
+    """After an op of OpInfo.bumps_versions wrote `writes` (a tuple of
+    tensors; `before`: the first one's version before the call): bump each
+    one's version counter where the call did not. Returns whether it did."""
+    if not writes or writes[0]._version != before:
+        return False
+    torch._C._increment_version(writes)
+    return True
 
 
 def _per_element(name: str, args) -> int:
