@@ -4,7 +4,8 @@ Hypothesis writes small programs over a pool of 1-D tensors: out-of-place
 ops that autograd saves tensors for (inputs, outputs, views made for the
 op), views that share the saved tensors' version counters and views that do
 not (``unsafe_split``, ``.data``), in-place writes through the whole tensor
-or half of it (in grad mode or under ``no_grad``), random ops, ``out=``, and
+or half of it (in grad mode or under ``no_grad``), random ops, ``out=``,
+foreach ops, ``torch.utils.checkpoint`` of both kinds around two ops, and
 dropping tensors so that their storages die. Each program runs plainly, then
 inside ``dtr(device="cpu", check_invariants=True)`` with nothing evicted and
 with ``chaos=True`` (every evictable value evicted at every opportunity),
@@ -29,6 +30,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from hypothesis import assume, given
 
 from dtralloc.dtr import dtr
@@ -78,7 +80,7 @@ RANDOM = [
 ]
 
 KINDS = ["unary", "binary", "view-op", "split", "data", "detach", "slice", "inplace", "random", "out", "del",
-         "foreach"]
+         "foreach", "checkpoint"]
 INSTRUCTION = st.tuples(st.sampled_from(KINDS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63))
 PROGRAM = st.tuples(st.lists(INSTRUCTION, min_size=1, max_size=32), st.booleans())
 
@@ -148,6 +150,10 @@ def execute(program, params):
             y, _ = pool.pick(b, x.numel())
             for t in torch._foreach_add([x, y], [y, x]) if c % 2 else torch._foreach_exp([x, y]):
                 pool.add(t)
+        elif kind == "checkpoint":  # torch's saved-tensor hooks inside the session's; torch recomputes random ops
+            f, g = UNARY[b % len(UNARY)], (UNARY + RANDOM)[c % (len(UNARY) + len(RANDOM))]
+            reentrant = bool(c % 2) and x.requires_grad  # (torch warns for a reentrant one without grad)
+            pool.add(torch.utils.checkpoint.checkpoint(lambda t: g(f(t)), x, use_reentrant=reentrant))
         elif kind == "random":
             pool.add(RANDOM[c % len(RANDOM)](x))
         elif kind == "out":
@@ -217,7 +223,7 @@ def test_random_programs_run_in_a_session_as_in_plain_eager(program):
         assume(False)
     for kw in ({}, {"chaos": True}):
         got, s = run(program, _session(**kw))
-        assert _same(want, got), (kw, want if isinstance(want, str) else "values", got if isinstance(got, str) else "values")
+        assert _same(want, got), (kw, *(r if isinstance(r, str) else "values" for r in (want, got)))
 
 
 @pytest.mark.parametrize("program, expect", [
