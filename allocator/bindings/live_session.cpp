@@ -720,7 +720,7 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   py::object result = run();
   const double cost = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
   if (bumps && as_int(get_attr(writes[0], names().version)) == before) {
-    if (!increment_version_) increment_version_ = py::module_::import("torch").attr("_C").attr("_increment_version");
+    if (!increment_version_) increment_version_ = py::module_::import("torch.autograd.graph").attr("increment_version");
     increment_version_(writes);
     info_flags |= kVersionsBumped;
   }

@@ -411,7 +411,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unordered_map<PyObject*, FuncInfo> funcs_;  // kept alive by func_refs_
   std::vector<py::object> func_refs_;
   py::object classify_, slow_, on_error_, grad_enabled_, default_generator_;
-  py::object increment_version_;  // torch._C._increment_version, looked up at first use
+  py::object increment_version_;  // torch.autograd.graph.increment_version, looked up at first use
   std::size_t ops_since_poll_ = 0;
   LiveStats stats_;
   std::size_t peak_reserved_bytes_ = 0;

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.autograd.graph
 
 # OpFlag (live_session.h)
 RANDOM = 1
@@ -140,7 +141,7 @@ def bump_versions(writes, before: int) -> bool:
     one's version counter where the call did not. Returns whether it did."""
     if not writes or writes[0]._version != before:
         return False
-    torch._C._increment_version(writes)
+    torch.autograd.graph.increment_version(writes)
     return True
 
 
