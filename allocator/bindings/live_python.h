@@ -75,6 +75,14 @@ inline void load_accessors(py::dict d) {
   a.disabled_torch_dispatch = take("disabled_torch_dispatch");
 }
 
+// What a weakref refers to (borrowed), or nullptr where `ref` is unset or
+// its object is gone.
+inline PyObject* referent(const py::object& ref) {
+  if (!ref) return nullptr;
+  PyObject* o = PyWeakref_GetObject(ref.ptr());
+  return o && o != Py_None ? o : nullptr;
+}
+
 // A method descriptor called on `o` (no arguments).
 inline py::object call_method(py::handle o, PyObject* descr) {
   PyObject* self = o.ptr();

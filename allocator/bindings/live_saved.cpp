@@ -101,9 +101,8 @@ void LiveSession::note_versions(const std::vector<SavedValue*>& handles, py::han
   std::vector<PyObject*> written;
   for_each_tensor(writes.ptr(), tensor_type_.ptr(), [&](PyObject* t) { written.push_back(root(t)); });
   for (SavedValue* h : handles) {
-    PyObject* t = h->tensor ? PyWeakref_GetObject(h->tensor.ptr()) : nullptr;
-    if (!t || t == Py_None) t = h->base ? PyWeakref_GetObject(h->base.ptr()) : nullptr;
-    if (!t || t == Py_None) continue;
+    PyObject* t = h->watched();
+    if (!t) continue;
     const auto bumps = std::count(written.begin(), written.end(), root(t));
     if (bumps == 0) continue;
     h->seen = as_int(get_attr(t, names().version)) + (bumped ? 0 : bumps);
@@ -143,12 +142,12 @@ py::object LiveSession::unpack(const SavedValue& saved) {
       // view that is gone, the node torch gives such a view once its base
       // was written (runner.version_error makes one to ask).
       py::object grad_fn = saved.grad_fn_name ? saved.grad_fn_name : py::object(py::none());
-      PyObject* t = saved.tensor ? PyWeakref_GetObject(saved.tensor.ptr()) : nullptr;
-      PyObject* base = saved.base ? PyWeakref_GetObject(saved.base.ptr()) : nullptr;
-      if (!saved.is_output && t && t != Py_None) {
+      PyObject* t = referent(saved.tensor);
+      PyObject* base = referent(saved.base);
+      if (!saved.is_output && t) {
         py::object current = get_attr(t, names().grad_fn);
         if (!current.is_none()) grad_fn = grad_fn_name(current);
-      } else if (!saved.is_output && base && base != Py_None) {
+      } else if (!saved.is_output && base) {
         grad_fn = py::make_tuple(py::reinterpret_borrow<py::object>(base), saved.geometry.size,
                                  saved.geometry.stride, saved.geometry.offset);
       }
@@ -160,11 +159,9 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   // The saved tensor's own version, where it or its base is still alive
   // (torch checks that counter; other tensors on the storage count their own).
   auto saved_now = [&]() -> std::int64_t {
-    for (const py::object* ref : {&saved.tensor, &saved.base}) {
-      PyObject* t = *ref ? PyWeakref_GetObject(ref->ptr()) : nullptr;
-      if (t && t != Py_None) return as_int(get_attr(t, names().version));
-    }
-    return saved.seen;  // neither is alive: -1 unless a recorded write moved the counter
+    PyObject* t = saved.watched();
+    return t ? as_int(get_attr(t, names().version))
+             : saved.seen;  // neither is alive: -1 unless a recorded write moved the counter
   };
   // Checked before and after bringing the value back: a recorded in-place op
   // (or one outside the session) that wrote through a tensor sharing the
@@ -222,6 +219,11 @@ void LiveSession::exported(py::handle tensor) {
   engine_->pin(v);
   s.pin = PinReason::kExported;
   own_for_recipes(v);
+}
+
+PyObject* SavedValue::watched() const {
+  PyObject* t = referent(tensor);
+  return t ? t : referent(base);
 }
 
 SavedValue::~SavedValue() {

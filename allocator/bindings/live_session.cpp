@@ -362,7 +362,7 @@ void LiveSession::end_lifetimes() {
   std::size_t made = 0, kept = 0;
   for (const MadeAt& m : made_at_) {
     made += m.nbytes;
-    if (PyWeakref_GetObject(m.watch.ptr()) == Py_None) continue;  // died within the step
+    if (!referent(m.watch)) continue;  // died within the step
     out->kept[m.ordinal].push_back(m.nbytes);
     kept += m.nbytes;
   }
@@ -495,10 +495,7 @@ py::object LiveSession::storage_of(int value) const {
   const Slot& s = slots_[value];
   if (s.storage) return s.storage;
   if (s.external) return call_method(s.external, names().untyped_storage);
-  if (s.watch) {
-    PyObject* o = PyWeakref_GetObject(s.watch.ptr());
-    if (o && o != Py_None) return py::reinterpret_borrow<py::object>(o);
-  }
+  if (PyObject* o = referent(s.watch)) return py::reinterpret_borrow<py::object>(o);
   const Value& x = engine_->value(value);
   const int producer = x.producer;
   std::string made_by = "an input";

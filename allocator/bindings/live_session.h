@@ -482,6 +482,9 @@ struct SavedValue {
   std::int64_t seen = -1;
   py::object held;
   int listed = -1;  // its index in Slot::saved of the storage's newest version
+  // The saved tensor, else its base, whichever is alive (nullptr: neither):
+  // what tells the saved tensor's version counter.
+  PyObject* watched() const;
   ~SavedValue();
 };
 
