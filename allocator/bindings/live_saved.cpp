@@ -110,15 +110,13 @@ void LiveSession::note_versions(const std::vector<SavedValue*>& handles, py::han
   }
 }
 
+// After unlist(): the handle has left its storage's list.
 void LiveSession::drop_handle(int value) {
   --slots_[value].handles;
-  // A handle of an older version rides on the storage's newest version.
-  if (slots_[value].next >= 0) {
-    value = latest(value);
-    --slots_[value].riders;
-  }
+  // A handle of an older version rode on the storage's newest version.
+  if (slots_[value].next >= 0) value = latest(value);
   Slot& s = slots_[value];
-  if (s.handles + s.riders > 0) return;
+  if (!s.saved.empty()) return;  // another handle still reads the storage
   const Value& x = engine_->value(value);
   if (x.state == ValueState::kEvicted) {
     engine_->kill(value);  // nobody can read it any more

@@ -535,7 +535,7 @@ void LiveSession::own_for_recipes(int value) {
   const Value& x = engine_->value(value);
   if (s.storage || s.external || !x.pinned || x.needed_by <= 0 || x.state != ValueState::kResident) return;
   s.storage = storage_of(value);
-  if (s.handles + s.riders == 0) polled_.push_back(value);
+  if (s.saved.empty()) polled_.push_back(value);  // no saved handle reads it
 }
 
 void LiveSession::poll_owned() {
@@ -545,7 +545,7 @@ void LiveSession::poll_owned() {
     const int v = polled_[i];
     Slot& s = slots_[v];
     const Value& x = engine_->value(v);
-    if (x.state == ValueState::kReleased || !x.alive || s.handles + s.riders > 0) continue;  // no longer ours to poll
+    if (x.state == ValueState::kReleased || !x.alive || !s.saved.empty()) continue;  // no longer ours to poll
     if (x.locks > 0) {  // the op in flight (or a recompute) reads it now
       polled_[kept++] = v;
       continue;
@@ -1073,13 +1073,11 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
         throw std::logic_error("dtralloc live session: value " + std::to_string(w.value) +
                                " written in place again after value " + std::to_string(old.next) + " replaced it");
       old.next = n;
-      s.riders = old.handles + old.riders;
-      old.riders = 0;
       if (!old.saved.empty()) note_versions(old.saved, writes, (flags & kVersionsBumped) != 0);
       s.saved = std::move(old.saved);
       old.saved.clear();
       py::object dropped = std::move(old.storage);
-      if (s.riders > 0) s.storage = std::move(dropped);
+      if (!s.saved.empty()) s.storage = std::move(dropped);
       s.external = std::move(old.external);
       s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal
               : reads_opaque                   ? PinReason::kOpaque
@@ -1361,22 +1359,16 @@ void LiveSession::check_invariants() {
       throw std::logic_error("dtralloc live session: resident value " + std::to_string(v) +
                              " has no block in the mirror pool (3.6)");
   }
-  // Each version's riders are the handles of the older versions of its
-  // storage, and only the newest version has any.
-  std::vector<int> riders(slots_.size(), 0);
-  for (std::size_t v = 0; v < slots_.size(); ++v)
-    if (slots_[v].next >= 0) riders[latest(static_cast<int>(v))] += slots_[v].handles;
+  // The newest version of each storage lists the handles of every version
+  // of it, each at its index; older versions list none.
+  std::vector<int> reading(slots_.size(), 0);
+  for (std::size_t v = 0; v < slots_.size(); ++v) reading[latest(static_cast<int>(v))] += slots_[v].handles;
   for (std::size_t v = 0; v < slots_.size(); ++v) {
     const Slot& s = slots_[v];
-    if (s.riders != riders[v])
-      throw std::logic_error("dtralloc live session: value " + std::to_string(v) + " has " +
-                             std::to_string(s.riders) + " riders; its older versions have " +
-                             std::to_string(riders[v]) + " handles");
-    // Its list holds exactly those handles and its own, each at its index.
-    if (s.saved.size() != static_cast<std::size_t>(s.next >= 0 ? 0 : s.handles + s.riders))
+    const int want = s.next >= 0 ? 0 : reading[v];
+    if (s.saved.size() != static_cast<std::size_t>(want))
       throw std::logic_error("dtralloc live session: value " + std::to_string(v) + " lists " +
-                             std::to_string(s.saved.size()) + " saved handles, not " +
-                             std::to_string(s.next >= 0 ? 0 : s.handles + s.riders));
+                             std::to_string(s.saved.size()) + " saved handles, not " + std::to_string(want));
     for (std::size_t i = 0; i < s.saved.size(); ++i)
       if (s.saved[i]->listed != static_cast<int>(i) || latest(s.saved[i]->value) != static_cast<int>(v))
         throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(s.saved[i]->value) +

@@ -146,15 +146,12 @@ struct Slot {
   // A storage written in place after a save. The older version's handles
   // read the storage as it is now, as autograd would read the tensor it
   // saved: `next` is the version that replaced this one (-1: none; an old
-  // version's link may skip ahead to a newer one, LiveSession::latest), and
-  // `riders` counts the older versions' handles whose unpack reads this
-  // version's storage. While it is > 0 the registry owns the storage, as
-  // for the value's own handles.
+  // version's link may skip ahead to a newer one, LiveSession::latest).
   int next = -1;
-  int riders = 0;
-  // The newest version's: every handle reading the storage (its own and
-  // the riders), whose tensors' versions each recorded write looks at
-  // (LiveSession::note_versions).
+  // The newest version's: every handle reading the storage, its own and
+  // those of the older versions (they ride on it). While there is one the
+  // registry owns the storage; each recorded write looks at their tensors'
+  // versions (LiveSession::note_versions).
   std::vector<struct SavedValue*> saved;
   int out_index = -1;           // which tensor output of its producer (-1: made by a write)
   int write_ref = -1;           // made by a write: the producer's ref it wrote
