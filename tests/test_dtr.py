@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import dtralloc
+from dtralloc import _core
 from dtralloc.dtr import dtr
 
 from _live_models import NAMES, build
@@ -416,6 +417,39 @@ def test_an_unmeetable_budget_raises_and_everything_stays_usable():
     opt.state.clear()
     got = train(model, loss_fn, 2, lambda: dtr(budget="4M", device="cpu"))
     assert_identical(got, want)
+
+
+def test_the_oom_report_names_a_budget_below_one_segment():
+    # The pool reserves in segments of at least 2 MiB: a smaller budget can
+    # hold nothing, and the report says that rather than list nothing.
+    with pytest.raises(dtralloc.OutOfMemoryError) as info:
+        with dtr(budget="1M", device="cpu"):
+            torch.ones(1000)
+    message = str(info.value)
+    assert "smaller than the smallest segment this request can get (2 MiB" in message, message
+    assert "Raise the budget to at least 2 MiB" in message
+    assert "What no eviction can free now: nothing." in message
+
+
+def test_the_oom_report_counts_block_tails_and_the_segment_it_lacks():
+    # 1.2 MB tensors under an 8 MiB budget: a 20 MiB segment does not fit,
+    # so each gets its own 2 MiB one and keeps the 0.86 MiB tail (a large
+    # block splits only where over 1 MiB would be left, as torch's). Four
+    # fit; the fifth finds no room for a segment. The report accounts for
+    # every allocated byte: the tensors, and the tails.
+    kept = []
+    with pytest.raises(dtralloc.OutOfMemoryError) as info:
+        with dtr(budget="8M", device="cpu"):
+            for _ in range(5):
+                kept.append(torch.ones(300_000))
+    assert len(kept) == 4
+    message = str(info.value)
+    tail = 2 * 2**20 - 1_200_000
+    assert "Reserved 8 MiB, allocated 8 MiB" in message, message
+    assert "A new segment for it takes 2 MiB; the budget has 0 B left." in message
+    assert f"{_core.format_bytes(4 * 1_200_000)}: held by the program" in message
+    assert f"{_core.format_bytes(4 * tail)}: allocated beyond the tensors' own bytes" in message
+    del kept
 
 
 def test_a_hold_that_starts_over_and_still_runs_out_leaves_everything_usable():

@@ -1253,12 +1253,13 @@ std::size_t LiveSession::evict_all() {
 
 std::string LiveSession::oom_report(std::size_t request_bytes) {
   // Resident bytes nothing can evict now, by why.
-  std::size_t locked = 0, held = 0, dependents = 0;
+  std::size_t locked = 0, held = 0, dependents = 0, values = 0;
   std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kOpaque) + 1, 0);
   for (int v : engine_->resident()) {
     const Value& x = engine_->value(v);
-    if (engine_->evictable(v)) continue;
     const Slot& s = slots_[v];
+    if (!(mirror_ && s.pin == PinReason::kExternal)) values += x.nbytes;  // the mirror holds no external
+    if (engine_->evictable(v)) continue;
     if (x.pinned && s.pin != PinReason::kNone)
       pinned[static_cast<std::size_t>(s.pin)] += x.nbytes;
     else if (x.pinned)
@@ -1269,21 +1270,43 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
       held += x.nbytes;
   }
   const StatsReport r = pool_->stats_report();
+  const std::size_t reserved = static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].current);
+  const std::size_t allocated = static_cast<std::size_t>(r.stats.allocated_bytes[kStatAll].current);
   std::ostringstream m;
   if (request_bytes) m << "Tried to allocate " << format_bytes(request_bytes) << ". ";
   m << "Under the dtr budget of " << format_bytes(pool_->budget_bytes()) << " ("
     << (options_.cuda ? "the pool's reserved bytes" : "a virtual pool mirroring the session's storages")
     << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "
-    << format_bytes(static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].current)) << ", largest free block "
+    << format_bytes(reserved) << ", allocated " << format_bytes(allocated) << ", largest free block "
     << format_bytes(r.largest_free_bytes) << " of " << format_bytes(r.free_cached_bytes) << " free. ";
   if (!mirror_ && pool_->device_limited())  // Note [The device is the limit] (docs/allocator.md)
     m << "The device itself is short of the budget: it has " << format_bytes(pool_->device_free_bytes())
       << " free of its " << format_bytes(pool_->capacity_bytes())
       << " (its CUDA context, other processes or memory allocated outside torch hold the rest), so "
          "the pool can reserve no more than that. ";
+  // Where a new segment is what the request lacks: the budget's room for
+  // one, and, where the budget is below the smallest segment the request
+  // can get at all, that cause first (the pool reserves in segments, never
+  // less than 2 MiB: block_pool.h).
+  const std::size_t budget = pool_->budget_bytes();
+  if (request_bytes) {
+    const std::size_t segment = pool_->smallest_segment(BlockPool::round_size(request_bytes, pool_->config()));
+    const std::size_t room = budget > reserved ? budget - reserved : 0;
+    if (segment > budget) {
+      m << "The budget is smaller than the smallest segment this request can get (" << format_bytes(segment)
+        << "; the pool reserves memory in segments of at least 2 MiB): no eviction can make room for it. "
+           "Raise the budget to at least "
+        << format_bytes(segment) << " plus what the program keeps. ";
+    } else if (room < segment) {
+      m << "A new segment for it takes " << format_bytes(segment) << "; the budget has " << format_bytes(room)
+        << " left. ";
+    }
+  }
   m << "What no eviction can free now:";
+  bool listed = false;
   auto line = [&](std::size_t bytes, const std::string& why) {
     if (bytes) m << "\n  " << format_bytes(bytes) << ": " << why;
+    listed = listed || bytes;
   };
   line(held, "held by the program (tensors your code, an optimizer or autograd still references)");
   line(locked, "in use by the op in flight or a recompute");
@@ -1291,6 +1314,15 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
     if (!(static_cast<PinReason>(i) == PinReason::kExternal && mirror_))
       line(pinned[i], std::string("not recomputable: ") + pin_doc(static_cast<PinReason>(i)));
   line(dependents, "not recomputable: they depend on a value overwritten in place");
+  // Allocated bytes that are no value's own (evictable or not): sizes
+  // rounded up and block tails left unsplit (a large block keeps a tail of
+  // up to 1 MiB), and on CUDA what the pool serves outside the session.
+  if (allocated > values)
+    line(allocated - values, mirror_ ? "allocated beyond the tensors' own bytes (sizes rounded up, block tails under 1 MiB "
+                                       "that a large block keeps rather than split off)"
+                                     : "allocated but no value of the session (tensors made outside it or by other code, "
+                                       "sizes rounded up, block tails too small to split off)");
+  if (!listed) m << " nothing.";
   m << "\nTo fit: raise the budget (dtr(budget=...)), lower the batch size, drop references to "
        "intermediate tensors you keep (lists of outputs, losses kept with their graph), or keep "
        "parameters and optimizer state out of the budget.";
