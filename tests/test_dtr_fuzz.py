@@ -9,7 +9,9 @@ foreach ops, ``torch.utils.checkpoint`` of both kinds around two ops, and
 dropping tensors so that their storages die. Each program runs plainly, then
 inside ``dtr(device="cpu", check_invariants=True)`` with nothing evicted and
 with ``chaos=True`` (every evictable value evicted at every opportunity),
-with its backward inside or after the block. The gradients, every tensor
+with its backward inside or after the block; programs that drop more of
+what they make also run under budgets below their peak, with every policy.
+The gradients, every tensor
 still in the pool and the RNG state must be identical bit for bit, or, where
 plain eager raises (torch's "modified by an inplace operation" at the
 backward), the session must raise the same error (up to the autograd node
@@ -31,8 +33,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from hypothesis import assume, given
+from hypothesis import assume, event, given, settings, target
 
+import dtralloc
+from dtralloc import _core
 from dtralloc.dtr import dtr
 
 LENGTH = 24
@@ -77,6 +81,15 @@ RANDOM = [
     lambda x: F.dropout(x, 0.3),
     lambda x: x * torch.rand_like(x),
     lambda x: torch.bernoulli(x.detach().sigmoid()) * x,
+]
+
+# Chains whose intermediates only autograd keeps: what a budget can evict.
+CHAINS = [
+    lambda x: torch.sin(torch.tanh(x * 1.1).exp()),
+    lambda x: (x.sigmoid() * x).cos().tanh(),
+    lambda x: torch.relu(x.sin() * x.cos()).exp() * x.sigmoid(),
+    lambda x: F.dropout(x.tanh(), 0.2).sin() * x,
+    lambda x: (x * torch.rand_like(x)).exp().sin(),
 ]
 
 KINDS = ["unary", "binary", "view-op", "split", "data", "detach", "slice", "inplace", "random", "out", "del",
@@ -156,6 +169,8 @@ def execute(program, params):
             pool.add(torch.utils.checkpoint.checkpoint(lambda t: g(f(t)), x, use_reentrant=reentrant))
         elif kind == "random":
             pool.add(RANDOM[c % len(RANDOM)](x))
+        elif kind == "chain":
+            pool.add(CHAINS[c % len(CHAINS)](x))
         elif kind == "out":
             y, _ = pool.pick(b, x.numel())
             out, _ = pool.pick(c, x.numel())
@@ -167,10 +182,10 @@ def execute(program, params):
     return pool
 
 
-def run(program, ctx):
+def run(program, ctx, length=LENGTH):
     """(gradients, the pool's tensors, the RNG state) or the backward's error text."""
     torch.manual_seed(0)
-    params = [torch.randn(LENGTH, requires_grad=True) for _ in range(2)]
+    params = [torch.randn(length, requires_grad=True) for _ in range(2)]
     backward_inside = program[1]
     with ctx() as s:
         pool = execute(program, params)
@@ -238,3 +253,50 @@ def test_hand_picked_programs(program, expect):
     got, s = run(program, _session())
     assert _same(want, got)
     assert s.stats()["remats"] == expect
+
+
+# Under a budget: programs that drop more of what they make and chain ops
+# whose intermediates only autograd keeps, on tensors of 2 MiB (one segment
+# page each, so that a budget is met or missed by whole tensors rather than
+# by the tails rounding leaves), at budgets below the peak of the same
+# program in a session without one. The evictor runs inside ops' output
+# allocations and recomputes run nested, under every policy.
+BUDGET_LENGTH = 1 << 19
+BUDGET_KINDS = KINDS + ["del"] * 8 + ["chain"] * 4 + ["random"] * 2
+BUDGET_PROGRAM = st.tuples(
+    st.lists(st.tuples(st.sampled_from(BUDGET_KINDS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63)),
+             min_size=4, max_size=40),
+    st.booleans())
+POLICIES = [p["name"] for p in _core.policies() if p["name"] != "none"]
+
+
+def _under_budget(program, fraction, policy):
+    """(plain eager's outcome is a valid program, the session's equals it,
+    ran out of memory, the session's stats). Only plain values leave: while
+    Hypothesis shrinks it keeps each failing example's traceback, and no
+    tensor (2 MiB each, some 45 MiB an example) may stay in one."""
+    try:
+        want, _ = run(program, contextlib.nullcontext, BUDGET_LENGTH)
+    except _Invalid:
+        return False, False, False, None
+    _, free = run(program, _session(), BUDGET_LENGTH)
+    budget = int(free.stats()["peak_bytes"] * fraction)
+    try:
+        got, s = run(program, _session(budget=budget, policy=policy), BUDGET_LENGTH)
+    except dtralloc.OutOfMemoryError:
+        return True, False, True, None
+    stats = s.stats()
+    if isinstance(got, str) and "out of memory" in got:  # in the backward
+        return True, False, True, stats
+    return True, _same(want, got), False, stats
+
+
+@settings(max_examples=60)
+@given(program=BUDGET_PROGRAM, fraction=st.sampled_from([0.9, 0.8, 0.7, 0.6]), policy=st.sampled_from(POLICIES))
+def test_random_programs_under_a_budget_run_as_in_plain_eager(program, fraction, policy):
+    valid, same, out_of_memory, stats = _under_budget(program, fraction, policy)
+    assume(valid)
+    assume(not out_of_memory)  # what the program keeps does not fit: nothing to compare
+    event("evicted" if stats["evictions"] else "nothing evicted")
+    target(float(stats["evictions"]))
+    assert same, (policy, fraction, stats)
