@@ -157,6 +157,8 @@ def execute(program, params):
             with torch.no_grad() if b % 2 else contextlib.nullcontext():
                 try:
                     op(target, other)
+                except dtralloc.OutOfMemoryError:
+                    raise  # a budget's: the program is valid
                 except RuntimeError as e:
                     raise _Invalid(str(e)) from e
         elif kind == "foreach":  # a list op: one output per element
