@@ -30,6 +30,9 @@ struct Accessors {
   PyObject* get_device = nullptr;
   PyObject* is_conj = nullptr;
   PyObject* is_neg = nullptr;
+  PyObject* set_ = nullptr;             // Geometry::view's
+  PyObject* conj = nullptr;
+  PyObject* neg_view = nullptr;
   PyObject* dtype = nullptr;            // getset descriptors
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
@@ -37,6 +40,9 @@ struct Accessors {
   PyObject* grad_fn = nullptr;
   PyObject* output_nr = nullptr;
   PyObject* base = nullptr;             // _base: a view's base tensor, or None
+  PyObject* storage_device = nullptr;   // a storage's device
+  PyObject* empty = nullptr;            // torch.empty
+  PyObject* disable_dispatch = nullptr;  // torch._C._DisableTorchDispatch: on from construction to deletion
   PyObject* tensor = nullptr;             // torch.Tensor, and the __torch_dispatch__ it has
   PyObject* disabled_torch_dispatch = nullptr;
 };
@@ -64,6 +70,9 @@ inline void load_accessors(py::dict d) {
   a.get_device = take("get_device");
   a.is_conj = take("is_conj");
   a.is_neg = take("is_neg");
+  a.set_ = take("set_");
+  a.conj = take("_conj");
+  a.neg_view = take("_neg_view");
   a.dtype = take("dtype");
   a.version = take("_version");
   a.cdata = take("_cdata");
@@ -71,6 +80,9 @@ inline void load_accessors(py::dict d) {
   a.grad_fn = take("grad_fn");
   a.output_nr = take("output_nr");
   a.base = take("_base");
+  a.storage_device = take("storage_device");
+  a.empty = take("empty");
+  a.disable_dispatch = take("_DisableTorchDispatch");
   a.tensor = take("Tensor");
   a.disabled_torch_dispatch = take("disabled_torch_dispatch");
 }

@@ -191,7 +191,7 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   try {
     const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
-    tensor = saved.geometry.view(view_, storage_of(read));
+    tensor = saved.geometry.view(storage_of(read));
   } catch (...) {
     engine_->unacquire(read);
     throw;

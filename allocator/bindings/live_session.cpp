@@ -103,7 +103,6 @@ class LiveSession::Hook : public EvictionHook {
 };
 
 LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(options) {
-  view_ = helpers["view"];
   detached_ = helpers["detached"];
   empty_kwargs_ = py::dict();
   run_ = helpers["run"];

@@ -105,14 +105,14 @@ struct Geometry {
   py::object size, stride;
   std::int64_t offset = 0;
   // torch's lazy conjugate (1) and negative (2) bits: `x.conj()` and
-  // `x.conj().imag` are views that only flag their data (runner.view's CONJ, NEG).
+  // `x.conj().imag` are views that only flag their data (Geometry::view sets them again).
   std::uint8_t bits = 0;
   static Geometry of(py::handle tensor);
   // of(), or false where torch gives the tensor no sizes or strides (a
   // legacy nested tensor): nothing can rebuild it from its storage.
   static bool try_of(py::handle tensor, Geometry* g);
-  // A tensor with this geometry on `storage`, made by the runner's view().
-  py::object view(const py::object& view_fn, const py::object& storage) const;
+  // A tensor with this geometry on `storage`, its lazy bits set.
+  py::object view(const py::object& storage) const;
 };
 
 struct ArgRef {                 // how an op saw one tensor argument
@@ -305,7 +305,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void end_lifetimes();  // end_block: what this session kept, for the next one
 
   Options options_;
-  py::object view_, detached_, empty_kwargs_, run_, new_storage_, use_count_fn_, version_error_, tensor_type_, device_,
+  py::object detached_, empty_kwargs_, run_, new_storage_, use_count_fn_, version_error_, tensor_type_, device_,
       watch_callback_;
   // torch._C._autograd._get_sequence_nr (None where torch lacks it): the
   // sequence number the next autograd node will get, on this thread.

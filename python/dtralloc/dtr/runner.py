@@ -1,6 +1,6 @@
-"""What the C++ live session asks Python to do: rebuild a tensor view on a
-storage, rerun an op for a recompute, make storages, raise torch's version
-error. Every function runs with Python dispatch off, so nothing it does is
+"""What the C++ live session asks Python to do: rerun an op for a
+recompute, make storages, raise torch's version error (a tensor view on a
+storage it makes itself: Geometry::view, from the accessors below). Every function runs with Python dispatch off, so nothing it does is
 recorded as an op of the session (docs/live.md)."""
 from __future__ import annotations
 
@@ -10,27 +10,6 @@ import re
 import torch
 
 _no_dispatch = torch._C._DisableTorchDispatch
-_empty = torch.empty
-
-
-CONJ, NEG = 1, 2  # view()'s `bits` (Geometry::bits, live_session.h)
-
-
-def view(storage, dtype, size, stride, offset, bits=0):
-    """A tensor on `storage` with the geometry autograd (or an op) saw, and
-    its lazy conjugate and negative bits (`x.conj()`, `x.conj().imag` are
-    views that only flag their data). Each unpack in a backward calls this,
-    where torch's argument parsing runs cold
-    (bench/results/live_overhead-2026-11-24b-cpu.md): the fewest calls and
-    lookups."""
-    with _no_dispatch():
-        t = _empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
-        if bits:
-            if bits & CONJ:
-                t = t._conj()
-            if bits & NEG:
-                t = t._neg_view()
-        return t
 
 
 def detached(t):
@@ -156,12 +135,14 @@ def _accessors() -> dict:
             "_base": tensor.__dict__["_base"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
             "element_size": tensor.element_size, "get_device": tensor.get_device, "is_conj": tensor.is_conj,
-            "is_neg": tensor.is_neg, "Tensor": torch.Tensor,
+            "is_neg": tensor.is_neg, "set_": tensor.set_, "_conj": tensor._conj, "_neg_view": tensor._neg_view,
+            "storage_device": storage.__dict__["device"], "empty": torch.empty,
+            "_DisableTorchDispatch": _no_dispatch, "Tensor": torch.Tensor,
             "disabled_torch_dispatch": torch._C._disabled_torch_dispatch_impl}
 
 
 def helpers(device: str) -> dict:
-    return {"view": view, "detached": detached, "run": run, "new_storage": new_storage, "use_count": use_count,
+    return {"detached": detached, "run": run, "new_storage": new_storage, "use_count": use_count,
             "version_error": version_error, "tensor_type": torch.Tensor,
             "device": device, "accessors": _accessors(),
             "next_sequence_nr": getattr(torch._C._autograd, "_get_sequence_nr", None),
