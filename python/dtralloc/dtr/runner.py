@@ -1,6 +1,7 @@
 """What the C++ live session asks Python to do: rerun an op for a
-recompute, make storages, raise torch's version error (a tensor view on a
-storage it makes itself: Geometry::view, from the accessors below). Every function runs with Python dispatch off, so nothing it does is
+recompute, make storages, raise torch's version error. (The tensor views it
+rebuilds on storages it makes itself, Geometry::view, through the accessors
+below.) Every function runs with Python dispatch off, so nothing it does is
 recorded as an op of the session (docs/live.md)."""
 from __future__ import annotations
 
