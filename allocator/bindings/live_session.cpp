@@ -1271,9 +1271,10 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
   const StatsReport r = pool_->stats_report();
   const std::size_t reserved = static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].current);
   const std::size_t allocated = static_cast<std::size_t>(r.stats.allocated_bytes[kStatAll].current);
+  const std::size_t budget = pool_->budget_bytes();
   std::ostringstream m;
   if (request_bytes) m << "Tried to allocate " << format_bytes(request_bytes) << ". ";
-  m << "Under the dtr budget of " << format_bytes(pool_->budget_bytes()) << " ("
+  m << "Under the dtr budget of " << format_bytes(budget) << " ("
     << (options_.cuda ? "the pool's reserved bytes" : "a virtual pool mirroring the session's storages")
     << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "
     << format_bytes(reserved) << ", allocated " << format_bytes(allocated) << ", largest free block "
@@ -1286,14 +1287,13 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
   // Where a new segment is what the request lacks: the budget's room for
   // one, and, where the budget is below the smallest segment the request
   // can get at all, that cause first (the pool reserves in segments, never
-  // less than 2 MiB: block_pool.h).
-  const std::size_t budget = pool_->budget_bytes();
+  // less than kSmallBuffer, 2 MiB: block_pool.h).
   if (request_bytes) {
     const std::size_t segment = pool_->smallest_segment(BlockPool::round_size(request_bytes, pool_->config()));
     const std::size_t room = budget > reserved ? budget - reserved : 0;
     if (segment > budget) {
       m << "The budget is smaller than the smallest segment this request can get (" << format_bytes(segment)
-        << "; the pool reserves memory in segments of at least 2 MiB): no eviction can make room for it. "
+        << "; the pool reserves memory in segments of at least " << format_bytes(kSmallBuffer) << "): no eviction can make room for it. "
            "Raise the budget to at least "
         << format_bytes(segment) << " plus what the program keeps. ";
     } else if (room < segment) {
