@@ -22,7 +22,9 @@
 //     (so do smaller large-pool requests when a 20 MiB segment would pass
 //     the budget: Allocator::allocate_segment)
 //   * a block is split when the rest is worth keeping (>= 512 B in the small
-//     pool, > 1 MiB in the large pool) and never when it is oversize
+//     pool, > 1 MiB in the large pool; >= 512 B there too under
+//     small_in_large:on, whose small requests can use such a rest: Note
+//     [large tails]) and never when it is oversize
 //     (>= max_split_size_mb); oversize blocks serve only requests within
 //     max_non_split_rounding_mb of their size
 //   * a freed block merges with free neighbours at once; blocks never cross

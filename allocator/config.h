@@ -80,7 +80,9 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "on: a small request (<= 1 MB) the budget leaves no room for a new 2 MB "  \
     "small segment takes a free block of the large pool, rather than "         \
     "evicting or failing, and where only an eviction in the large pool would " \
-    "make room the evictor makes it there; off: the pools never mix (torch); " \
+    "make room the evictor makes it there; a large block then splits off "    \
+    "any rest of 512 B or more (torch: over 1 MB) for small requests to use; " \
+    "off: the pools never mix (torch); "                                       \
     "auto = on under the dtralloc policy with a budget, else off")             \
   X(spare_evicted, SwitchOption, Switch::kAuto,                                \
     "on: a new request avoids the free room an evicted value (over 1 MB) "     \

@@ -433,10 +433,34 @@ def test_the_oom_report_names_a_budget_below_one_segment():
 
 def test_the_oom_report_counts_block_tails_and_the_segment_it_lacks():
     # 1.2 MB tensors under an 8 MiB budget: a 20 MiB segment does not fit,
-    # so each gets its own 2 MiB one and keeps the 0.86 MiB tail (a large
-    # block splits only where over 1 MiB would be left, as torch's). Four
-    # fit; the fifth finds no room for a segment. The report accounts for
-    # every allocated byte: the tensors, and the tails.
+    # so each gets its own 2 MiB one. Four fit; the fifth finds no room for a
+    # segment. Under `dtr` (small_in_large off, torch's rule) each block keeps
+    # its 0.86 MiB tail, as a large block splits only where over 1 MiB would
+    # be left; the report accounts for every allocated byte: the tensors and
+    # the tails.
+    tail = 2 * 2**20 - 1_200_000
+    kept = []
+    with pytest.raises(dtralloc.OutOfMemoryError) as info:
+        with dtr(budget="8M", device="cpu", policy="dtr"):
+            for _ in range(5):
+                kept.append(torch.ones(300_000))
+    assert len(kept) == 4
+    message = str(info.value)
+    assert "Reserved 8 MiB, allocated 8 MiB" in message, message
+    assert "A new segment for it takes 2 MiB; the budget has 0 B left." in message
+    assert f"{_core.format_bytes(4 * 1_200_000)}: held by the program" in message
+    assert f"{_core.format_bytes(4 * tail)}: allocated beyond the tensors' own bytes" in message
+    del kept
+
+
+def test_small_requests_take_the_tails_large_blocks_split_off():
+    # The same four tensors under the dtralloc policy (small_in_large on):
+    # each block splits its tail off (Note [large tails]), the report shows
+    # the tails as free memory, and small tensors that no 2 MiB small segment
+    # has room for under the budget fit in them: four of 800 KiB. Under
+    # `dtr` the same program runs out of memory at its first small tensor.
+    tail = 2 * 2**20 - 1_200_128
+    rounding = 4 * (1_200_128 - 1_200_000)
     kept = []
     with pytest.raises(dtralloc.OutOfMemoryError) as info:
         with dtr(budget="8M", device="cpu"):
@@ -444,12 +468,23 @@ def test_the_oom_report_counts_block_tails_and_the_segment_it_lacks():
                 kept.append(torch.ones(300_000))
     assert len(kept) == 4
     message = str(info.value)
-    tail = 2 * 2**20 - 1_200_000
-    assert "Reserved 8 MiB, allocated 8 MiB" in message, message
-    assert "A new segment for it takes 2 MiB; the budget has 0 B left." in message
-    assert f"{_core.format_bytes(4 * 1_200_000)}: held by the program" in message
-    assert f"{_core.format_bytes(4 * tail)}: allocated beyond the tensors' own bytes" in message
+    assert (f"Reserved 8 MiB, allocated {_core.format_bytes(4 * 1_200_128)}, largest free block "
+            f"{_core.format_bytes(tail)} of {_core.format_bytes(4 * tail)} free") in message, message
+    assert f"{_core.format_bytes(rounding)}: allocated beyond the tensors' own bytes" in message
     del kept
+
+    def fill(policy):
+        big, small = [], []
+        with dtr(budget="8M", device="cpu", policy=policy) as session:
+            big = [torch.ones(300_000) for _ in range(4)]
+            small = [torch.full((200_000,), float(i)) for i in range(4)]  # 800 KB each
+        assert all(bool((t == i).all()) for i, t in enumerate(small))
+        return session.stats()
+
+    stats = fill("dtralloc")
+    assert stats["peak_bytes"] <= stats["budget_bytes"] == 8 * 2**20
+    with pytest.raises(dtralloc.OutOfMemoryError, match="Tried to allocate 781.2 KiB"):
+        fill("dtr")
 
 
 def test_a_hold_that_starts_over_and_still_runs_out_leaves_everything_usable():

@@ -479,13 +479,16 @@ def test_unmap_pages_gives_back_what_pinned_gradients_strand(traces):
     assert on.page_releases > 0 and on.peak_reserved_bytes <= on.budget_bytes
     # It also acts before the evictor: where free pages outside the rooms
     # spared for evicted values make room, they go back instead of an
-    # eviction, so the evictor is asked with a third of the free memory
-    # stranded (0.015 -> 0.004 of the budget at 0.5, 0.012 -> 0.004 at 0.7).
+    # eviction, so the evictor is asked with less free memory stranded
+    # (0.026 -> 0.015 of the budget at 0.5, 0.020 -> 0.012 at 0.7). What stays
+    # is mostly the tails large blocks split off (Note [large tails]): under
+    # 1 MiB, they hold no whole page to give back (before those were split
+    # off, and counted as allocated: 0.015 -> 0.004 and 0.012 -> 0.004).
     for budget in (0.5, 0.7):
         a = dtralloc.replay(trace, budget=budget, policy="dtralloc", conf="unmap_pages:off")
         b = dtralloc.replay(trace, budget=budget, policy="dtralloc")
         assert a.feasible and b.feasible and a.page_releases == 0 < b.page_releases
-        assert b.free_share_at_evictions < a.free_share_at_evictions / 2
+        assert b.free_share_at_evictions < a.free_share_at_evictions * 2 / 3
         assert b.peak_reserved_bytes <= b.budget_bytes
     # Where the budget leaves room, nothing goes back and nothing changes.
     a = dtralloc.replay(trace, budget=0.9, policy="dtralloc", conf="unmap_pages:off")

@@ -1314,11 +1314,12 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
       line(pinned[i], std::string("not recomputable: ") + pin_doc(static_cast<PinReason>(i)));
   line(dependents, "not recomputable: they depend on a value overwritten in place");
   // Allocated bytes that are no value's own (evictable or not): sizes
-  // rounded up and block tails left unsplit (a large block keeps a tail of
-  // up to 1 MiB), and on CUDA what the pool serves outside the session.
+  // rounded up and block tails left unsplit (with small_in_large off a large
+  // block keeps a tail of up to 1 MiB: Note [large tails]), and on CUDA what
+  // the pool serves outside the session.
   if (allocated > values)
     line(allocated - values, mirror_ ? "allocated beyond the tensors' own bytes (sizes rounded up, block tails under 1 MiB "
-                                       "that a large block keeps rather than split off)"
+                                       "that a large block keeps rather than split off where small_in_large is off)"
                                      : "allocated but no value of the session (tensors made outside it or by other code, "
                                        "sizes rounded up, block tails too small to split off)");
   if (!listed) m << " nothing.";
