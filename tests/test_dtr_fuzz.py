@@ -80,7 +80,7 @@ INPLACE = [
 RANDOM = [
     lambda x: F.dropout(x, 0.3),
     lambda x: x * torch.rand_like(x),
-    lambda x: torch.bernoulli(x.detach().sigmoid()) * x,
+    lambda x: torch.bernoulli(x.detach().sigmoid().nan_to_num(0.5)) * x,  # (a unary op may have made NaNs)
 ]
 
 # Chains whose intermediates only autograd keeps: what a budget can evict.
