@@ -4,6 +4,7 @@ every op, OOM and recovery, backward after the block, a 1,000-layer chain,
 misuse errors as in plain eager, no leaks."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import sys
@@ -333,16 +334,76 @@ def _optimizer_step_between_forward_and_backward():
     loss.backward()
 
 
+def _write_through_a_detach_of_a_dropped_saved_output():
+    # Only the detach() shares the saved tensor's counter once y is gone:
+    # the handle's alias (Note [saved alias]) tells the write.
+    a = torch.randn(4, requires_grad=True)
+    y = a.exp()
+    alias = y.detach()
+    loss = y.sum()
+    del y
+    alias.add_(1)
+    loss.backward()
+
+
 @pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_parameter_outside, _backward_twice, _shape_error,
                                     _optimizer_step_between_forward_and_backward,
                                     _modify_saved_input_through_a_view, _modify_saved_input_then_drop_it,
-                                    _modify_the_base_of_a_saved_view, _modify_saved_output_of_a_numbered_node])
+                                    _modify_the_base_of_a_saved_view, _modify_saved_output_of_a_numbered_node,
+                                    _write_through_a_detach_of_a_dropped_saved_output])
 def test_misuse_gives_the_same_error_as_plain_eager(misuse):
     plain = _error_of(misuse)
     assert plain is not None
     with dtr(device="cpu"):
         live = _error_of(misuse)
     assert live == plain
+
+
+def _forward(ctx, saves):
+    """A forward in `ctx`; returns the loss and the tensor autograd saved,
+    which the caller writes in place after the block and drops."""
+    torch.manual_seed(0)
+    a = torch.randn(4, requires_grad=True)
+    with ctx:
+        h = a * 2
+        y = h.exp() if saves == "output" else h.sin()
+        loss = y.sum()
+    return loss, (y if saves == "output" else h)
+
+
+@pytest.mark.parametrize("saves, through", [("output", "itself"), ("output", "detach"), ("input", "detach")])
+@pytest.mark.parametrize("evict", [False, True])
+def test_a_write_after_the_block_to_a_dropped_saved_tensor_raises_as_in_plain_eager(saves, through, evict):
+    # The write happens outside the session, where no op is recorded, and
+    # every other reference to the saved tensor is gone by the backward:
+    # before the saved alias the unpack read the written bytes silently (or,
+    # `evict`, recomputed the saved ones).
+    errors = []
+    for ctx in (contextlib.nullcontext(), dtr(device="cpu")):
+        loss, saved = _forward(ctx, saves)
+        target = saved if through == "itself" else saved.detach()
+        del saved
+        with torch.no_grad():
+            target.add_(1)
+        del target
+        if evict and not isinstance(ctx, contextlib.nullcontext):
+            assert ctx.evict_all() > 0
+        errors.append(_error_of(loss.backward))
+    assert errors[0] is not None and errors[1] == errors[0]
+
+
+def test_a_write_after_the_block_to_a_dropped_saved_input_raises_torchs_error():
+    # As above, through the input itself: torch names its grad_fn after the
+    # write (Add), which the session cannot reach once the tensor is
+    # gone; it names the one it had when saved (docs/live.md, Known limits).
+    errors = []
+    for ctx in (contextlib.nullcontext(), dtr(device="cpu")):
+        loss, h = _forward(ctx, "input")
+        h.add_(1)
+        del h
+        errors.append(_error_of(loss.backward))
+    assert errors[0] is not None and errors[1][0] is errors[0][0]
+    assert errors[1][1] == errors[0][1].replace("output 0 of Add,", "output 0 of Mul,")
 
 
 def test_a_recompute_reads_external_inputs_as_they_were_or_raises():

@@ -33,6 +33,7 @@ struct Accessors {
   PyObject* set_ = nullptr;             // Geometry::view's
   PyObject* conj = nullptr;
   PyObject* neg_view = nullptr;
+  PyObject* detach = nullptr;           // the pack's saved alias
   PyObject* dtype = nullptr;            // getset descriptors
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
@@ -73,6 +74,7 @@ inline void load_accessors(py::dict d) {
   a.set_ = take("set_");
   a.conj = take("_conj");
   a.neg_view = take("_neg_view");
+  a.detach = take("detach");
   a.dtype = take("dtype");
   a.version = take("_version");
   a.cdata = take("_cdata");

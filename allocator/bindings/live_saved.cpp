@@ -12,6 +12,22 @@ namespace dtralloc::live {
 
 // ---- saved tensors ------------------------------------------------------------
 
+// Note [saved alias]
+// ~~~~~~~~~~~~~~~~~~
+// With saved-tensor hooks torch checks no saved tensor's version; the
+// unpack must, against the saved tensor's own counter. The handle held only
+// weak references (the saved tensor is often the output of the node that
+// holds the handle: a strong one would make a cycle), so once the program
+// dropped the tensor the counter was gone, and a write made outside the
+// session (after the block, or through a detach() of it) was read silently:
+// autograd unpacked the written bytes where plain eager raises. The pack
+// now keeps a detach() of the saved tensor: it shares the storage and the
+// version counter and holds no node. It costs one more reference on the
+// storage, which the evictability check counts (held_elsewhere); evicting
+// lets it go (release: `seen` keeps the counter, which nothing can move
+// any more). While it lives the unpack returns it as it is, with the saved
+// geometry and lazy bits, instead of building a view (Geometry::view).
+
 py::object LiveSession::pack(py::handle tensor) {
   flush_deaths();
   // None: autograd keeps the tensor itself (mode.pack's (tensor, version)):
@@ -43,6 +59,12 @@ py::object LiveSession::pack(py::handle tensor) {
     handle->base = py::reinterpret_steal<py::object>(base_ref);
   }
   handle->version = as_int(get_attr(tensor, names().version));
+  {
+    PyObject* guard_raw = PyObject_CallNoArgs(names().disable_dispatch);  // not an op of the session
+    if (!guard_raw) throw py::error_already_set();
+    const py::object guard = py::reinterpret_steal<py::object>(guard_raw);
+    handle->alias = call_method(tensor, names().detach);
+  }
   // What torch's version error would name (built only if it is raised).
   handle->device = get_attr(tensor, names().device);
   handle->output_nr = as_int(get_attr(tensor, names().output_nr));
@@ -154,12 +176,13 @@ py::object LiveSession::unpack(const SavedValue& saved) {
                     now, saved.version);
     }
   };
-  // The saved tensor's own version, where it or its base is still alive
-  // (torch checks that counter; other tensors on the storage count their own).
+  // The saved tensor's own version counter (torch checks that one; other
+  // tensors on the storage count their own), read through the alias while
+  // the storage is resident, else through the saved tensor or its base.
   auto saved_now = [&]() -> std::int64_t {
-    PyObject* t = saved.watched();
+    PyObject* t = saved.version_source();
     return t ? as_int(get_attr(t, names().version))
-             : saved.seen;  // neither is alive: -1 unless a recorded write moved the counter
+             : saved.seen;  // evicted, or no alias: -1 unless a recorded write moved the counter
   };
   // Checked before and after bringing the value back: a recorded in-place op
   // (or one outside the session) that wrote through a tensor sharing the
@@ -170,9 +193,9 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   // then: so does the unpack, from the storage's newest version (evicted,
   // it is recomputed). Its bytes under the saved view are the saved ones
   // unless such a write covered them, and then they are what plain eager
-  // reads too. Once the saved tensor and its base are both gone, only a
-  // tensor made by detach() can still share their counter: a write through
-  // it is not seen (torch would raise).
+  // reads too. The alias shares the counter whoever else is gone, so a
+  // write through the saved tensor outside the session, or through a
+  // detach() of it, shows too (Note [saved alias]).
   if (slots_[value].overwritten) {
     const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
@@ -191,7 +214,9 @@ py::object LiveSession::unpack(const SavedValue& saved) {
   try {
     const std::int64_t now = saved_now();
     if (now >= 0) check_version(now);
-    tensor = saved.geometry.view(storage_of(read));
+    // The alias is on the storage as it is now (evicting it let the alias
+    // go), with the saved tensor's geometry and lazy bits.
+    tensor = saved.alias ? saved.alias : saved.geometry.view(storage_of(read));
   } catch (...) {
     engine_->unacquire(read);
     throw;
@@ -225,6 +250,7 @@ PyObject* SavedValue::watched() const {
 }
 
 SavedValue::~SavedValue() {
+  alias = py::object();  // before drop_handle, which may let the storage go
   if (session) {
     session->unlist(*this);
     session->drop_handle(value);

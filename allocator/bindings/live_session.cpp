@@ -108,6 +108,7 @@ LiveSession::LiveSession(const Options& options, py::dict helpers) : options_(op
   run_ = helpers["run"];
   new_storage_ = helpers["new_storage"];
   use_count_fn_ = helpers["use_count"];
+  shared_pyrefs_ = helpers["shared_pyrefs"].cast<int>();
   version_error_ = helpers["version_error"];
   next_sequence_nr_ = helpers["next_sequence_nr"];
   tensor_type_ = helpers["tensor_type"];
@@ -448,6 +449,13 @@ void LiveSession::release(int value, std::uintptr_t addr) {
   if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
   Slot& s = slot(value);
   unwatch(value);
+  // The handles' aliases go with the storage; each keeps the counter's
+  // value, which no write can move any more (nothing else held the storage).
+  for (SavedValue* h : s.saved) {
+    if (!h->alias) continue;
+    h->seen = as_int(get_attr(h->alias.ptr(), names().version));
+    h->alias = py::object();  // s.storage still holds the storage
+  }
   // Last: dropping the storage may free device memory (dtralloc_free, which
   // re-enters the pool; it is not locked here).
   py::object storage = std::move(s.storage);
@@ -456,8 +464,17 @@ void LiveSession::release(int value, std::uintptr_t addr) {
 bool LiveSession::held_elsewhere(int value) const {
   const Slot& s = slots_[value];
   if (!s.storage) return true;  // the registry does not own it: the program does
-  if (Py_REFCNT(s.storage.ptr()) != 1) return true;
-  return use_count(s.cdata) != 1;
+  // The registry's reference to the storage's Python object, and torch's
+  // own while tensors (here the aliases) share the storage (shared_pyrefs_).
+  const std::int64_t n = aliases(value);
+  if (Py_REFCNT(s.storage.ptr()) != 1 + (n > 0 ? shared_pyrefs_ : 0)) return true;
+  return use_count(s.cdata) != 1 + n;
+}
+
+std::int64_t LiveSession::aliases(int value) const {
+  std::int64_t n = 0;
+  for (const SavedValue* h : slots_[value].saved) n += h->alias ? 1 : 0;
+  return n;
 }
 
 std::int64_t LiveSession::use_count(std::uintptr_t cdata) const {
@@ -566,7 +583,7 @@ void LiveSession::poll_owned() {
       py::object dropped = std::move(s.storage);  // the program may hold it; it dies when it lets go
       continue;
     }
-    if (Py_REFCNT(s.storage.ptr()) == 1 && use_count(s.cdata) == 1) {
+    if (Py_REFCNT(s.storage.ptr()) == 1 && use_count(s.cdata) == 1 + aliases(v)) {
       engine_->kill(v);  // dead to the program; pinned and needed, so the engine keeps its memory
       continue;
     }
@@ -1405,6 +1422,12 @@ void LiveSession::check_invariants() {
       if (s.saved[i]->listed != static_cast<int>(i) || latest(s.saved[i]->value) != static_cast<int>(v))
         throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(s.saved[i]->value) +
                                " is not where value " + std::to_string(v) + "'s list says");
+    // A saved alias holds the storage: only a resident one (Note [saved alias]).
+    if (engine_->value(static_cast<int>(v)).state != ValueState::kResident)
+      for (const SavedValue* h : s.saved)
+        if (h->alias)
+          throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(h->value) +
+                                 " keeps an alias of the storage of value " + std::to_string(v) + ", which is not resident");
   }
 }
 

@@ -265,6 +265,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void release(int value, std::uintptr_t addr);
   std::uintptr_t recompute(int value, std::size_t bytes);
   bool held_elsewhere(int value) const;
+  // The saved aliases holding the storage of `value` (the newest version's
+  // handles: Slot::saved), each one reference in its use count.
+  std::int64_t aliases(int value) const;
   void forget(int value);
   bool make_room(std::size_t bytes, Stream stream);
 
@@ -325,6 +328,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::shared_ptr<OnPool> on_pool_;  // while started
   bool started_ = false;
   bool raw_refcount_ = false;
+  int shared_pyrefs_ = 0;  // runner.shared_storage_pyrefs: torch's references to a shared storage's object
   std::vector<Slot> slots_;
   std::vector<std::unique_ptr<LiveOp>> ops_;
   std::unordered_map<std::uintptr_t, int> by_storage_;
@@ -478,10 +482,20 @@ struct SavedValue {
   // in-place ops never get either.
   std::int64_t seen = -1;
   py::object held;
+  // A detach() of the saved tensor, made at the pack (Note [saved alias]):
+  // it shares the saved tensor's version counter and storage, so while the
+  // storage is resident it tells every write torch would see, whoever holds
+  // the tensor, and the unpack returns it instead of building a view. Let
+  // go when the storage is evicted (LiveSession::release; `seen` keeps its
+  // version then) and with the handle. Each one counts once in the
+  // storage's use count (LiveSession::aliases).
+  py::object alias;
   int listed = -1;  // its index in Slot::saved of the storage's newest version
-  // The saved tensor, else its base, whichever is alive (nullptr: neither):
-  // what tells the saved tensor's version counter.
+  // The saved tensor, else its base, whichever is alive (nullptr: neither).
   PyObject* watched() const;
+  // What tells the saved tensor's version counter now: the alias, else
+  // watched() (nullptr: none; `seen` then).
+  PyObject* version_source() const { return alias ? alias.ptr() : watched(); }
   ~SavedValue();
 };
 

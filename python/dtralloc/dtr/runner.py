@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 
 import torch
 
@@ -137,13 +138,40 @@ def _accessors() -> dict:
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
             "element_size": tensor.element_size, "get_device": tensor.get_device, "is_conj": tensor.is_conj,
             "is_neg": tensor.is_neg, "set_": tensor.set_, "_conj": tensor._conj, "_neg_view": tensor._neg_view,
+            "detach": tensor.detach,
             "storage_device": storage.__dict__["device"], "empty": torch.empty,
             "_DisableTorchDispatch": _no_dispatch, "Tensor": torch.Tensor,
             "disabled_torch_dispatch": torch._C._disabled_torch_dispatch_impl}
 
 
+_shared_pyrefs = None
+
+
+def shared_storage_pyrefs() -> int:
+    """The references torch itself holds to a storage's Python object while
+    some tensor shares its StorageImpl (1 on torch 2.13, which keeps the
+    object alive that way; 0 where it does not). The registry owns a storage
+    through its Python object; a saved alias (Note [saved alias]) shares it,
+    and the evictability check must not take torch's own reference then for
+    the program's."""
+    global _shared_pyrefs
+    if _shared_pyrefs is None:
+        storage = torch.UntypedStorage(8)
+        alone = sys.getrefcount(storage)
+        with _no_dispatch():
+            t = torch.empty(0, dtype=torch.uint8).set_(storage)
+        _shared_pyrefs = sys.getrefcount(storage) - alone
+        del t
+        if sys.getrefcount(storage) != alone or _shared_pyrefs not in (0, 1):
+            raise RuntimeError(f"dtralloc.dtr: this torch ({torch.__version__}) keeps {_shared_pyrefs} references "
+                               "to a storage's Python object per sharing tensor, which the session does not know "
+                               "how to count; please report it with your torch version")
+    return _shared_pyrefs
+
+
 def helpers(device: str) -> dict:
     return {"detached": detached, "run": run, "new_storage": new_storage, "use_count": use_count,
+            "shared_pyrefs": shared_storage_pyrefs(),
             "version_error": version_error, "tensor_type": torch.Tensor,
             "device": device, "accessors": _accessors(),
             "next_sequence_nr": getattr(torch._C._autograd, "_get_sequence_nr", None),
