@@ -392,6 +392,23 @@ def test_a_write_after_the_block_to_a_dropped_saved_tensor_raises_as_in_plain_ea
     assert errors[0] is not None and errors[1] == errors[0]
 
 
+def test_without_saved_aliases_a_session_still_runs_exactly(monkeypatch):
+    # On a torch whose references to a shared storage's object the probe
+    # cannot count (runner.shared_storage_pyrefs: -1) the pack keeps no
+    # alias: sessions evict and recompute exactly as before the alias
+    # existed, and only the writes it alone sees go unseen.
+    from dtralloc.dtr import runner
+
+    monkeypatch.setattr(runner, "_shared_pyrefs", -1)
+    sessions = run_plain_and_live("transformer_sdpa_dropout", steps=2, chaos=True, check_invariants=True)
+    assert sessions[-1].stats()["evictions"] > 0
+    loss, saved = _forward(dtr(device="cpu"), "output")
+    alias = saved.detach()
+    del saved
+    alias.add_(1)
+    loss.backward()  # plain eager raises here
+
+
 def test_a_write_after_the_block_to_a_dropped_saved_input_raises_torchs_error():
     # As above, through the input itself: torch names its grad_fn after the
     # write (Add), which the session cannot reach once the tensor is

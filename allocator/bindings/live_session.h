@@ -328,7 +328,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::shared_ptr<OnPool> on_pool_;  // while started
   bool started_ = false;
   bool raw_refcount_ = false;
-  int shared_pyrefs_ = 0;  // runner.shared_storage_pyrefs: torch's references to a shared storage's object
+  int shared_pyrefs_ = 0;  // runner.shared_storage_pyrefs: torch's references to a shared storage's object (-1: no aliases)
   std::vector<Slot> slots_;
   std::vector<std::unique_ptr<LiveOp>> ops_;
   std::unordered_map<std::uintptr_t, int> by_storage_;

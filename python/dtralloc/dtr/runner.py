@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import warnings
 
 import torch
 
@@ -153,19 +154,26 @@ def shared_storage_pyrefs() -> int:
     object alive that way; 0 where it does not). The registry owns a storage
     through its Python object; a saved alias (Note [saved alias]) shares it,
     and the evictability check must not take torch's own reference then for
-    the program's."""
+    the program's. -1 where the count is neither (a torch whose preservation
+    works otherwise): sessions then keep no saved alias, as before it
+    existed (a write to a saved tensor the program dropped goes unseen), and
+    a warning says so once."""
     global _shared_pyrefs
     if _shared_pyrefs is None:
         storage = torch.UntypedStorage(8)
         alone = sys.getrefcount(storage)
         with _no_dispatch():
             t = torch.empty(0, dtype=torch.uint8).set_(storage)
-        _shared_pyrefs = sys.getrefcount(storage) - alone
+        shared = sys.getrefcount(storage) - alone
         del t
-        if sys.getrefcount(storage) != alone or _shared_pyrefs not in (0, 1):
-            raise RuntimeError(f"dtralloc.dtr: this torch ({torch.__version__}) keeps {_shared_pyrefs} references "
-                               "to a storage's Python object per sharing tensor, which the session does not know "
-                               "how to count; please report it with your torch version")
+        if sys.getrefcount(storage) != alone or shared not in (0, 1):
+            warnings.warn(f"dtralloc.dtr: this torch ({torch.__version__}) keeps {shared} references to a "
+                          "storage's Python object while tensors share it, which the session cannot count: it "
+                          "keeps no alias of saved tensors, so an in-place write to a saved tensor your code "
+                          "has dropped is not detected. Please report your torch version.",
+                          RuntimeWarning, stacklevel=2)
+            shared = -1
+        _shared_pyrefs = shared
     return _shared_pyrefs
 
 
