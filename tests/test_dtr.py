@@ -535,7 +535,7 @@ def test_small_requests_take_the_tails_large_blocks_split_off():
     # The same four tensors under the dtralloc policy (small_in_large on):
     # each block splits its tail off (Note [large tails]), the report shows
     # the tails as free memory, and small tensors that no 2 MiB small segment
-    # has room for under the budget fit in them: four of 800 KiB. Under
+    # has room for under the budget fit in them: four of 800 KB. Under
     # `dtr` the same program runs out of memory at its first small tensor.
     tail = 2 * 2**20 - 1_200_128
     rounding = 4 * (1_200_128 - 1_200_000)
@@ -552,11 +552,10 @@ def test_small_requests_take_the_tails_large_blocks_split_off():
     del kept
 
     def fill(policy):
-        big, small = [], []
         with dtr(budget="8M", device="cpu", policy=policy) as session:
-            big = [torch.ones(300_000) for _ in range(4)]
+            big = [torch.ones(300_000) for _ in range(4)]  # held: their segments stay full
             small = [torch.full((200_000,), float(i)) for i in range(4)]  # 800 KB each
-        assert all(bool((t == i).all()) for i, t in enumerate(small))
+        assert all(bool((t == i).all()) for i, t in enumerate(small)) and len(big) == 4
         return session.stats()
 
     stats = fill("dtralloc")
