@@ -583,7 +583,7 @@ void LiveSession::poll_owned() {
       py::object dropped = std::move(s.storage);  // the program may hold it; it dies when it lets go
       continue;
     }
-    if (Py_REFCNT(s.storage.ptr()) == 1 && use_count(s.cdata) == 1 + aliases(v)) {
+    if (!held_elsewhere(v)) {
       engine_->kill(v);  // dead to the program; pinned and needed, so the engine keeps its memory
       continue;
     }
