@@ -97,6 +97,15 @@ inline PyObject* referent(const py::object& ref) {
   return o && o != Py_None ? o : nullptr;
 }
 
+// torch._C._DisableTorchDispatch(): Python dispatch is off until the
+// returned object is deleted (what Geometry::view and the pack's alias make
+// is not an op of the session).
+inline py::object no_dispatch() {
+  PyObject* guard = PyObject_CallNoArgs(names().disable_dispatch);
+  if (!guard) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(guard);
+}
+
 // A method descriptor called on `o` (no arguments).
 inline py::object call_method(py::handle o, PyObject* descr) {
   PyObject* self = o.ptr();

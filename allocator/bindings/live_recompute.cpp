@@ -41,9 +41,7 @@ bool Geometry::try_of(py::handle tensor, Geometry* g) {
 // a Python function: bench/results/live_overhead-2026-11-28b-cpu.md).
 py::object Geometry::view(const py::object& storage) const {
   const Accessors& a = names();
-  PyObject* guard_raw = PyObject_CallNoArgs(a.disable_dispatch);
-  if (!guard_raw) throw py::error_already_set();
-  const py::object guard = py::reinterpret_steal<py::object>(guard_raw);  // deleted last: dispatch back on
+  const py::object guard = no_dispatch();  // deleted last: dispatch back on
   static PyObject* const zero = PyLong_FromLong(0);
   static PyObject* const kwnames = [] {
     PyObject* t = PyTuple_New(2);

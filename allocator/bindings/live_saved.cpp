@@ -60,9 +60,7 @@ py::object LiveSession::pack(py::handle tensor) {
   }
   handle->version = as_int(get_attr(tensor, names().version));
   if (shared_pyrefs_ >= 0) {  // -1: this torch's references are not known (runner.shared_storage_pyrefs)
-    PyObject* guard_raw = PyObject_CallNoArgs(names().disable_dispatch);  // not an op of the session
-    if (!guard_raw) throw py::error_already_set();
-    const py::object guard = py::reinterpret_steal<py::object>(guard_raw);
+    const py::object guard = no_dispatch();  // not an op of the session
     handle->alias = call_method(tensor, names().detach);
   }
   // What torch's version error would name (built only if it is raised).
