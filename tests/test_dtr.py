@@ -912,8 +912,155 @@ def _packed_rnns():
     return [p.grad for p in lstm.parameters()] + [p.grad for p in gru.parameters()]
 
 
-@pytest.mark.parametrize("step", [_checkpointed, _autocast, _double_backward, _vmap, _jacobian, _packed_rnns],
-                         ids=["checkpoint", "autocast-bf16", "double-backward", "vmap", "jacobian", "packed-rnns"])
+class _Square(torch.autograd.Function):
+    """Saves its input and its output."""
+    @staticmethod
+    def forward(ctx, x):
+        y = x * x
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return 2 * x * g + y * 0
+
+
+class _DoubleInPlace(torch.autograd.Function):
+    """Writes its input in place (mark_dirty) and saves the result."""
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        x.mul_(2)
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * 2 + y * 0
+
+
+class _ExpScale(torch.autograd.Function):
+    """forward without ctx, setup_context saving inputs and output."""
+    @staticmethod
+    def forward(x, w):
+        return x.exp() * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, out = ctx.saved_tensors
+        return g * out, (g * x.exp()).sum(0)
+
+
+def _custom_functions():
+    m, x = _mlp(), torch.randn(8, 16)
+    w = torch.ones(32, requires_grad=True)
+    h = _Square.apply(m[0](x))
+    h = _DoubleInPlace.apply(m[1](h) + 0)
+    m[2:](_ExpScale.apply(h, w)).square().sum().backward()
+    return [p.grad for p in m.parameters()] + [w.grad]
+
+
+def _retain_graph():
+    m, x = _mlp(), torch.randn(8, 16)
+    loss = m(x).tanh().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return [p.grad for p in m.parameters()]
+
+
+def _hooks():
+    """Module pre-, forward and full backward hooks that change what flows,
+    a tensor hook and a post-accumulate-grad hook."""
+    m, x = _mlp(), torch.randn(8, 16)
+
+    def triple_grad(p):
+        p.grad.mul_(3)
+
+    handles = [m[0].register_forward_pre_hook(lambda mod, i: (i[0] * 2,)),
+               m[1].register_forward_hook(lambda mod, i, out: out * 1.5),
+               m[3].register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0.5,)),
+               m[0].weight.register_post_accumulate_grad_hook(triple_grad)]
+    h = m[0](x)
+    h.register_hook(lambda g: g * 0.25)
+    m[1:](h).square().sum().backward()
+    for handle in handles:
+        handle.remove()
+    return [p.grad for p in m.parameters()]
+
+
+def _channels_last_conv():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                      nn.Conv2d(8, 8, 3, groups=2), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    m = m.to(memory_format=torch.channels_last)
+    m(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).square().sum().backward()
+    return [p.grad for p in m.parameters()] + [m[1].running_mean, m[1].running_var]
+
+
+def _embeddings():
+    torch.manual_seed(0)
+    bag, sparse = nn.EmbeddingBag(50, 8, mode="max"), nn.Embedding(50, 8, sparse=True, padding_idx=0)
+    i = torch.randint(0, 50, (20,))
+    (bag(i, torch.arange(0, 20, 5)).square().sum() + sparse(i).sum()).backward()
+    return [bag.weight.grad, sparse.weight.grad.to_dense()]
+
+
+def _gru_cell_loop():
+    torch.manual_seed(0)
+    cell, x, h = nn.GRUCell(4, 8), torch.randn(10, 2, 4), torch.zeros(2, 8)
+    for t in range(10):
+        h = cell(x[t], h)
+    h.square().sum().backward()
+    return [p.grad for p in cell.parameters()]
+
+
+def _indexing_writes():
+    """Slice assignment, index_add_, index_put_ through advanced indexing,
+    scatter, masked_fill_ and gather on values autograd saved."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    h = w.tanh()
+    z = torch.zeros_like(h)
+    z[:, ::2] = h[:, ::2]
+    z.index_add_(0, torch.tensor([0, 1]), h[:2])
+    z[torch.tensor([3, 5])] += 1
+    z = z.scatter(1, torch.zeros(8, 1, dtype=torch.long), h[:, :1])
+    z.masked_fill_(z > 1, 0)
+    (z.square().sum() + torch.gather(z, 1, torch.ones(8, 2, dtype=torch.long)).sum()).backward()
+    return [w.grad]
+
+
+def _jacfwd():
+    torch.manual_seed(0)
+    return [torch.func.jacfwd(lambda x: x.exp() * x.sin())(torch.randn(4))]
+
+
+@pytest.mark.parametrize("step", [_checkpointed, _autocast, _double_backward, _vmap, _jacobian, _packed_rnns,
+                                  _custom_functions, _retain_graph, _hooks, _channels_last_conv, _embeddings,
+                                  _gru_cell_loop, _indexing_writes, _jacfwd],
+                         ids=["checkpoint", "autocast-bf16", "double-backward", "vmap", "jacobian", "packed-rnns",
+                              "custom-functions", "retain-graph", "hooks", "channels-last", "embeddings",
+                              "gru-cell-loop", "indexing-writes", "jacfwd"])
 @pytest.mark.parametrize("chaos", [False, True], ids=["kept", "chaos"])
+# forward-mode AD's first dual tensor in a process loads torch's jvp
+# decompositions, which call torch.jit.script.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_autograd_features_run_as_in_plain_eager(step, chaos):
     _same_as_plain(step, chaos)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_torch_func_grad_inside_a_session_says_the_sessions_hooks_are_why_it_refuses():
+    x = torch.randn(4)
+    with pytest.raises(RuntimeError, match="saved tensor hooks") as info:
+        with dtr(device="cpu"):
+            torch.func.grad(lambda a: a.exp().sum())(x)
+    assert any("outside the dtr() block" in note for note in info.value.__notes__)
+    # Outside the block the same call runs.
+    assert torch.equal(torch.func.grad(lambda a: a.exp().sum())(x), x.exp())

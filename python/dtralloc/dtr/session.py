@@ -71,6 +71,21 @@ def _device(device) -> tuple[bool, int, str]:
     return True, index, f"cuda:{index}"
 
 
+def _explain_saved_hooks_refusal(error) -> None:
+    """torch.func.grad, vjp, jacrev and hessian refuse to run while any
+    saved-tensor hooks are installed (torch/_functorch/vmap.py,
+    doesnt_support_saved_tensors_hooks) and say so without naming who
+    installed them: a session does. The error keeps its type and text; a note
+    says where the hooks come from and what runs instead."""
+    if (isinstance(error, RuntimeError) and "saved tensor hooks" in str(error)
+            and hasattr(error, "add_note")):  # add_note: Python 3.11
+        error.add_note(
+            "dtralloc.dtr: the session's saved-tensor hooks are what torch.func refuses here. Call "
+            "torch.func.grad/vjp/jacrev/hessian outside the dtr() block, or use torch.autograd.grad "
+            "(or torch.autograd.functional) inside it; torch.vmap, torch.func.jvp and forward-mode AD "
+            "run inside a session.")
+
+
 def _policy(policy: Optional[str]) -> str:
     from ..replay import POLICIES
 
@@ -125,6 +140,7 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         _active.session = None
+        _explain_saved_hooks_refusal(exc[1])
         try:
             self._mode.__exit__(*exc)
         finally:
