@@ -452,6 +452,33 @@ def test_a_recompute_reads_external_inputs_as_they_were_or_raises():
         step(True)
 
 
+@pytest.mark.parametrize("through", ["unsafe_chunk", "data"])
+def test_an_external_tensor_read_through_one_with_its_own_version_counter_recomputes(through):
+    # unsafe_chunk's outputs and `.data` share x's storage but count their own
+    # versions from 0, while x had been written once before the session. A
+    # recipe reading them is guarded by the storage's external tensor's
+    # version; the guard once recorded theirs (0) and compared x's (1), so
+    # every recompute raised a false "modified in place outside" error
+    # (found by tests/test_dtr_opinfo.py's sweep in float64).
+    def run(session):
+        torch.manual_seed(0)  # x and w made outside the session: external
+        x = torch.randn(6, 4, dtype=torch.float64).add_(1).requires_grad_()
+        w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        with session:
+            if through == "data":
+                loss = (x.data * w).exp().sum() + (x * w).exp().sum()
+            else:
+                loss = sum((c * w).exp().sum() for c in torch.unsafe_chunk(x, 3))
+            loss.backward()
+        return w.grad, x.grad
+
+    want = run(contextlib.nullcontext())
+    s = dtr(device="cpu", chaos=True)
+    got = run(s)
+    assert s.stats()["remats"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_views_are_not_recorded_but_composite_aliases_that_copy_are():
     # Views make no storage: the session runs them without a record. A
     # composite op whose schema says alias (contiguous, reshape) reaches the

@@ -1152,7 +1152,11 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
         described = false;
         break;
       }
-      if (slots_[s.value].pin == PinReason::kExternal) r.version = as_int(get_attr(t, names().version));
+      // The version recompute checks is the slot's tensor's (live_recompute.cpp):
+      // read that one here too. A tensor on the same storage may count its own
+      // versions: unsafe_split's and unsafe_chunk's outputs, `.data`.
+      if (slot.pin == PinReason::kExternal && slot.external)
+        r.version = as_int(get_attr(slot.external, names().version));
       rec->refs.push_back(std::move(r));
     }
     if (!described) {  // no recipe can rebuild its inputs: what it made and wrote is pinned

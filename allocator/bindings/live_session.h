@@ -120,7 +120,7 @@ struct ArgRef {                 // how an op saw one tensor argument
   py::object external;          // the external value's own tensor, when the op read that very tensor
                                 // (then no geometry is read: the tensor keeps it, its version guards it)
   Geometry geometry;
-  std::int64_t version = 0;     // the tensor's _version (checked for external values)
+  std::int64_t version = 0;     // external values: the slot tensor's _version at the op (checked at recompute)
 };
 
 struct LiveOp {                 // what recomputing an op's outputs needs
