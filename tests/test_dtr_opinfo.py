@@ -129,12 +129,49 @@ def _identical(a, b):
     return True
 
 
+class _Tally:
+    """The samples compared, how many of them evicted, and what went wrong."""
+
+    def __init__(self):
+        self.compared = self.evicted = 0
+        self.mismatches = []
+
+    def check(self, where, step, reruns=0):
+        """step(session) runs the sample inside `session` (a context manager)
+        and returns what it computed. Compared with the plain run, or with the
+        no-op mode's where that differs; `reruns`: how many more runs of the
+        reference may match instead (an op plain eager itself runs
+        nondeterministically). A sample plain eager rejects (an error input,
+        an unsupported gradient) is skipped."""
+        try:
+            plain = step(contextlib.nullcontext())
+        except Exception:
+            return
+        under_mode = step(_NoOpMode())
+        reference = plain if _identical(plain, under_mode) else under_mode
+        session = dtr(device="cpu", chaos=True, check_invariants=True)
+        try:
+            got = step(session)
+        except Exception as e:
+            self.mismatches.append(f"{where}: raised {type(e).__name__}: {str(e)[:200]}")
+            return
+        self.compared += 1
+        self.evicted += session.stats()["evictions"] > 0
+        if _identical(reference, got):
+            return
+        again = contextlib.nullcontext if reference is plain else _NoOpMode
+        if not any(_identical(step(again()), got) for _ in range(reruns)):
+            self.mismatches.append(f"{where}: differs from {'plain eager' if reference is plain else 'a no-op dispatch mode'}")
+
+    def assert_clean(self):
+        assert not self.mismatches, (f"{len(self.mismatches)} of {self.compared + len(self.mismatches)} samples:\n"
+                                     + "\n".join(self.mismatches))
+
+
 def _sweep(kind, dtype):
-    """Runs every sample; returns (samples compared, samples that evicted,
-    mismatches)."""
+    """Runs every sample; returns a _Tally."""
     run = _backward if kind == "backward" else _forward_ad
-    compared = evicted = 0
-    mismatches = []
+    tally = _Tally()
     for op in _op_db():
         if dtype not in op.supported_dtypes("cpu") or op.name in NONDETERMINISTIC:
             continue
@@ -154,36 +191,13 @@ def _sweep(kind, dtype):
             except Exception:  # an OpInfo whose sample generator needs what this machine lacks
                 continue
             for i, sample in enumerate(samples):
-                inplace = variant == "inplace"
-                try:
-                    plain = run(fn, sample, inplace)
-                except Exception:  # a sample torch rejects here too (an error-input, an unsupported grad)
-                    continue
-                with _NoOpMode():
-                    mode = run(fn, sample, inplace)
-                if _identical(plain, mode):
-                    reference = plain
-
-                    def again():
+                def step(session, fn=fn, sample=sample, inplace=variant == "inplace"):
+                    with session:
                         return run(fn, sample, inplace)
-                else:
-                    reference = mode
 
-                    def again():
-                        with _NoOpMode():
-                            return run(fn, sample, inplace)
-                where = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''} [{variant}] sample {i}"
-                with dtr(device="cpu", chaos=True, check_invariants=True) as s:
-                    try:
-                        got = run(fn, sample, inplace)
-                    except Exception as e:
-                        mismatches.append(f"{where}: raised {type(e).__name__}: {str(e)[:200]}")
-                        continue
-                compared += 1
-                evicted += s.stats()["evictions"] > 0
-                if not _identical(reference, got) and not any(_identical(again(), got) for _ in range(RERUNS)):
-                    mismatches.append(f"{where}: differs from {'plain eager' if reference is plain else 'a no-op dispatch mode'}")
-    return compared, evicted, mismatches
+                name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+                tally.check(f"{name} [{variant}] sample {i}", step, reruns=RERUNS)
+    return tally
 
 
 @pytest.mark.slow
@@ -193,17 +207,17 @@ def _sweep(kind, dtype):
 def test_every_opinfo_sample_under_chaos_computes_what_torch_computes(kind, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the samples exercise deprecated and experimental paths
-        compared, evicted, mismatches = _sweep(kind, dtype)
-    assert not mismatches, f"{len(mismatches)} of {compared + len(mismatches)} samples:\n" + "\n".join(mismatches)
+        tally = _sweep(kind, dtype)
+    tally.assert_clean()
     # What the sweep covered (2026-11-29, torch 2.13: backward 3,800 samples
     # in float32, 970 of them evicting, and 3,800 in float64, where the
     # loss's float() is an op of its own, 3,500 evicting; forward mode 3,000,
     # 21 evicting: forward-mode tangents are held by their dual tensors): a
     # sweep that silently skipped everything would pass the assertion above.
     if kind == "backward":
-        assert compared >= 2500 and evicted >= 500, (compared, evicted)
+        assert tally.compared >= 2500 and tally.evicted >= 500, (tally.compared, tally.evicted)
     else:
-        assert compared >= 2000, compared
+        assert tally.compared >= 2000, tally.compared
 
 
 def _module_step(module, module_input, session):
@@ -230,8 +244,7 @@ def _module_sweep(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.testing._internal.common_modules import module_db
-    compared = evicted = 0
-    mismatches = []
+    tally = _Tally()
     for info in module_db:
         for training in (True, False):
             torch.manual_seed(0)
@@ -245,23 +258,11 @@ def _module_sweep(dtype):
                     torch.manual_seed(1)
                     ctor = module_input.constructor_input
                     module = info.module_cls(*ctor.args, **ctor.kwargs).to(dtype).train(training)
-                    plain = _module_step(module, module_input, contextlib.nullcontext())
-                except Exception:  # a sample torch rejects here too
+                except Exception:  # a constructor torch rejects here too
                     continue
-                mode = _module_step(module, module_input, _NoOpMode())
-                reference = plain if _identical(plain, mode) else mode
-                where = f"{info.name} ({'train' if training else 'eval'}) sample {i}"
-                s = dtr(device="cpu", chaos=True, check_invariants=True)
-                try:
-                    got = _module_step(module, module_input, s)
-                except Exception as e:
-                    mismatches.append(f"{where}: raised {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                compared += 1
-                evicted += s.stats()["evictions"] > 0
-                if not _identical(reference, got):
-                    mismatches.append(f"{where}: differs from {'plain eager' if reference is plain else 'a no-op dispatch mode'}")
-    return compared, evicted, mismatches
+                tally.check(f"{info.name} ({'train' if training else 'eval'}) sample {i}",
+                            lambda session, m=module, x=module_input: _module_step(m, x, session))
+    return tally
 
 
 @pytest.mark.slow
@@ -272,7 +273,7 @@ def test_every_moduleinfo_sample_under_chaos_computes_what_torch_computes():
     after the step."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compared, evicted, mismatches = _module_sweep(torch.float32)
-    assert not mismatches, f"{len(mismatches)} of {compared + len(mismatches)} samples:\n" + "\n".join(mismatches)
+        tally = _module_sweep(torch.float32)
+    tally.assert_clean()
     # 2026-11-29, torch 2.13: 1,030 samples, 490 of them evicting.
-    assert compared >= 600 and evicted >= 250, (compared, evicted)
+    assert tally.compared >= 600 and tally.evicted >= 250, (tally.compared, tally.evicted)
