@@ -1082,6 +1082,34 @@ def test_autograd_features_run_as_in_plain_eager(step, chaos):
     _same_as_plain(step, chaos)
 
 
+def test_compiled_code_runs_eagerly_inside_a_session():
+    # Dynamo skips every frame while a non-infra dispatch mode is active
+    # (torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode present"),
+    # compiled before the session or not: inside one a torch.compile'd module
+    # runs op by op, each op recorded as in eager, and bit-exact with eager.
+    x = torch.randn(8, 16)
+
+    def grads(model, fn):
+        torch.manual_seed(1)  # the dropout's mask
+        for p in model.parameters():
+            p.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    eager = _mlp()
+    want = grads(eager, eager)
+    model = _mlp()  # the same weights
+    compiled = torch.compile(model, backend="aot_eager")
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, compiled), want))  # compiled here, outside
+    with dtr(device="cpu", chaos=True, series=1000) as inside:
+        got = grads(model, compiled)
+    with dtr(device="cpu", chaos=True, series=1000) as reference:
+        grads(eager, eager)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert inside.stats()["remats"] == reference.stats()["remats"] > 0
+    assert len(inside.series()["op"]) == len(reference.series()["op"])
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_torch_func_grad_inside_a_session_says_the_sessions_hooks_are_why_it_refuses():
     x = torch.randn(4)
