@@ -6,6 +6,7 @@ the test asserts on it.
 
     python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
+    python _dtr_gpu_worker.py opinfo [backward|forward-ad] [DTYPE] [SAMPLES_PER_OP]
 """
 from __future__ import annotations
 
@@ -524,7 +525,34 @@ def foreach() -> dict:
     return {"chains": chains, "optimizer": optimizer, "versions": counters, "pool_ok": _pool_ok(dtralloc)}
 
 
+def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "4") -> dict:
+    """tests/test_dtr_opinfo.py's sweep on CUDA: every OpInfo sample plainly,
+    under a no-op dispatch mode and inside dtr(device="cuda", chaos=True,
+    check_invariants=True) with dtralloc as torch's allocator, deterministic
+    algorithms on (ops without a deterministic CUDA kernel raise in the plain
+    run and are skipped)."""
+    dtralloc, torch = _setup()
+    try:
+        import expecttest  # noqa: F401  (torch.testing._internal imports it)
+    except ImportError:
+        return {"skipped": "expecttest is not installed: torch.testing._internal needs it"}
+    import os
+    import warnings
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_dtr_opinfo as sweep
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tally = sweep._sweep(kind, getattr(torch, dtype_name), device="cuda", samples_per_op=int(samples))
+    return {"compared": tally.compared, "evicted": tally.evicted, "mismatches": tally.mismatches[:40],
+            "mismatch_count": len(tally.mismatches), "seconds": round(time.perf_counter() - t0, 1),
+            "pool_ok": _pool_ok(dtralloc)}
+
+
 SCENARIOS = {
+    "opinfo": opinfo,
     "foreach": foreach,
     "device_full": device_full,
     "op_costs": op_costs,

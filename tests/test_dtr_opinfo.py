@@ -84,12 +84,13 @@ def _backward(fn, sample, inplace):
 
 
 def _forward_ad(fn, sample, inplace):
-    """Each output's primal and tangent, the tangents drawn from a fixed seed."""
+    """Each output's primal and tangent, the tangents drawn from a fixed seed
+    (on the CPU generator, then moved to the tensor's device)."""
     generator = torch.Generator().manual_seed(1)
 
     def dual(t):
         if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex()):
-            tangent = torch.randn(t.shape, dtype=t.dtype, generator=generator)
+            tangent = torch.randn(t.shape, dtype=t.dtype, generator=generator).to(t.device)
             return fwAD.make_dual(t.detach(), tangent)
         if isinstance(t, (list, tuple)):
             return type(t)(dual(e) for e in t)
@@ -130,9 +131,12 @@ def _identical(a, b):
 
 
 class _Tally:
-    """The samples compared, how many of them evicted, and what went wrong."""
+    """The samples compared, how many of them evicted, and what went wrong.
+    Sessions run on `device`: "cpu" (the mirror pool) or "cuda" (the
+    installed pool: tests/_dtr_gpu_worker.py's opinfo scenario)."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
+        self.device = device
         self.compared = self.evicted = 0
         self.mismatches = []
 
@@ -149,7 +153,7 @@ class _Tally:
             return
         under_mode = step(_NoOpMode())
         reference = plain if _identical(plain, under_mode) else under_mode
-        session = dtr(device="cpu", chaos=True, check_invariants=True)
+        session = dtr(device=self.device, chaos=True, check_invariants=True)
         try:
             got = step(session)
         except Exception as e:
@@ -168,15 +172,15 @@ class _Tally:
                                      + "\n".join(self.mismatches))
 
 
-def _sweep(kind, dtype):
+def _sweep(kind, dtype, device="cpu", samples_per_op=SAMPLES):
     """Runs every sample; returns a _Tally."""
     run = _backward if kind == "backward" else _forward_ad
-    tally = _Tally()
+    tally = _Tally(device)
     for op in _op_db():
-        if dtype not in op.supported_dtypes("cpu") or op.name in NONDETERMINISTIC:
+        if dtype not in op.supported_dtypes(device) or op.name in NONDETERMINISTIC:
             continue
         if kind == "backward":
-            variants = [("op", op)] if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu") else []
+            variants = [("op", op)] if op.supports_autograd and dtype in op.supported_backward_dtypes(device) else []
             if variants and op.inplace_variant is not None:
                 variants.append(("inplace", op.inplace_variant))
         else:
@@ -187,7 +191,7 @@ def _sweep(kind, dtype):
                 # The generator itself: OpInfo.sample_inputs wraps it in a
                 # tracker that walks the Python stack per sample (most of the
                 # sweep's time).
-                samples = list(itertools.islice(op.sample_inputs_func(op, "cpu", dtype, True), SAMPLES))
+                samples = list(itertools.islice(op.sample_inputs_func(op, device, dtype, True), samples_per_op))
             except Exception:  # an OpInfo whose sample generator needs what this machine lacks
                 continue
             for i, sample in enumerate(samples):
