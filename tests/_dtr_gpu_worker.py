@@ -6,7 +6,7 @@ the test asserts on it.
 
     python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
-    python _dtr_gpu_worker.py opinfo [backward|forward-ad] [DTYPE] [SAMPLES_PER_OP]
+    python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP]
 """
 from __future__ import annotations
 
@@ -526,8 +526,9 @@ def foreach() -> dict:
 
 
 def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "4") -> dict:
-    """tests/test_dtr_opinfo.py's sweep on CUDA: every OpInfo sample plainly,
-    under a no-op dispatch mode and inside dtr(device="cuda", chaos=True,
+    """tests/test_dtr_opinfo.py's sweep on CUDA: every OpInfo sample (kind
+    backward or forward-ad; "modules": every ModuleInfo sample) plainly, under
+    a no-op dispatch mode and inside dtr(device="cuda", chaos=True,
     check_invariants=True) with dtralloc as torch's allocator, deterministic
     algorithms on (ops without a deterministic CUDA kernel raise in the plain
     run and are skipped)."""
@@ -545,7 +546,11 @@ def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tally = sweep._sweep(kind, getattr(torch, dtype_name), device="cuda", samples_per_op=int(samples))
+        dtype = getattr(torch, dtype_name)
+        if kind == "modules":
+            tally = sweep._module_sweep(dtype, device="cuda")
+        else:
+            tally = sweep._sweep(kind, dtype, device="cuda", samples_per_op=int(samples))
     return {"compared": tally.compared, "evicted": tally.evicted, "mismatches": tally.mismatches[:40],
             "mismatch_count": len(tally.mismatches), "seconds": round(time.perf_counter() - t0, 1),
             "pool_ok": _pool_ok(dtralloc)}

@@ -244,16 +244,16 @@ def _module_step(module, module_input, session):
     return results
 
 
-def _module_sweep(dtype):
+def _module_sweep(dtype, device="cpu"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.testing._internal.common_modules import module_db
-    tally = _Tally()
+    tally = _Tally(device)
     for info in module_db:
         for training in (True, False):
             torch.manual_seed(0)
             try:
-                inputs = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True,
+                inputs = info.module_inputs_func(info, device=device, dtype=dtype, requires_grad=True,
                                                  training=training)[:SAMPLES]
             except Exception:  # a ModuleInfo whose inputs need what this machine lacks
                 continue
@@ -261,7 +261,7 @@ def _module_sweep(dtype):
                 try:
                     torch.manual_seed(1)
                     ctor = module_input.constructor_input
-                    module = info.module_cls(*ctor.args, **ctor.kwargs).to(dtype).train(training)
+                    module = info.module_cls(*ctor.args, **ctor.kwargs).to(device, dtype).train(training)
                 except Exception:  # a constructor torch rejects here too
                     continue
                 tally.check(f"{info.name} ({'train' if training else 'eval'}) sample {i}",
