@@ -6,7 +6,7 @@ the test asserts on it.
 
     python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
-    python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP]
+    python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP] [SECONDS]
 """
 from __future__ import annotations
 
@@ -525,13 +525,14 @@ def foreach() -> dict:
     return {"chains": chains, "optimizer": optimizer, "versions": counters, "pool_ok": _pool_ok(dtralloc)}
 
 
-def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "4") -> dict:
+def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "4", seconds: str = "60") -> dict:
     """tests/test_dtr_opinfo.py's sweep on CUDA: every OpInfo sample (kind
     backward or forward-ad; "modules": every ModuleInfo sample) plainly, under
     a no-op dispatch mode and inside dtr(device="cuda", chaos=True,
     check_invariants=True) with dtralloc as torch's allocator, deterministic
     algorithms on (ops without a deterministic CUDA kernel raise in the plain
-    run and are skipped)."""
+    run and are skipped). No sample starts after `seconds` (the GPU session
+    cuts each test off at 100 s)."""
     dtralloc, torch = _setup()
     try:
         import expecttest  # noqa: F401  (torch.testing._internal imports it)
@@ -548,11 +549,12 @@ def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "
         warnings.simplefilter("ignore")
         dtype = getattr(torch, dtype_name)
         if kind == "modules":
-            tally = sweep._module_sweep(dtype, device="cuda")
+            tally = sweep._module_sweep(dtype, device="cuda", seconds=float(seconds))
         else:
-            tally = sweep._sweep(kind, dtype, device="cuda", samples_per_op=int(samples))
+            tally = sweep._sweep(kind, dtype, device="cuda", samples_per_op=int(samples), seconds=float(seconds))
     return {"compared": tally.compared, "evicted": tally.evicted, "mismatches": tally.mismatches[:40],
             "mismatch_count": len(tally.mismatches), "seconds": round(time.perf_counter() - t0, 1),
+            "stopped_at": tally.stopped_at,
             "pool_ok": _pool_ok(dtralloc)}
 
 

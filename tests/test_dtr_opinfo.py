@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import time
 import warnings
 
 import pytest
@@ -135,10 +136,17 @@ class _Tally:
     Sessions run on `device`: "cpu" (the mirror pool) or "cuda" (the
     installed pool: tests/_dtr_gpu_worker.py's opinfo scenario)."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", seconds=None):
         self.device = device
         self.compared = self.evicted = 0
         self.mismatches = []
+        self.stopped_at = None  # where a time limit stopped the sweep
+        self._deadline = None if seconds is None else time.monotonic() + seconds
+
+    def out_of_time(self, where) -> bool:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            self.stopped_at = self.stopped_at or where
+        return self.stopped_at is not None
 
     def check(self, where, step, reruns=0):
         """step(session) runs the sample inside `session` (a context manager)
@@ -172,11 +180,13 @@ class _Tally:
                                      + "\n".join(self.mismatches))
 
 
-def _sweep(kind, dtype, device="cpu", samples_per_op=SAMPLES):
-    """Runs every sample; returns a _Tally."""
+def _sweep(kind, dtype, device="cpu", samples_per_op=SAMPLES, seconds=None):
+    """Runs every sample (starting none after `seconds`); returns a _Tally."""
     run = _backward if kind == "backward" else _forward_ad
-    tally = _Tally(device)
+    tally = _Tally(device, seconds)
     for op in _op_db():
+        if tally.out_of_time(op.name):
+            break
         if dtype not in op.supported_dtypes(device) or op.name in NONDETERMINISTIC:
             continue
         if kind == "backward":
@@ -244,12 +254,14 @@ def _module_step(module, module_input, session):
     return results
 
 
-def _module_sweep(dtype, device="cpu"):
+def _module_sweep(dtype, device="cpu", seconds=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.testing._internal.common_modules import module_db
-    tally = _Tally(device)
+    tally = _Tally(device, seconds)
     for info in module_db:
+        if tally.out_of_time(info.name):
+            break
         for training in (True, False):
             torch.manual_seed(0)
             try:
