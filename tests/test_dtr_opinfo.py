@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import itertools
 import time
 import warnings
@@ -50,11 +51,23 @@ RERUNS = 8
 NONDETERMINISTIC = {"linalg.lstsq": "LAPACK's gelsy driver"}
 
 
-def _op_db():
+def _torch_testing(module: str):
+    """torch.testing._internal.<module>, imported without its side effect on
+    the rest of the process: common_utils freezes torch.backends' flags at
+    import (disable_global_flags: setting one, as bench/bench_gpu_budget.py
+    does, then raises), which this undoes where they were not frozen."""
+    frozen = torch.backends.flags_frozen()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from torch.testing._internal.common_methods_invocations import op_db
-    return op_db
+        imported = importlib.import_module(f"torch.testing._internal.{module}")
+    if not frozen:  # the flag lives in the globals of torch/backends/__init__.py (the module object is wrapped)
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    assert torch.backends.flags_frozen() == frozen
+    return imported
+
+
+def _op_db():
+    return _torch_testing("common_methods_invocations").op_db
 
 
 class _NoOpMode(TorchDispatchMode):
@@ -255,11 +268,8 @@ def _module_step(module, module_input, session):
 
 
 def _module_sweep(dtype, device="cpu", seconds=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torch.testing._internal.common_modules import module_db
     tally = _Tally(device, seconds)
-    for info in module_db:
+    for info in _torch_testing("common_modules").module_db:
         if tally.out_of_time(info.name):
             break
         for training in (True, False):
