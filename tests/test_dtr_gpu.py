@@ -52,7 +52,7 @@ def test_flash_attention_dropout_is_bit_exact_under_chaos(dtype):
 
 
 @pytest.mark.parametrize("kind", ["backward", "modules"])
-def test_every_opinfo_sample_on_cuda_under_chaos_computes_what_torch_computes(kind):
+def test_opinfo_and_moduleinfo_samples_on_cuda_under_chaos_compute_what_torch_computes(kind):
     # tests/test_dtr_opinfo.py's sweeps with CUDA tensors and the installed
     # pool, float32: 4 samples an op, backward (2,300 samples on CPU, 550
     # evicting), and every module in training and eval mode (1,030, 490).

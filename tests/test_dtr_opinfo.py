@@ -3,8 +3,9 @@ operator and module databases.
 
 torch.testing._internal.common_methods_invocations.op_db describes every op
 torch tests itself with (OpInfo): sample inputs, whether the op has a
-backward, a forward-mode derivative, an in-place variant. Each sample runs
-three times: plainly, under a TorchDispatchMode that does nothing, and inside
+backward, a forward-mode derivative, an in-place variant. Each of an op's
+first SAMPLES samples runs three times: plainly, under a TorchDispatchMode
+that does nothing, and inside
 dtr(device="cpu", chaos=True, check_invariants=True), where every value that
 can be evicted is evicted at every op and recomputed when read. The outputs
 and gradients (backward: torch.autograd.grad of a loss over every output;
@@ -231,7 +232,7 @@ def _sweep(kind, dtype, device="cpu", samples_per_op=SAMPLES, seconds=None):
 @pytest.mark.parametrize("kind, dtype", [("backward", torch.float32), ("backward", torch.float64),
                                          ("forward-ad", torch.float32)],
                          ids=["backward-float32", "backward-float64", "forward-ad-float32"])
-def test_every_opinfo_sample_under_chaos_computes_what_torch_computes(kind, dtype):
+def test_opinfo_samples_under_chaos_compute_what_torch_computes(kind, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the samples exercise deprecated and experimental paths
         tally = _sweep(kind, dtype)
@@ -292,7 +293,7 @@ def _module_sweep(dtype, device="cpu", seconds=None):
 
 
 @pytest.mark.slow
-def test_every_moduleinfo_sample_under_chaos_computes_what_torch_computes():
+def test_moduleinfo_samples_under_chaos_compute_what_torch_computes():
     """torch's module database (ModuleInfo: convolutions, norms with their
     running statistics, RNNs, transformer layers, losses ...), in training
     and eval mode: outputs, gradients of parameters and inputs, and buffers

@@ -77,7 +77,7 @@ def _explain_saved_hooks_refusal(error) -> None:
     doesnt_support_saved_tensors_hooks) and say so without naming who
     installed them: a session does. The error keeps its type and text; a note
     says where the hooks come from and what runs instead."""
-    if (isinstance(error, RuntimeError) and "saved tensor hooks" in str(error)
+    if (isinstance(error, RuntimeError) and "torch.func" in str(error) and "saved tensor hooks" in str(error)
             and hasattr(error, "add_note")):  # add_note: Python 3.11
         error.add_note(
             "dtralloc.dtr: the session's saved-tensor hooks are what torch.func refuses here. Call "
