@@ -84,11 +84,9 @@ def _tensors(x):
     return []
 
 
-def _backward(fn, sample, inplace):
-    """The op's outputs and the gradients of a loss over all of them."""
-    leaves = [t for t in _tensors(sample.input) + _tensors(sample.args) if t.requires_grad]
-    x = sample.input.clone() if inplace else sample.input  # a leaf cannot be written in place
-    out = fn(x, *sample.args, **sample.kwargs)
+def _outputs_and_grads(out, leaves):
+    """Copies of every tensor in `out`, then the gradients of `leaves` under a
+    loss summing the squares of the outputs that carry one."""
     loss = None
     for o in _tensors(out):
         if o.requires_grad and o.numel() and (o.is_floating_point() or o.is_complex()):
@@ -96,6 +94,13 @@ def _backward(fn, sample, inplace):
             loss = term if loss is None else loss + term
     grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss is not None else ()
     return [o.detach().clone() for o in _tensors(out)] + [g for g in grads if g is not None]
+
+
+def _backward(fn, sample, inplace):
+    """The op's outputs and the gradients of a loss over all of them."""
+    leaves = [t for t in _tensors(sample.input) + _tensors(sample.args) if t.requires_grad]
+    x = sample.input.clone() if inplace else sample.input  # a leaf cannot be written in place
+    return _outputs_and_grads(fn(x, *sample.args, **sample.kwargs), leaves)
 
 
 def _forward_ad(fn, sample, inplace):
@@ -257,13 +262,9 @@ def _module_step(module, module_input, session):
     torch.manual_seed(3)  # dropout inside the module
     with session:
         out = module(*args, **kwargs)
-        results = [o.detach().clone() for o in _tensors(out)]
-        outs = [o for o in _tensors(out) if o.requires_grad and o.numel() and (o.is_floating_point() or o.is_complex())]
-        if outs:
-            leaves = [p for p in module.parameters() if p.requires_grad]
-            leaves += [a for a in _tensors(args) + _tensors(list(kwargs.values())) if a.requires_grad]
-            loss = sum((o.abs() if o.is_complex() else o).square().sum() for o in outs)
-            results += [g for g in torch.autograd.grad(loss, leaves, allow_unused=True) if g is not None]
+        leaves = [p for p in module.parameters() if p.requires_grad]
+        leaves += [a for a in _tensors(args) + _tensors(list(kwargs.values())) if a.requires_grad]
+        results = _outputs_and_grads(out, leaves)
         results += [b.detach().clone() for b in module.buffers()]
     return results
 
