@@ -1034,6 +1034,12 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
   const auto reason = reads_opaque && pin == 0 ? PinReason::kOpaque : static_cast<PinReason>(pin);
+  // What the op writes in place is pinned as what it makes is, except for an
+  // op pinned only for writing (kSideEffects: its writes are its recipe;
+  // what it makes besides them is not). Rerunning a collective's in-place
+  // write would launch it on this rank alone; a nondeterministic one's would
+  // write other bits.
+  const bool pins_writes = reads_opaque || (reason != PinReason::kNone && reason != PinReason::kSideEffects);
   // Where each written value is first among the op's tensor arguments (its
   // ref in the recipe; a foreach update writes hundreds), and, for an op
   // whose writes may overwrite, how many of them are on it: more than the
@@ -1072,7 +1078,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       // its arguments is on the written storage (torch.add(x, y, out=x)).
       const bool reads_old = !(flags & kOverwrites) || read_besides_writes(w.value);
       const int n = engine_->write(op, w.value, reads_old, reads_of(w.element));
-      if (reads_opaque) engine_->pin(n);  // its recipe would need the opaque tensor
+      if (pins_writes) engine_->pin(n);  // opaque: its recipe would need the opaque tensor
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];
       // The storage now holds the new version: its watch moves over; the
@@ -1097,6 +1103,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       s.external = std::move(old.external);
       s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal
               : reads_opaque                   ? PinReason::kOpaque
+              : pins_writes                    ? reason
                                                : PinReason::kNone;
       if (old.watch) {
         watched_[old.watch.ptr()] = n;
