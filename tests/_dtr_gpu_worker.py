@@ -558,7 +558,68 @@ def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "
             "pool_ok": _pool_ok(dtralloc)}
 
 
+def distributed(device: str = "cuda") -> dict:
+    """tests/test_dtr_distributed.py on CUDA: a one-rank NCCL group, the
+    installed pool, chaos. An in-place functional all_reduce_ is launched
+    once, as in plain eager (a recompute never reruns it); FSDP2 training
+    steps, resharding after forward (the storages FSDP frees and refills) and
+    not, match plain bit for bit. `device="cpu"` rehearses it on gloo."""
+    import os
+
+    if device == "cpu":
+        import dtralloc
+        import torch
+    else:
+        dtralloc, torch = _setup()
+    import torch.distributed as dist
+
+    backend = "gloo" if device == "cpu" else "nccl"
+    if not dist.is_available() or not dist.is_backend_available(backend):
+        return {"skipped": f"torch.distributed with {backend} is not available"}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_dtr_distributed as t
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def session():
+            return dtralloc.dtr(device=device, chaos=True, check_invariants=True)
+
+        torch.manual_seed(0)
+        w = torch.randn(4096, device=device, requires_grad=True)
+        launched, grads, stats = [], [], None
+        for run in (None, session):
+            before = t._collectives()
+            if run is None:
+                t._in_place_collective_loss("functional", dist.group.WORLD, w).backward()
+            else:
+                with run() as s:
+                    t._in_place_collective_loss("functional", dist.group.WORLD, w).backward()
+                stats = s.stats()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            launched.append(t._collectives() - before)
+            grads.append(w.grad)
+            w.grad = None
+        result = {"collectives_plain": launched[0], "collectives_live": launched[1],
+                  "collective_grads_equal": torch.equal(*grads),
+                  "collective_evictions": stats["evictions"], "fsdp": {}}
+        for reshard in (True, False):
+            want, _ = t._fsdp_steps(reshard, device=device)
+            again, _ = t._fsdp_steps(reshard, device=device)
+            got, evictions = t._fsdp_steps(reshard, session, device=device)
+            result["fsdp"][str(reshard)] = {
+                "control": [i for i, (a, b) in enumerate(zip(want, again)) if not torch.equal(a, b)],
+                "diffs": [i for i, (a, b) in enumerate(zip(want, got)) if not torch.equal(a, b)],
+                "evictions": evictions}
+    finally:
+        dist.destroy_process_group()
+    if device != "cpu":
+        result["pool_ok"] = _pool_ok(dtralloc)
+    return result
+
+
 SCENARIOS = {
+    "distributed": distributed,
     "opinfo": opinfo,
     "foreach": foreach,
     "device_full": device_full,

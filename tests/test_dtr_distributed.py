@@ -1,11 +1,14 @@
-"""Live DTR with torch.distributed on CPU (gloo): collectives.
+"""Live DTR with torch.distributed on CPU (gloo): collectives and FSDP.
 
 A collective must never be rerun by a recompute (on one rank alone it would
-hang the others or pair with another collective). The tests run a one-rank
-gloo group in this process (real c10d ops, DDP's real reducer).
+hang the others or pair with another collective), and FSDP frees and refills
+its unsharded parameters by resizing their storages outside the dispatcher,
+which no recipe may read across. Most tests run a one-rank gloo group in this
+process (real c10d ops, real FSDP2 hooks); one spawns two ranks.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -64,6 +67,81 @@ def test_a_value_written_in_place_by_a_collective_is_pinned_never_recomputed(wor
     assert s.stats()["evictions"] > 0 and s.stats()["remats"] > 0  # what does not read the collective still is
 
 
+def _resized_parameter_loss(w, x):
+    """FSDP's pattern on one parameter: use it, free its storage, allocate it
+    again (what a fresh allocation holds is garbage: written here outside the
+    dispatcher), refill it with the same values under
+    _unsafe_preserve_version_counter, use it again."""
+    a = x @ w
+    h = a.sin()  # saves a, which is no longer the program's: chaos evicts it
+    del a
+    kept = w.detach().clone()
+    storage = w.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    ctypes.memset(storage.data_ptr(), 0xFF, nbytes)  # NaNs until the refill
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+        w.copy_(kept)
+    return ((h @ w.t()).sigmoid() * h).sum()
+
+
+def test_a_storage_resized_outside_the_dispatcher_is_never_read_by_a_recompute():
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    w = torch.randn(32, 32, requires_grad=True)
+    loss = _resized_parameter_loss(w, x)
+    loss.backward()
+    plain = (loss.detach(), w.grad)
+    w.grad = None
+    with dtralloc.dtr(device="cpu", chaos=True, check_invariants=True) as s:
+        loss = _resized_parameter_loss(w, x)
+        loss.backward()
+    assert torch.equal(loss.detach(), plain[0]) and torch.equal(w.grad, plain[1])
+    assert s.stats()["evictions"] > 0
+
+
+def _fsdp_steps(reshard_after_forward, session=None, steps=2, device="cpu"):
+    """`steps` AdamW steps of an FSDP2 model (four blocks with dropout, each
+    its own FSDP unit), forward and backward inside a fresh `session()` when
+    given: (losses + full parameters, evictions). Also the CUDA scenario's
+    (tests/_dtr_gpu_worker.py distributed)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)],
+                          nn.Linear(32, 4)).to(device)
+    for block in model[:4]:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
+    losses, evictions = [], 0
+    for _ in range(steps):
+        x = torch.randn(8, 32, device=device)
+        if session is None:
+            loss = model(x).square().mean()
+            loss.backward()
+        else:
+            with session() as s:
+                loss = model(x).square().mean()
+                loss.backward()
+            evictions += s.stats()["evictions"]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses + [p.full_tensor() for p in model.parameters()], evictions
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fsdp2_training_steps_under_chaos_match_plain(world, reshard_after_forward):
+    plain, _ = _fsdp_steps(reshard_after_forward)
+    got, evictions = _fsdp_steps(reshard_after_forward,
+                                 lambda: dtralloc.dtr(device="cpu", chaos=True, check_invariants=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    assert evictions > 0
+
+
 def test_ddp_training_steps_under_chaos_match_plain(world):
     def steps(session=None):
         torch.manual_seed(0)
@@ -95,3 +173,41 @@ def test_ddp_training_steps_under_chaos_match_plain(world):
     assert _collectives() - before == launched_plain
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
     assert evictions > 0
+
+
+_TWO_RANKS = r'''
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+import test_dtr_distributed as t, dtralloc
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+plain, _ = t._fsdp_steps(True)
+got, evictions = t._fsdp_steps(True, lambda: dtralloc.dtr(device="cpu", chaos=True))
+same = all(torch.equal(a, b) for a, b in zip(plain, got))
+dist.destroy_process_group()
+print("RESULT", rank, same, evictions, float(got[0]), flush=True)
+'''
+
+
+def test_fsdp2_on_two_ranks_under_chaos_matches_plain_and_does_not_hang(tmp_path):
+    import subprocess
+
+    store = tmp_path / "store"
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(store), here], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    results = [line.split() for out in outs for line in out.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2, "\n".join(outs)
+    for _, rank, same, evictions, loss in results:
+        assert same == "True", f"rank {rank} differs from plain:\n" + "\n".join(outs)
+        assert int(evictions) > 0
+    assert results[0][4] != results[1][4]  # the ranks drew different batches: a real two-rank run

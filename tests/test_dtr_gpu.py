@@ -68,6 +68,20 @@ def test_opinfo_and_moduleinfo_samples_on_cuda_under_chaos_compute_what_torch_co
     assert r["pool_ok"]
 
 
+def test_collectives_are_never_rerun_and_fsdp2_steps_match_plain_on_cuda():
+    # tests/test_dtr_distributed.py's checks on a one-rank NCCL group with the
+    # installed pool (rehearsed on CPU: `python tests/_dtr_gpu_worker.py distributed cpu`).
+    r = run("distributed")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    assert r["collectives_live"] == r["collectives_plain"] == 1, r
+    assert r["collective_grads_equal"] and r["collective_evictions"] > 0, r
+    for reshard, f in r["fsdp"].items():
+        assert f["control"] == [], f"plain FSDP2 differs from itself on this GPU (reshard {reshard}): {r}"
+        assert f["diffs"] == [] and f["evictions"] > 0, r
+    assert r["pool_ok"]
+
+
 def test_an_explicit_cuda_generator_is_replayed():
     r = run("generator")
     assert all(r["control"]), r

@@ -142,6 +142,8 @@ void bind_live(py::module_& m) {
            py::arg("writes"), py::arg("flags"), py::arg("pin"), py::arg("cost"), py::arg("rng"))
       .def("pack", &LiveSession::pack, py::arg("tensor"))
       .def("exported", &LiveSession::exported, py::arg("tensor"))
+      .def("resizing", &LiveSession::resizing, py::arg("storage"),
+           "Before UntypedStorage.resize_ on `storage`: what depends on its contents comes back and is pinned")
       .def("flush_deaths", &LiveSession::flush_deaths)
       .def("evict_all", &LiveSession::evict_all)
       .def("stats", &LiveSession::stats)

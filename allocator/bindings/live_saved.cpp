@@ -242,6 +242,32 @@ void LiveSession::exported(py::handle tensor) {
   own_for_recipes(v);
 }
 
+// A storage's contents go when it is resized outside the dispatcher: FSDP
+// frees each unsharded parameter after its forward (resize_(0)) and refills
+// it before its backward (resize_, then a copy under
+// _unsafe_preserve_version_counter, so the version counter says nothing).
+// Neither resize is an op the session sees, and no recipe could read the old
+// contents afterwards. As an overwrite of an unrecomputable value: what
+// depends on the contents comes back now and is pinned, and the value is
+// pinned from here on (its contents are the resizer's).
+void LiveSession::resizing(py::handle storage) {
+  flush_deaths();
+  const int v = value_of(storage, cdata_of(storage));
+  if (v < 0) return;  // not seen by this session: the next op reading it registers it as it is then
+  const Value& x = engine_->value(v);
+  if (x.state != ValueState::kResident)
+    throw std::logic_error("dtralloc live session: a storage being resized holds value " + std::to_string(v) +
+                           ", which is not resident");
+  if (!x.pinned) {
+    engine_->pin(v);
+    slots_[v].pin = PinReason::kResized;
+  }
+  engine_->prepare_writes({v});
+  own_for_recipes(v);
+  publish_counts();
+  if (options_.check_invariants) check_invariants();
+}
+
 PyObject* SavedValue::watched() const {
   PyObject* t = referent(tensor);
   return t ? t : referent(base);

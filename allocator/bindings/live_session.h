@@ -74,6 +74,7 @@ namespace py = pybind11;
   X(kSideEffects, "outputs of ops that write state besides their outputs")                         \
   X(kNondeterministic, "outputs of ops that are not bitwise deterministic on this device")         \
   X(kForeign, "memory dtralloc's pool does not hold")                                              \
+  X(kResized, "storages resized outside the dispatcher (FSDP's reshard and unshard)")              \
   X(kOpaque, "made or written by ops reading tensors with no strided storage (sparse, nested, subclasses)")
 
 enum class PinReason : std::uint8_t {
@@ -237,6 +238,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void unlist(const struct SavedValue& saved);
   // The data of `tensor` leave the dispatcher: its value is never recomputed.
   void exported(py::handle tensor);
+  // `storage` is about to be resized outside the dispatcher
+  // (UntypedStorage.resize_): its contents go (live_saved.cpp).
+  void resizing(py::handle storage);
   // Values whose storage died since the last entry point go to the engine.
   void flush_deaths();
   // Owned pinned values and external tensors nobody else holds any more are

@@ -23,7 +23,7 @@ VERSIONS_BUMPED = 16
 
 # PinReason (live_session.h), in order
 PIN_NONE, PIN_EXTERNAL, PIN_UNWRITTEN, PIN_EXPORTED, PIN_COLLECTIVE, PIN_PYTHON_DATA, PIN_SIDE_EFFECTS, \
-    PIN_NONDETERMINISTIC, PIN_FOREIGN, PIN_OPAQUE = range(10)
+    PIN_NONDETERMINISTIC, PIN_FOREIGN, PIN_RESIZED, PIN_OPAQUE = range(11)
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 _BITWISE = getattr(torch.Tag, "nondeterministic_bitwise", None)

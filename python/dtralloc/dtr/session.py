@@ -215,9 +215,13 @@ class Session:
 class _Exports:
     """While a session is active, a tensor whose data leave the dispatcher
     (data_ptr, numpy, dlpack) is pinned: code outside torch's dispatch could
-    write it, and a recompute would not see that."""
+    write it, and a recompute would not see that. A storage resized outside
+    the dispatcher (``UntypedStorage.resize_``, which FSDP uses to free and
+    refill unsharded parameters) loses its contents: what depends on them is
+    brought back first and pinned (LiveSession::resizing)."""
 
-    _METHODS = ("data_ptr", "numpy", "__dlpack__")
+    _METHODS = ((torch.Tensor, "data_ptr"), (torch.Tensor, "numpy"), (torch.Tensor, "__dlpack__"),
+                (torch.UntypedStorage, "resize_"))
 
     def __init__(self):
         self._depth = 0
@@ -227,18 +231,30 @@ class _Exports:
         self._depth += 1
         if self._depth > 1:
             return
-        for name in self._METHODS:
-            original = getattr(torch.Tensor, name)
-            self._originals[name] = original
-            setattr(torch.Tensor, name, self._wrap(original))
+        for owner, name in self._METHODS:
+            original = getattr(owner, name)
+            self._originals[owner, name] = original
+            wrap = self._wrap_resize if name == "resize_" else self._wrap
+            setattr(owner, name, wrap(original))
 
     def detach(self):
         self._depth -= 1
         if self._depth:
             return
-        for name, original in self._originals.items():
-            setattr(torch.Tensor, name, original)
+        for (owner, name), original in self._originals.items():
+            setattr(owner, name, original)
         self._originals.clear()
+
+    @staticmethod
+    def _wrap_resize(original):
+        def resize_(self, *args, **kwargs):
+            for session in list(_sessions):
+                session._core.resizing(self)
+            return original(self, *args, **kwargs)
+
+        resize_.__name__ = original.__name__
+        resize_.__doc__ = original.__doc__
+        return resize_
 
     @staticmethod
     def _wrap(original):
