@@ -101,24 +101,15 @@ def test_a_storage_resized_outside_the_dispatcher_is_never_read_by_a_recompute()
     assert s.stats()["evictions"] > 0
 
 
-def _fsdp_steps(reshard_after_forward, session=None, steps=2, device="cpu"):
-    """`steps` AdamW steps of an FSDP2 model (four blocks with dropout, each
-    its own FSDP unit), forward and backward inside a fresh `session()` when
-    given: (losses + full parameters, evictions). Also the CUDA scenario's
-    (tests/_dtr_gpu_worker.py distributed)."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)],
-                          nn.Linear(32, 4)).to(device)
-    for block in model[:4]:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+def _train(model, batch, steps, session=None, device="cpu"):
+    """`steps` AdamW steps on batches of shape `batch`, each rank its own,
+    forward and backward inside a fresh `session()` when given: (losses,
+    evictions)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
+    torch.manual_seed(1 + dist.get_rank())
     losses, evictions = [], 0
     for _ in range(steps):
-        x = torch.randn(8, 32, device=device)
+        x = torch.randn(*batch, device=device)
         if session is None:
             loss = model(x).square().mean()
             loss.backward()
@@ -130,6 +121,22 @@ def _fsdp_steps(reshard_after_forward, session=None, steps=2, device="cpu"):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
+    return losses, evictions
+
+
+def _fsdp_steps(reshard_after_forward, session=None, steps=2, device="cpu"):
+    """`steps` AdamW steps of an FSDP2 model (four blocks with dropout, each
+    its own FSDP unit): (losses + full parameters, evictions). Also the CUDA
+    scenario's (tests/_dtr_gpu_worker.py distributed)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)],
+                          nn.Linear(32, 4)).to(device)
+    for block in model[:4]:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    losses, evictions = _train(model, (8, 32), steps, session, device)
     return losses + [p.full_tensor() for p in model.parameters()], evictions
 
 
@@ -142,28 +149,15 @@ def test_fsdp2_training_steps_under_chaos_match_plain(world, reshard_after_forwa
     assert evictions > 0
 
 
-def test_ddp_training_steps_under_chaos_match_plain(world):
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grads", "grads-as-bucket-views"])
+def test_ddp_training_steps_under_chaos_match_plain(world, bucket_view):
     def steps(session=None):
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(
-            nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4)))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        torch.manual_seed(1)
-        out, evictions = [], 0
-        for _ in range(3):
-            x = torch.randn(16, 32)
-            if session is None:
-                loss = model(x).square().mean()
-                loss.backward()
-            else:
-                with session() as s:
-                    loss = model(x).square().mean()
-                    loss.backward()
-                evictions += s.stats()["evictions"]
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.detach())
-        return out + [p.detach().clone() for p in model.parameters()], evictions
+            nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4)),
+            gradient_as_bucket_view=bucket_view)
+        losses, evictions = _train(model, (16, 32), 3, session)
+        return losses + [p.detach().clone() for p in model.parameters()], evictions
 
     before = _collectives()
     plain, _ = steps()

@@ -220,8 +220,9 @@ class _Exports:
     refill unsharded parameters) loses its contents: what depends on them is
     brought back first and pinned (LiveSession::resizing)."""
 
-    _METHODS = ((torch.Tensor, "data_ptr"), (torch.Tensor, "numpy"), (torch.Tensor, "__dlpack__"),
-                (torch.UntypedStorage, "resize_"))
+    # (owner, method, what each live session's C++ half is told first)
+    _METHODS = ((torch.Tensor, "data_ptr", "exported"), (torch.Tensor, "numpy", "exported"),
+                (torch.Tensor, "__dlpack__", "exported"), (torch.UntypedStorage, "resize_", "resizing"))
 
     def __init__(self):
         self._depth = 0
@@ -231,11 +232,10 @@ class _Exports:
         self._depth += 1
         if self._depth > 1:
             return
-        for owner, name in self._METHODS:
+        for owner, name, tell in self._METHODS:
             original = getattr(owner, name)
             self._originals[owner, name] = original
-            wrap = self._wrap_resize if name == "resize_" else self._wrap
-            setattr(owner, name, wrap(original))
+            setattr(owner, name, self._wrap(original, tell))
 
     def detach(self):
         self._depth -= 1
@@ -246,26 +246,15 @@ class _Exports:
         self._originals.clear()
 
     @staticmethod
-    def _wrap_resize(original):
-        def resize_(self, *args, **kwargs):
+    def _wrap(original, tell):
+        def wrapped(self, *args, **kwargs):
             for session in list(_sessions):
-                session._core.resizing(self)
+                getattr(session._core, tell)(self)
             return original(self, *args, **kwargs)
 
-        resize_.__name__ = original.__name__
-        resize_.__doc__ = original.__doc__
-        return resize_
-
-    @staticmethod
-    def _wrap(original):
-        def exported(self, *args, **kwargs):
-            for session in list(_sessions):
-                session._core.exported(self)
-            return original(self, *args, **kwargs)
-
-        exported.__name__ = original.__name__
-        exported.__doc__ = original.__doc__
-        return exported
+        wrapped.__name__ = original.__name__
+        wrapped.__doc__ = original.__doc__
+        return wrapped
 
 
 _exports = _Exports()
