@@ -78,6 +78,16 @@ int RematEngine::add_external(std::size_t nbytes) {
   return v;
 }
 
+std::uintptr_t RematEngine::make_external(int v) {
+  Value& x = values_[v];
+  if (x.state != ValueState::kResident || !x.pinned) broken(v, "made external while not resident and pinned");
+  if (x.external) return 0;
+  const std::uintptr_t addr = drop_block(v);
+  x.external = true;
+  take_block(v, 0);
+  return addr;
+}
+
 int RematEngine::begin_op(const OpCall& call) {
   OpRecord rec;
   rec.cost = call.cost;

@@ -191,6 +191,11 @@ class RematEngine {
   int add_initial(std::size_t nbytes);
   // An initial storage whose memory the pool does not hold (external); pinned.
   int add_external(std::size_t nbytes);
+  // A resident pinned value's memory was taken away by its owner (the live
+  // driver: a storage resized outside the dispatcher); from now on it is
+  // external, as add_external's. Returns the address it held (0 if none),
+  // which the caller frees where it holds it.
+  std::uintptr_t make_external(int v);
 
   // --- the per-op protocol (see the top of this file) ---------------------
   int begin_op(const OpCall& call);

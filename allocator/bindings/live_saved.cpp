@@ -249,7 +249,10 @@ void LiveSession::exported(py::handle tensor) {
 // Neither resize is an op the session sees, and no recipe could read the old
 // contents afterwards. As an overwrite of an unrecomputable value: what
 // depends on the contents comes back now and is pinned, and the value is
-// pinned from here on (its contents are the resizer's).
+// pinned from here on (its contents are the resizer's). Its memory is the
+// resizer's too: the block it held goes (the resize frees it on CUDA, where
+// the pool may hand it to another value; on CPU the mirror's block is
+// freed), and it counts as memory made outside the session, as parameters do.
 void LiveSession::resizing(py::handle storage) {
   flush_deaths();
   const int v = value_of(storage, cdata_of(storage));
@@ -263,6 +266,8 @@ void LiveSession::resizing(py::handle storage) {
     slots_[v].pin = PinReason::kResized;
   }
   engine_->prepare_writes({v});
+  const std::uintptr_t addr = engine_->make_external(v);
+  if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
   own_for_recipes(v);
   publish_counts();
   if (options_.check_invariants) check_invariants();

@@ -1285,8 +1285,9 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
   for (int v : engine_->resident()) {
     const Value& x = engine_->value(v);
     const Slot& s = slots_[v];
-    if (!(mirror_ && s.pin == PinReason::kExternal)) values += x.nbytes;  // the mirror holds no external
-    if (engine_->evictable(v)) continue;
+    const bool outside = mirror_ && x.external;  // the mirror holds no external value
+    if (!outside) values += x.nbytes;
+    if (outside || engine_->evictable(v)) continue;
     if (x.pinned && s.pin != PinReason::kNone)
       pinned[static_cast<std::size_t>(s.pin)] += x.nbytes;
     else if (x.pinned)

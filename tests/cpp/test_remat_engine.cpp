@@ -538,6 +538,17 @@ void test_adopted_pinned_and_late_cost() {
   const int x2 = e.write(w, x);
   e.end_op(w);
   CHECK(e.value(x2).external && e.value(x2).pinned);
+  // Memory taken away by its owner (a storage resized outside the
+  // dispatcher): p lets go of its block, which another value may then adopt.
+  const std::size_t kept = e.kept_resident_bytes();
+  CHECK_EQ(e.make_external(p), kAdopted + 0xB0000);
+  CHECK_EQ(e.kept_resident_bytes(), kept - 512);  // external memory is not the budget's
+  CHECK(e.value(p).external && e.value(p).addr == 0 && e.value(p).state == ValueState::kResident);
+  CHECK_EQ(e.make_external(p), std::uintptr_t{0});  // already external
+  const int op2 = e.begin_op(call(2, {x2}));
+  const int q = e.add_output(op2, 512, kAdopted + 0xB0000);
+  e.end_op(op2);
+  CHECK_EQ(e.value_at(kAdopted + 0xB0000), q);
   e.check_invariants();
   e.release_all();
 }
