@@ -590,22 +590,10 @@ def distributed(device: str = "cuda") -> dict:
         # half in 2 of about 60 fresh processes, as if read before the
         # all-reduce finished writing; never seen at 64
         w = torch.randn(64, device=device, requires_grad=True)
-        launched, grads, stats = [], [], None
-        for run in (None, session):
-            before = t._collectives()
-            if run is None:
-                t._in_place_collective_loss("functional", dist.group.WORLD, w).backward()
-            else:
-                with run() as s:
-                    t._in_place_collective_loss("functional", dist.group.WORLD, w).backward()
-                stats = s.stats()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            launched.append(t._collectives() - before)
-            grads.append(w.grad)
-            w.grad = None
-        result = {"collectives_plain": launched[0], "collectives_live": launched[1],
-                  "collective_grads_equal": torch.equal(*grads),
+        launched_plain, plain, _ = t._collective_step("functional", dist.group.WORLD, w)
+        launched, got, stats = t._collective_step("functional", dist.group.WORLD, w, session)
+        result = {"collectives_plain": launched_plain, "collectives_live": launched,
+                  "collective_grads_equal": torch.equal(plain, got),
                   "collective_evictions": stats["evictions"], "fsdp": {}}
         for reshard in (True, False):
             want, _ = t._fsdp_steps(reshard, device=device)

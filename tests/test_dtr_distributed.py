@@ -51,20 +51,34 @@ def _in_place_collective_loss(how, group, w):
     return (h * h).exp().sum()
 
 
+def _collective_step(how, group, w, session=None):
+    """A backward through _in_place_collective_loss, inside a fresh
+    `session()` when given: (collectives launched, w's gradient, the
+    session's stats or None). Also the CUDA scenario's."""
+    before = _collectives()
+    stats = None
+    if session is None:
+        _in_place_collective_loss(how, group, w).backward()
+    else:
+        with session() as s:
+            _in_place_collective_loss(how, group, w).backward()
+        stats = s.stats()
+    if w.is_cuda:
+        torch.cuda.synchronize()
+    grad, w.grad = w.grad, None
+    return _collectives() - before, grad, stats
+
+
 @pytest.mark.parametrize("how", ["functional", "c10d"])
 def test_a_value_written_in_place_by_a_collective_is_pinned_never_recomputed(world, how):
     torch.manual_seed(0)
     w = torch.randn(64, requires_grad=True)
-    before = _collectives()
-    _in_place_collective_loss(how, world, w).backward()
-    launched_plain, plain = _collectives() - before, w.grad
-    w.grad = None
-    before = _collectives()
-    with dtralloc.dtr(device="cpu", chaos=True, check_invariants=True) as s:
-        _in_place_collective_loss(how, world, w).backward()
-    assert _collectives() - before == launched_plain == 1
-    assert torch.equal(w.grad, plain)
-    assert s.stats()["evictions"] > 0 and s.stats()["remats"] > 0  # what does not read the collective still is
+    launched_plain, plain, _ = _collective_step(how, world, w)
+    launched, got, stats = _collective_step(
+        how, world, w, lambda: dtralloc.dtr(device="cpu", chaos=True, check_invariants=True))
+    assert launched == launched_plain == 1
+    assert torch.equal(got, plain)
+    assert stats["evictions"] > 0 and stats["remats"] > 0  # what does not read the collective still is
 
 
 def _resized_parameter_loss(w, x):

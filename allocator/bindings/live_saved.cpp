@@ -268,7 +268,6 @@ void LiveSession::resizing(py::handle storage) {
   engine_->prepare_writes({v});
   const std::uintptr_t addr = engine_->make_external(v);
   if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
-  own_for_recipes(v);
   publish_counts();
   if (options_.check_invariants) check_invariants();
 }

@@ -1078,7 +1078,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       // its arguments is on the written storage (torch.add(x, y, out=x)).
       const bool reads_old = !(flags & kOverwrites) || read_besides_writes(w.value);
       const int n = engine_->write(op, w.value, reads_old, reads_of(w.element));
-      if (pins_writes) engine_->pin(n);  // opaque: its recipe would need the opaque tensor
+      if (pins_writes) engine_->pin(n);  // as the op's outputs are (opaque: its recipe would need that tensor)
       Slot& s = slot(n);  // first: it may grow slots_
       Slot& old = slots_[w.value];
       // The storage now holds the new version: its watch moves over; the
