@@ -98,6 +98,10 @@ int RematEngine::begin_op(const OpCall& call) {
   counters_.base_cost += call.cost;
   const int op = static_cast<int>(ops_.size()) - 1;
   for (int w : call.writes) prepare_write(w);
+  if (call.writes.size() >= 2) {  // for reads_other_overwrite
+    op_writes_.next(values_.size());
+    for (int w : call.writes) op_writes_.mark(w);
+  }
   // What the op holds: its reads, then the written values it does not read.
   std::vector<int>& vs = ops_[op].inputs;
   vs = call.reads;
@@ -496,62 +500,133 @@ int RematEngine::add_output(int op, std::size_t nbytes, std::uintptr_t addr, boo
   return v;
 }
 
-void RematEngine::prepare_write(int v) {
+void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_back) {
   if (!values_[v].pinned) return;  // the old version stays recomputable
-  // Overwriting a value nobody can recompute: whatever depends on it must be
-  // brought back now and becomes pinned. Ids ascend in creation order, which
-  // is a topological order of the recipes.
-  // The walk's marks are a visited_ pass (nothing below reads them): a
-  // vector per call, of every value the engine has seen, cost an optimizer
-  // step's foreach write of N parameters N allocations of that size.
-  std::vector<int> todo{v}, seen;
-  visited_.next(values_.size());
+  // Overwriting a value nobody can recompute: what reads it is pinned, the
+  // evicted readers brought back first. What the pinned values are read by
+  // keeps its recipe: they stay as long as they are needed (maybe_release).
+  // Pinning the whole descendant closure instead would pin everything FSDP2
+  // computes after its first reshard, which overwrites a parameter every
+  // later block's activations descend from.
+  //
+  // A dead reader without memory (its readers were computed from it while it
+  // was resident; it stays only for their recipes) either comes back now to
+  // be pinned, which costs its recompute, or goes, and its own readers are
+  // treated as v's: pinned, never evicted again. A direct reader comes back
+  // only where the value's memory is freed mid-step (may_bring_back: FSDP2's
+  // reshards), while memory is short (kShortFill of the budget allocated),
+  // and where that pins less than half of what going would (frontier_bytes):
+  // FSDP2's post-backward reshard frees a weight whose dead input gradient is
+  // read, through other dead values, by the weight gradients of the block
+  // below, twice its size. With memory to spare nothing runs for a value the
+  // program no longer holds: a step under no budget recomputes nothing. At an
+  // in-place update (an optimizer's), the readers are about to be used and
+  // die: bringing dead values back for them only costs memory (the replay's
+  // UNet at 0.34 of its peak ran out of it).
+  std::vector<int> todo, pin, through;
+  auto plan = [&](bool bring_back_dead) {
+    todo.assign(1, v);
+    pin.clear();
+    through.clear();
+    visited_.next(values_.size());
+    bool brought = false;
+    while (!todo.empty()) {
+      const int x = todo.back();
+      todo.pop_back();
+      for (int d : values_[x].dependents) {
+        const Value& y = values_[d];
+        if (visited_.marked(d) || y.state == ValueState::kReleased || y.pinned) continue;
+        visited_.mark(d);
+        bool keep = y.alive || y.state == ValueState::kResident;
+        if (!keep && bring_back_dead && x == v) {  // a direct reader: a deeper one would recompute those above it
+          keep = frontier_bytes(d) > 2 * y.nbytes;
+          brought = brought || keep;
+        }
+        if (keep) {
+          pin.push_back(d);
+        } else {
+          through.push_back(d);
+          todo.push_back(d);
+        }
+      }
+    }
+    std::sort(pin.begin(), pin.end());  // ids ascend in creation order: a topological order
+    return brought;
+  };
+  // memory_fill may take the pool's lock: asked only where a reader is dead.
+  const bool any_dead = may_bring_back && std::any_of(values_[v].dependents.begin(), values_[v].dependents.end(), [&](int d) {
+    const Value& y = values_[d];
+    return !y.alive && !y.pinned && y.state != ValueState::kReleased && y.state != ValueState::kResident;
+  });
+  const bool brought = plan(any_dead && driver_.memory_fill() >= kShortFill);
+  if (pin.empty() && through.empty()) return;
+  try {
+    hold(pin);  // an evicted reader of a value passed through recomputes that value once more, here
+  } catch (const OutOfMemoryError&) {
+    // No room to bring the dead readers back (an optimizer's first write,
+    // where every gradient must be resident): they go after all.
+    if (!brought) throw;
+    plan(false);
+    hold(pin);
+  }
+  for (int d : pin) pin_value(d, v);
+  if (pinned) pinned->insert(pinned->end(), pin.begin(), pin.end());
+  for (int d : through) pin_value(d, v);
+  for (int d : through) maybe_release(d);
+  for (int d : pin) unlock(d);
+}
+
+std::size_t RematEngine::frontier_bytes(int d) {
+  // The first values at or below `d`'s readers that are alive or resident,
+  // reached through dead values without memory: what prepare_write pins if
+  // `d` goes. Its own marks (prepare_write's walk holds visited_).
+  std::size_t total = 0;
+  std::vector<int> todo{d};
+  frontier_seen_.next(values_.size());
+  frontier_seen_.mark(d);
   while (!todo.empty()) {
     const int x = todo.back();
     todo.pop_back();
-    for (int d : values_[x].dependents) {
-      if (visited_.marked(d) || values_[d].state == ValueState::kReleased || values_[d].pinned) continue;
-      visited_.mark(d);
-      seen.push_back(d);
-      todo.push_back(d);
+    for (int r : values_[x].dependents) {
+      const Value& y = values_[r];
+      if (frontier_seen_.marked(r) || y.state == ValueState::kReleased || y.pinned) continue;
+      frontier_seen_.mark(r);
+      if (y.alive || y.state == ValueState::kResident)
+        total += y.nbytes;
+      else
+        todo.push_back(r);
     }
   }
-  std::sort(seen.begin(), seen.end());
-  std::vector<int> locked;
-  for (int d : seen)
-    if (values_[d].alive) locked.push_back(d);
-  hold(locked);
-  pin_descendants(v);
-  for (int d : locked) unlock(d);
+  return total;
 }
 
-void RematEngine::pin_descendants(int v) {
-  std::vector<int> todo{v};
-  while (!todo.empty()) {
-    const int x = todo.back();
-    todo.pop_back();
-    for (int d : values_[x].dependents) {
-      Value& y = values_[d];
-      if (y.pinned || y.state == ValueState::kReleased) continue;
-      y.pinned = true;
-      // A pinned value is never recomputed: its recipe is no longer needed.
-      for (int r : y.recipe) {
-        --values_[r].needed_by;
-        if (r != v) maybe_release(r);
-      }
-      if (y.state != ValueState::kResident) {
-        if (y.alive) broken(d, "pinned while evicted (prepare_write was skipped)");
-        y.state = ValueState::kReleased;  // dead, memoryless, needed by no one now
-        ++counters_.releases;
-        driver_.forget(d);
-      }
-      todo.push_back(d);
-    }
+void RematEngine::pin_value(int d, int overwritten) {
+  Value& y = values_[d];
+  if (y.pinned || y.state == ValueState::kReleased) return;
+  if (y.alive && y.state != ValueState::kResident) broken(d, "pinned while evicted (prepare_write was skipped)");
+  y.pinned = true;
+  // A pinned value is never recomputed: its recipe is no longer needed.
+  for (int r : y.recipe) {
+    --values_[r].needed_by;
+    if (r != overwritten) maybe_release(r);
   }
 }
 
-void RematEngine::prepare_writes(const std::vector<int>& vs) {
-  for (int v : vs) prepare_write(v);
+std::vector<int> RematEngine::prepare_writes(const std::vector<int>& vs, bool freed) {
+  std::vector<int> pinned;
+  for (int v : vs) prepare_write(v, &pinned, freed);
+  return pinned;
+}
+
+bool RematEngine::reads_other_overwrite(int op, int v, const std::vector<int>* reads) const {
+  // An op that writes several values (split_with_sizes_copy into FSDP2's
+  // unsharded parameters, out= lists) reads them all: a new version whose
+  // recipe reads another of them that nobody can recompute reads a version
+  // this op overwrites for good (before or after this one).
+  if (ops_[op].writes.size() < 2) return false;
+  for (int r : reads ? *reads : ops_[op].inputs)
+    if (r != v && values_[r].pinned && op_writes_.marked(r)) return true;  // begin_op marked them
+  return false;
 }
 
 int RematEngine::write(int op, int v, bool reads_old, const std::vector<int>* reads) {
@@ -559,7 +634,7 @@ int RematEngine::write(int op, int v, bool reads_old, const std::vector<int>* re
     broken(v, "an in-place write needs the value resident and locked (begin_op's writes)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
   values_[n].external = values_[v].external;  // the memory stays where it was
-  if (reads_old && values_[v].pinned)
+  if ((reads_old && values_[v].pinned) || reads_other_overwrite(op, v, reads))
     values_[n].pinned = true;  // it reads a version gone for good (below): no recipe to keep
   else if (reads_old)
     set_recipe(n, op, {}, reads);
@@ -574,7 +649,9 @@ int RematEngine::write(int op, int v, bool reads_old, const std::vector<int>* re
   Value& old = values_[v];
   old.alive = false;
   if (old.pinned) {
-    pin_descendants(v);  // its other dependents (n is pinned already, or its recipe leaves v out)
+    for (int d : old.dependents)  // prepare_write pinned or released them all
+      if (!values_[d].pinned && values_[d].state != ValueState::kReleased)
+        broken(d, "reads a version overwritten for good (prepare_write was skipped)");
     old.state = ValueState::kReleased;
     ++counters_.releases;
     driver_.forget(v);

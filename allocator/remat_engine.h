@@ -106,6 +106,9 @@ class RematDriver {
   // that only a kept home is dropped.
   virtual bool keep_home(int /*value*/, std::uintptr_t /*addr*/, std::size_t /*bytes*/) { return false; }
   virtual void drop_home(int /*value*/) {}
+  // How full memory is now: the bytes allocated over the budget (0: no
+  // budget binds). What prepare_write weighs a recompute against.
+  virtual double memory_fill() { return 0.0; }
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
@@ -211,10 +214,11 @@ class RematEngine {
                  bool external = false, const std::vector<int>* reads = nullptr);
   // `op` writes `v` in place: returns the new version, which takes the block
   // (locked for the op). `v` keeps its recipe without memory, or, if `v` was
-  // not recomputable, its dependents become pinned (begin_op brought back the
-  // evicted ones first), and so does the new version if it reads `v` (it gets
-  // no recipe: an optimizer's in-place update of N parameters would otherwise
-  // make N recipes of the op's 2N inputs, only to drop them). `reads_old`
+  // not recomputable, what reads it is pinned (begin_op's prepare_write), and
+  // so is the new version if it reads `v` or another value the op overwrites
+  // for good (reads_other_overwrite). A pinned new version gets no recipe: an
+  // optimizer's in-place update of N parameters would otherwise make N
+  // recipes of the op's 2N inputs, only to drop them. `reads_old`
   // false: the op overwrites all of `v` without reading it (fill_, copy_,
   // zero_, out=), so the new version's recipe does not need `v`. `reads`:
   // as add_output's (the new version's recipe is that, less `v` where it
@@ -222,9 +226,12 @@ class RematEngine {
   int write(int op, int v, bool reads_old = true, const std::vector<int>* reads = nullptr);
   // What begin_op does first for its writes, for drivers that must do it
   // before the real op runs (the live driver: the write destroys the old
-  // contents): what depends on an unrecomputable value about to be
-  // overwritten is brought back and pinned.
-  void prepare_writes(const std::vector<int>& vs);
+  // contents): what reads an unrecomputable value about to be overwritten is
+  // brought back and pinned (prepare_write says which). Returns the values
+  // it pinned: the live driver owns those that recipes still read. `freed`:
+  // the values' memory goes mid-step (a storage resized by its owner, as
+  // FSDP2 does), rather than an op overwriting them.
+  std::vector<int> prepare_writes(const std::vector<int>& vs, bool freed = false);
   // Unlocks everything locked for the op. cost >= 0 replaces the cost given
   // to begin_op (the live driver measures it while the op runs).
   void end_op(int op, double cost = -1);
@@ -356,7 +363,7 @@ class RematEngine {
   bool unlock_held(std::vector<Frame>& stack);
   bool any_unlockable(const std::vector<Frame>& stack) const;  // what unlock_held would unlock
   bool unlockable(const Frame& f, std::size_t i) const;
-  void prepare_write(int v);
+  void prepare_write(int v, std::vector<int>* pinned = nullptr, bool may_bring_back = false);  // appends what it pinned
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
   void take_block(int v, std::uintptr_t addr);
@@ -365,7 +372,11 @@ class RematEngine {
   void maybe_release(int v);
   void leave_home(int v);
   void release(int v);
-  void pin_descendants(int v);
+  // Pins `d` (resident, or dead without memory) and drops its recipe;
+  // `overwritten` (the value prepare_write is about) is not released here.
+  void pin_value(int d, int overwritten);
+  std::size_t frontier_bytes(int d);
+  bool reads_other_overwrite(int op, int v, const std::vector<int>* reads) const;
   int find(int v);
   void unite(int a, int b);
 
@@ -378,6 +389,9 @@ class RematEngine {
   // A hold starts over at most twice (restart_hold says why): one try in the
   // usual order, one from an emptied pool, one with tight placement too.
   static constexpr int kHoldAttempts = 3;
+  // prepare_write recomputes a dead value to keep its readers evictable only
+  // with this much of the budget allocated (RematDriver::memory_fill).
+  static constexpr double kShortFill = 0.5;
   // Recomputes a restarted hold may run per value of the engine before it is
   // called thrashing (restart_hold says why 4).
   static constexpr double kRestartRematsPerValue = 4;
@@ -394,6 +408,8 @@ class RematEngine {
   std::vector<int> uf_parent_;
   std::vector<double> uf_cost_;
   PassMarks visited_;               // a pass per walk: reachable_cost, set_recipe, plan_hold
+  PassMarks frontier_seen_;         // frontier_bytes' walk (inside prepare_write's)
+  PassMarks op_writes_;             // the values the op in flight writes, where it writes two or more
   std::vector<int> walk_;
   // recompute_need_bytes' memo: a value's need, valid while need_done_ marks
   // it in the current pass (begin_need_pass); the explicit stack of its walk.

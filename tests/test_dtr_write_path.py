@@ -7,6 +7,7 @@ must be one: the same writes gathered, the same generator states saved, the
 same engine calls, the same evictions, the same results."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -370,3 +371,29 @@ def test_inplace_ops_move_version_counters_as_in_plain_eager(op):
     import contextlib
 
     assert versions(lambda: dtr(device="cpu")) == versions(contextlib.nullcontext)
+
+
+def test_what_reads_a_value_overwritten_for_good_is_kept_and_what_it_is_read_by_recomputes():
+    # p is made outside the session (pinned: nothing can recompute it). Its
+    # in-place update pins d, which reads it, and only d: e, computed from d
+    # and saved by exp for backward, stays evictable and comes back from d
+    # after the program has dropped d (the registry keeps d's storage for
+    # e's recipe). Pinning all that descends from p pinned e too.
+    def run(session):
+        p = torch.linspace(-1, 1, 256, requires_grad=True)
+        with session:
+            d = p * 2
+            e = d.exp()
+            loss = e.sum()
+            with torch.no_grad():
+                p.add_(1)
+            del d, e
+            gc.collect()
+            loss.backward()
+        return loss.detach(), p.grad
+
+    want = run(contextlib.nullcontext())
+    s = dtr(device="cpu", chaos=True, check_invariants=True)
+    got = run(s)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert s.stats()["remats"] > 0

@@ -265,7 +265,7 @@ void LiveSession::resizing(py::handle storage) {
     engine_->pin(v);
     slots_[v].pin = PinReason::kResized;
   }
-  engine_->prepare_writes({v});
+  for (int d : engine_->prepare_writes({v}, /*freed=*/true)) own_for_recipes(d);
   const std::uintptr_t addr = engine_->make_external(v);
   if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
   publish_counts();

@@ -40,6 +40,7 @@ class LiveSession::Driver : public RematDriver {
   // The engine's last resort before an OOM, as in the replay (PoolPort): on
   // CUDA the device pool, shared with the rest of the process, for the hold.
   void tight_placement(bool on) override { s_.pool_->set_tight_segments(on); }
+  double memory_fill() override { return s_.pool_->budget_fill(); }
   // Homes as in the replay (PoolPort); the session tells its own apart.
   bool keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
     return s_.pool_->keep_home(&s_, value, addr, bytes);
@@ -601,7 +602,9 @@ void LiveSession::before_write(py::handle writes) {
     const int v = value_of(storage, cdata_of(storage));
     if (v >= 0 && engine_->value(v).pinned) vs.push_back(v);
   });
-  if (!vs.empty()) engine_->prepare_writes(vs);
+  if (vs.empty()) return;
+  // What the engine pins is read by recipes still: the registry keeps it.
+  for (int d : engine_->prepare_writes(vs)) own_for_recipes(d);
 }
 
 void LiveSession::set_dispatch_helpers(py::object classify, py::object slow, py::object on_error,
@@ -677,8 +680,8 @@ py::object LiveSession::dispatch(PyObject* func, PyObject* types, PyObject* args
   // C (mode.py, Mode._dispatch). A random op's generator state is saved
   // first (only where its dropout_p, if it has one, is nonzero: fused
   // attention carries the tag with its dropout off); then what the op
-  // writes, whether it overwrites it whole, and what depends on an
-  // unrecomputable value it is about to overwrite brought back first.
+  // writes, whether it overwrites it whole, and what reads an
+  // unrecomputable value it is about to overwrite brought back and pinned.
   PyObject* const kw = has_kwargs ? kwargs : nullptr;
   py::object rng = py::none();
   if (known.random_here) {

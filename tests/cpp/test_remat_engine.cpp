@@ -1,6 +1,7 @@
 // RematEngine: the per-op protocol, state machine, recompute chains (on an
 // explicit stack), e*, in-place versions, fake deletion, locks, unwinding
 // after an OOM. Memory comes from a fake driver that records live blocks.
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <set>
@@ -38,7 +39,9 @@ class FakeMemory : public RematDriver {
     return allocate(bytes, value);
   }
   bool held_elsewhere(int value) const override { return held.count(value) > 0; }
+  double memory_fill() override { return fill; }
   std::map<std::uintptr_t, std::size_t> live;
+  double fill = 0;  // memory_fill's answer
   std::function<void(int)> on_allocate;  // before each allocation, e.g. to evict
   int fail_after = -1;                   // >= 0: that many more allocations succeed, then one throws
   std::vector<int> released, recomputed;
@@ -194,6 +197,133 @@ void test_write_to_pinned_value() {
   CHECK(e.value(p).state == ValueState::kReleased);
   e.check_invariants();
   e.release_all();
+}
+
+// Overwriting an unrecomputable value pins what reads it and nothing
+// further: a value computed from a reader recomputes from the pinned reader.
+// FSDP2 frees every parameter after its block (an overwrite: live_saved.cpp,
+// resizing), and every later activation descends from the first block's.
+// A reader the program dropped, kept without memory for its readers' recipes,
+// is not recomputed for them: its readers are pinned in its place (an evicted
+// one brought back) and it goes.
+void test_write_to_pinned_value_pins_only_its_readers() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int p = e.add_initial(1024);  // a parameter
+  const int a = apply(e, {p}, 1024, 3);
+  const int b = apply(e, {a}, 1024, 3);
+  const int c = apply(e, {b}, 1024, 3);
+  const int d = apply(e, {p}, 1024, 3);  // dropped by the program; f reads it
+  const int f = apply(e, {d}, 1024, 3);
+  const int g = apply(e, {p}, 1024, 3);  // dropped; h reads it, h is evicted
+  const int h = apply(e, {g}, 1024, 3);
+  CHECK(e.evict(a));
+  CHECK(e.evict(b));
+  CHECK(e.evict(h));
+  e.kill(d);
+  e.kill(g);
+  CHECK(e.value(d).state == ValueState::kDeadNeeded);
+  CHECK(e.value(g).state == ValueState::kDeadNeeded);
+  mem.recomputed.clear();
+  const int op = e.begin_op(call(1, {p}, {p}));
+  const int p2 = e.write(op, p);
+  e.end_op(op);
+  CHECK(p2 >= 0);
+  // a came back; h came back through g; f was resident: nothing ran for it.
+  std::sort(mem.recomputed.begin(), mem.recomputed.end());
+  CHECK(mem.recomputed == std::vector<int>({a, g, h}));
+  for (int r : {a, f, h}) {
+    CHECK(e.value(r).pinned);
+    CHECK(e.value(r).state == ValueState::kResident);
+  }
+  CHECK(e.value(d).state == ValueState::kReleased);
+  CHECK(e.value(g).state == ValueState::kReleased);
+  CHECK(!e.value(b).pinned && e.value(b).state == ValueState::kEvicted);
+  CHECK(!e.value(c).pinned && e.evictable(c));
+  e.check_invariants();
+  // b recomputes from pinned a; c can go and come back through b.
+  CHECK(e.evict(c));
+  mem.recomputed.clear();
+  read(e, {c});
+  CHECK(mem.recomputed == std::vector<int>({b, c}));
+  // a, dropped by the program, stays while b's recipe reads it.
+  e.kill(a);
+  CHECK(e.value(a).state == ValueState::kResident);
+  e.kill(b);
+  CHECK(e.evict(c));
+  CHECK(e.value(a).state == ValueState::kResident);
+  e.kill(c);
+  CHECK(e.value(a).state == ValueState::kReleased);
+  e.check_invariants();
+  e.release_all();
+}
+
+// Where the value's memory is freed mid-step (FSDP2's reshard: a storage
+// resized by its owner) and memory is short, a dead reader whose readers are
+// more than twice its size comes back and is pinned in their place: they
+// stay evictable. With memory to spare, or at an op's in-place write (above),
+// it goes, and nothing is recomputed for it.
+void test_write_to_pinned_value_under_pressure_keeps_big_readers_evictable() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int p = e.add_initial(1024);
+  const int g = apply(e, {p}, 1024, 3);      // dropped: an input gradient
+  const int w = apply(e, {g}, 4096, 3);      // a weight gradient, four times its size
+  const int s = apply(e, {p}, 1024, 3);      // dropped; its reader is its size
+  const int t = apply(e, {s}, 1024, 3);
+  e.kill(g);
+  e.kill(s);
+  mem.fill = 0.9;
+  mem.recomputed.clear();
+  const std::vector<int> pinned = e.prepare_writes({p}, /*freed=*/true);
+  CHECK(mem.recomputed == std::vector<int>({g}));
+  CHECK(pinned == std::vector<int>({g, t}));  // t in s's place
+  const int op = e.begin_op(call(1, {p}, {p}));
+  e.write(op, p);
+  e.end_op(op);
+  CHECK(mem.recomputed == std::vector<int>({g}));
+  CHECK(e.value(g).pinned && e.value(g).state == ValueState::kResident);
+  CHECK(!e.value(w).pinned && e.evictable(w));
+  CHECK(e.value(s).state == ValueState::kReleased);
+  CHECK(e.value(t).pinned);
+  e.check_invariants();
+  // w goes and comes back from g; g goes with w.
+  CHECK(e.evict(w));
+  read(e, {w});
+  CHECK(mem.recomputed == std::vector<int>({g, w}));
+  e.kill(w);
+  CHECK(e.value(g).state == ValueState::kReleased);
+  e.check_invariants();
+  e.release_all();
+}
+
+// An op that writes several values reads them all (split_with_sizes_copy
+// into FSDP2's parameters: out= lists). A new version that reads another of
+// them, one nobody can recompute, reads what the op overwrites for good,
+// whichever is written first: it is pinned.
+void test_an_op_writing_several_values() {
+  for (int order = 0; order < 2; ++order) {
+    FakeMemory mem;
+    RematEngine e(mem);
+    const int p = e.add_initial(1024);  // a parameter
+    const int src = leaf(e, 1024, 1);
+    const int x = apply(e, {src}, 1024, 1);  // recomputable
+    const int op = e.begin_op(call(1, {src, p, x}, {p, x}));
+    int np = -1, nx = -1;
+    if (order == 0) {
+      nx = e.write(op, x, false);
+      np = e.write(op, p, false);
+    } else {
+      np = e.write(op, p, false);
+      nx = e.write(op, x, false);
+    }
+    e.end_op(op);
+    CHECK(e.value(nx).pinned);
+    CHECK(!e.value(np).pinned);  // it reads x's old version, which stays recomputable
+    CHECK(e.value(p).state == ValueState::kReleased);
+    e.check_invariants();
+    e.release_all();
+  }
 }
 
 // An optimizer's foreach update: one op reads N parameters and N session
@@ -597,6 +727,9 @@ int main() {
   test_estar_classes();
   test_in_place_versions();
   test_write_to_pinned_value();
+  test_write_to_pinned_value_pins_only_its_readers();
+  test_an_op_writing_several_values();
+  test_write_to_pinned_value_under_pressure_keeps_big_readers_evictable();
   test_foreach_write_to_pinned_values_keeps_no_recipe();
   test_per_output_reads_make_per_element_recipes();
   test_locked_never_evicted_and_random();

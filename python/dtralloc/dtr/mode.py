@@ -3,7 +3,7 @@
 Per op the mode runs the op, times it, and makes one call into C++
 (LiveSession.record) that registers everything the op read, made and wrote.
 Random ops first save their generator's state; ops that write first let the
-session bring back what depends on an unrecomputable value about to be
+session bring back and pin what reads an unrecomputable value about to be
 overwritten. Everything else lives in C++ (allocator/bindings/live_session.h).
 """
 from __future__ import annotations
