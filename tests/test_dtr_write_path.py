@@ -368,8 +368,6 @@ def test_inplace_ops_move_version_counters_as_in_plain_eager(op):
             op(a, b)
         return [t._version for t in a]
 
-    import contextlib
-
     assert versions(lambda: dtr(device="cpu")) == versions(contextlib.nullcontext)
 
 
