@@ -916,12 +916,6 @@ Allocator::Sample Allocator::sample() {
           history_recorded_, !history_.empty()};
 }
 
-double Allocator::budget_fill() {
-  const Usage u = usage();
-  const std::size_t budget = budget_bytes_;
-  return budget ? static_cast<double>(u.allocated) / static_cast<double>(budget) : 0.0;
-}
-
 StatsReport Allocator::stats_report() {
   std::lock_guard<std::mutex> lock(mutex_);
   StatsReport r;

@@ -273,9 +273,6 @@ class Allocator {
     std::size_t reserved, allocated;
   };
   Usage usage();
-  // Allocated bytes over the budget, now (with no budget set, the budget is
-  // the capacity: a virtual pool's is out of reach).
-  double budget_fill();
   // What a per-op series samples (op_series.h), under one lock: cheaper than
   // stats_report(), which copies every counter.
   struct Sample {

@@ -50,7 +50,7 @@ class PoolPort : public RematDriver {
     return allocator_.keep_home(this, value, addr, bytes);
   }
   void drop_home(int value) override { allocator_.drop_home(this, value); }
-  double memory_fill() override { return allocator_.budget_fill(); }
+  std::size_t budget_bytes() override { return allocator_.budget_bytes(); }
   ~PoolPort() override { allocator_.drop_homes(this); }
 
  private:

@@ -514,18 +514,34 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
   // be pinned, which costs its recompute, or goes, and its own readers are
   // treated as v's: pinned, never evicted again. A direct reader comes back
   // only where the value's memory is freed mid-step (may_bring_back: FSDP2's
-  // reshards), while memory is short (kShortFill of the budget allocated),
-  // and where that pins less than half of what going would (frontier_bytes):
-  // FSDP2's post-backward reshard frees a weight whose dead input gradient is
-  // read, through other dead values, by the weight gradients of the block
-  // below, twice its size. With memory to spare nothing runs for a value the
-  // program no longer holds: a step under no budget recomputes nothing. At an
-  // in-place update (an optimizer's), the readers are about to be used and
-  // die: bringing dead values back for them only costs memory (the replay's
-  // UNet at 0.34 of its peak ran out of it).
+  // reshards), where that pins less than half of what going would
+  // (frontier_bytes), and where what going would pin, with what no eviction
+  // can free already (unevictable_pool_bytes: pinned, held by the program,
+  // locked), is more than kUnevictableShare of the budget: FSDP2's
+  // post-backward reshard frees a weight whose dead input gradient is read,
+  // through other dead values, by the weight gradients of the block below,
+  // twice its size, while the gradients held and the values pinned fill the
+  // budget. What cannot be evicted, not how full memory is: with half the
+  // budget allocated (the rule of d77f04c) a transformer's reshards
+  // recomputed 33 to 69 values a step at budgets where passing through
+  // evicted nothing, and gained nothing at the smallest budgets
+  // (bench/results/fsdp_budget-2026-11-29b-cpu.md). With room to spare
+  // nothing runs for a value the program no longer holds. At an in-place
+  // update (an optimizer's), the readers are about to be used and die:
+  // bringing dead values back for them only costs memory (the replay's UNet
+  // at 0.34 of its peak ran out of it).
   std::vector<int> todo, pin, through;
+  const std::size_t budget = may_bring_back ? driver_.budget_bytes() : 0;
+  std::size_t kept_bytes = 0;  // unevictable_pool_bytes() once asked, plus what this write's plan pins
+  bool counted = false;
+  auto crowds_budget = [&](std::size_t frontier) {
+    if (!counted) kept_bytes = unevictable_pool_bytes();
+    counted = true;
+    return static_cast<double>(kept_bytes + frontier) > kUnevictableShare * static_cast<double>(budget);
+  };
   auto plan = [&](bool bring_back_dead) {
     todo.assign(1, v);
+    counted = false;
     pin.clear();
     through.clear();
     visited_.next(values_.size());
@@ -539,7 +555,9 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
         visited_.mark(d);
         bool keep = y.alive || y.state == ValueState::kResident;
         if (!keep && bring_back_dead && x == v) {  // a direct reader: a deeper one would recompute those above it
-          keep = frontier_bytes(d) > 2 * y.nbytes;
+          const std::size_t frontier = frontier_bytes(d);
+          keep = frontier > 2 * y.nbytes && crowds_budget(frontier);
+          if (counted) kept_bytes += keep ? y.nbytes : frontier;
           brought = brought || keep;
         }
         if (keep) {
@@ -553,12 +571,7 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
     std::sort(pin.begin(), pin.end());  // ids ascend in creation order: a topological order
     return brought;
   };
-  // memory_fill may take the pool's lock: asked only where a reader is dead.
-  const bool any_dead = may_bring_back && std::any_of(values_[v].dependents.begin(), values_[v].dependents.end(), [&](int d) {
-    const Value& y = values_[d];
-    return !y.alive && !y.pinned && y.state != ValueState::kReleased && y.state != ValueState::kResident;
-  });
-  const bool brought = plan(any_dead && driver_.memory_fill() >= kShortFill);
+  const bool brought = plan(budget > 0);
   if (pin.empty() && through.empty()) return;
   try {
     hold(pin);  // an evicted reader of a value passed through recomputes that value once more, here
@@ -909,6 +922,10 @@ std::size_t RematEngine::resident_bytes_if(Pred pred) const {
 
 std::size_t RematEngine::unevictable_resident_bytes() const {
   return resident_bytes_if([&](int v) { return !evictable(v); });
+}
+
+std::size_t RematEngine::unevictable_pool_bytes() const {
+  return resident_bytes_if([&](int v) { return !values_[v].external && !evictable(v); });
 }
 
 std::size_t RematEngine::kept_resident_bytes() const {

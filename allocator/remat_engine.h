@@ -106,9 +106,9 @@ class RematDriver {
   // that only a kept home is dropped.
   virtual bool keep_home(int /*value*/, std::uintptr_t /*addr*/, std::size_t /*bytes*/) { return false; }
   virtual void drop_home(int /*value*/) {}
-  // How full memory is now: the bytes allocated over the budget (0: no
-  // budget binds). What prepare_write weighs a recompute against.
-  virtual double memory_fill() { return 0.0; }
+  // The bytes the engine's values may take (0: no budget binds). What
+  // prepare_write weighs the values it would pin against.
+  virtual std::size_t budget_bytes() { return 0; }
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };
@@ -376,6 +376,7 @@ class RematEngine {
   // `overwritten` (the value prepare_write is about) is not released here.
   void pin_value(int d, int overwritten);
   std::size_t frontier_bytes(int d);
+  std::size_t unevictable_pool_bytes() const;  // as unevictable_resident_bytes, less external values
   bool reads_other_overwrite(int op, int v, const std::vector<int>* reads) const;
   int find(int v);
   void unite(int a, int b);
@@ -390,8 +391,9 @@ class RematEngine {
   // usual order, one from an emptied pool, one with tight placement too.
   static constexpr int kHoldAttempts = 3;
   // prepare_write recomputes a dead value to keep its readers evictable only
-  // with this much of the budget allocated (RematDriver::memory_fill).
-  static constexpr double kShortFill = 0.5;
+  // where pinning them would leave more than this share of the budget
+  // (RematDriver::budget_bytes) to values no eviction can free.
+  static constexpr double kUnevictableShare = 0.5;
   // Recomputes a restarted hold may run per value of the engine before it is
   // called thrashing (restart_hold says why 4).
   static constexpr double kRestartRematsPerValue = 4;

@@ -1,15 +1,17 @@
 """FSDP2 under a live DTR budget (CPU, one gloo rank): the smallest budget
 two training steps fit in, bit-exact with plain eager.
 
-A six-block model (Linear(512, 1024), GELU, Linear(1024, 512), dropout;
-batch 256; AdamW, its step outside the session), each block an FSDP2 unit,
-with reshard_after_forward True (FSDP's default) and False, and the same
-model without FSDP for comparison. For each, a step's session without a
-budget gives its peak (the pool's reserved bytes, caching included); then
+Three model families (FAMILIES: MLP blocks with dropout; pre-norm
+transformer blocks with a fused qkv and SDPA with dropout; residual conv
+blocks with GroupNorm), each block an FSDP2 unit, AdamW with its step
+outside the session, with reshard_after_forward True (FSDP's default) and
+False, and the same model without FSDP for comparison. For each, a step's
+session without a budget gives its peak (the pool's reserved bytes, caching included); then
 budgets from that peak down, `--step` MiB apart, each on a fresh model: two
 steps inside dtr(device="cpu", budget=...), against the same two steps
 plainly (losses and updated parameters, torch.equal), with the evictions,
-recomputes and step time over plain. The sweep goes on below the first
+recomputes and step time over plain (the faster of its steps over the faster
+of a plain run's, made just before it). The sweep goes on below the first
 budget that runs out of memory (placement makes the edge uneven) and stops
 after `--misses` of them in a row.
 
@@ -18,7 +20,8 @@ backward by resizing its storage (live_saved.cpp, resizing): what reads it
 is pinned until it dies. One intra-op thread: at two, MKL's sgemm gave
 other bits now and then (docs/live.md, Known limits).
 
-    python bench/bench_fsdp_budget.py [--step 2] [--misses 3] [--out bench/results/fsdp_budget-DATE-cpu.md]
+    python bench/bench_fsdp_budget.py [--model mlp|gpt|conv ...] [--step 2] [--misses 3]
+        [--out bench/results/fsdp_budget-DATE-cpu.md]
 """
 from __future__ import annotations
 
@@ -37,33 +40,94 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import emit, header  # noqa: E402
 
 MiB = 2**20
-BATCH = (256, 512)
 
 
-def build(mode: str) -> nn.Module:
+class _MlpBlock(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.Dropout(0.1))
+
+
+class _GptBlock(nn.Module):
+    """Pre-norm causal self-attention (fused qkv split into heads, SDPA with
+    dropout) and an MLP, each with its residual."""
+
+    def __init__(self, dim: int = 256, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(0.1))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class _ConvBlock(nn.Module):
+    """Conv, GroupNorm, GELU, conv, GroupNorm, with the residual."""
+
+    def __init__(self, channels: int = 32):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.GroupNorm(8, 2 * channels),
+                                  nn.GELU(), nn.Conv2d(2 * channels, channels, 3, padding=1),
+                                  nn.GroupNorm(8, channels))
+
+    def forward(self, x):
+        return torch.relu(x + self.body(x))
+
+
+class _Mean(nn.Module):
+    """The mean over `dims`: the head's input is 2-D, so the model's output
+    is no view (FSDP2 warns of a root module returning one)."""
+
+    def __init__(self, *dims: int):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x):
+        return x.mean(dim=self.dims)
+
+
+# family: (what a block is, how many, the head after them, the batch, what it is in words)
+FAMILIES = {
+    "mlp": (_MlpBlock, 6, lambda: nn.Linear(512, 4), (256, 512),
+            "six blocks Linear(512, 1024) + GELU + Linear(1024, 512) + Dropout(0.1); batch 256x512"),
+    "gpt": (_GptBlock, 4, lambda: nn.Sequential(_Mean(1), nn.Linear(256, 4)), (8, 128, 256),
+            "four pre-norm transformer blocks (dim 256, 4 heads, fused qkv, causal SDPA with dropout 0.1, MLP 1024), "
+            "the mean over tokens into Linear(256, 4); batch 8x128x256"),
+    "conv": (_ConvBlock, 4, lambda: nn.Sequential(_Mean(2, 3), nn.Linear(32, 4)), (8, 32, 48, 48),
+             "four residual conv blocks (3x3 conv 32 to 64 and back, GroupNorm, GELU), the spatial mean into "
+             "Linear(32, 4); batch 8x32x48x48"),
+}
+
+
+def build(mode: str, family: str = "mlp") -> nn.Module:
+    block, count, head, batch, _ = FAMILIES[family]
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.Dropout(0.1))
-                            for _ in range(6)], nn.Linear(512, 4))
+    model = nn.Sequential(*[block() for _ in range(count)], head())
     if mode != "no FSDP":
         from torch.distributed.fsdp import fully_shard
 
         reshard = mode == "FSDP2, reshard after forward"
-        for block in model[:6]:
-            fully_shard(block, reshard_after_forward=reshard)
+        for unit in model[:count]:
+            fully_shard(unit, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
         with torch.no_grad():
-            model(torch.zeros(1, BATCH[1]))  # FSDP's lazy init, outside any session
+            model(torch.zeros(1, *batch[1:]))  # FSDP's lazy init, outside any session
     return model
 
 
-def train(mode: str, steps: int, session=None):
+def train(mode: str, steps: int, session=None, family: str = "mlp"):
     """(losses + updated parameters, seconds per step, session stats per step)."""
-    model = build(mode)
+    model = build(mode, family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1)
     losses, seconds, stats = [], [], []
     for _ in range(steps):
-        x = torch.randn(*BATCH)
+        x = torch.randn(*FAMILIES[family][3])
         start = time.perf_counter()
         if session is None:
             loss = model(x).square().mean()
@@ -81,16 +145,17 @@ def train(mode: str, steps: int, session=None):
     return losses + params, seconds, stats
 
 
-def sweep(mode: str, steps: int, step_mib: float, misses: int, log) -> dict:
-    plain, plain_s, _ = train(mode, steps)
-    _, _, unbounded = train(mode, 1, lambda: dtralloc.dtr(device="cpu"))
+def sweep(family: str, mode: str, steps: int, step_mib: float, misses: int, log) -> dict:
+    plain, _, _ = train(mode, steps, family=family)
+    _, _, unbounded = train(mode, 1, lambda: dtralloc.dtr(device="cpu"), family)
     peak = unbounded[0]["peak_bytes"]
     rows = []
     budget = peak
     missed = 0
     while missed < misses and budget > step_mib * MiB:
+        _, plain_s, _ = train(mode, steps, family=family)  # next to each budget's run: the load on the machine drifts
         try:
-            got, seconds, stats = train(mode, steps, lambda: dtralloc.dtr(device="cpu", budget=int(budget)))
+            got, seconds, stats = train(mode, steps, lambda: dtralloc.dtr(device="cpu", budget=int(budget)), family)
         except dtralloc.OutOfMemoryError as e:
             pinned = next((line.split(":")[0].strip() for line in str(e).splitlines()
                            if "overwritten in place" in line), "0 B")
@@ -103,10 +168,10 @@ def sweep(mode: str, steps: int, step_mib: float, misses: int, log) -> dict:
                              ratio=min(seconds) / min(plain_s)))
             missed = 0
         r = rows[-1]
-        log(f"{mode}: budget {budget / MiB:.0f} MiB: " + ("fits" if r["fits"] else "out of memory"))
+        log(f"{family}, {mode}: budget {budget / MiB:.0f} MiB: " + ("fits" if r["fits"] else "out of memory"))
         budget -= step_mib * MiB
     fitting = [r for r in rows if r["fits"]]
-    return dict(mode=mode, peak=peak, rows=rows, smallest=min(r["budget"] for r in fitting) if fitting else None,
+    return dict(family=family, mode=mode, peak=peak, rows=rows, smallest=min(r["budget"] for r in fitting) if fitting else None,
                 all_same=all(r["same"] for r in fitting))
 
 
@@ -116,6 +181,8 @@ def main() -> None:
     ap.add_argument("--step", type=float, default=2.0, help="MiB between budgets (default 2)")
     ap.add_argument("--misses", type=int, default=3,
                     help="stop after this many budgets in a row that run out of memory (default 3)")
+    ap.add_argument("--model", action="append", choices=sorted(FAMILIES),
+                    help="model family (repeat for several; default: all of " + ", ".join(FAMILIES) + ")")
     ap.add_argument("--out", help="also write the report here (markdown)")
     args = ap.parse_args()
     if args.steps < 1 or args.step <= 0 or args.misses < 1:
@@ -124,23 +191,27 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        results = [sweep(mode, args.steps, args.step, args.misses, lambda m: print(m, file=sys.stderr, flush=True))
+        results = [sweep(family, mode, args.steps, args.step, args.misses,
+                         lambda m: print(m, file=sys.stderr, flush=True))
+                   for family in args.model or list(FAMILIES)
                    for mode in ("FSDP2, reshard after forward", "FSDP2, no reshard after forward", "no FSDP")]
     finally:
         dist.destroy_process_group()
 
     command = "python bench/bench_fsdp_budget.py " + " ".join(sys.argv[1:])
     out = [header("FSDP2 under a live DTR budget (CPU, one gloo rank)", command.strip()),
-           f"torch {torch.__version__}, one intra-op thread; {args.steps} AdamW steps per run, "
-           f"batch {BATCH[0]}x{BATCH[1]}, six blocks Linear(512, 1024) + GELU + Linear(1024, 512) + Dropout(0.1).\n",
-           "| model | peak without a budget | smallest budget that fits | of the peak | bit-exact at every fitting budget |",
-           "|---|---|---|---|---|"]
+           f"torch {torch.__version__}, one intra-op thread; {args.steps} AdamW steps per run, budgets {args.step:g} MiB "
+           "apart. Each block is an FSDP2 unit. Models:\n"]
+    out += [f"- {family}: {FAMILIES[family][4]}" for family in dict.fromkeys(r["family"] for r in results)]
+    out += ["", "| model | FSDP | peak without a budget | smallest budget that fits | of the peak | "
+            "bit-exact at every fitting budget |", "|---|---|---|---|---|---|"]
     for r in results:
         small = f"{r['smallest'] / MiB:.0f} MiB" if r["smallest"] else "none"
         frac = f"{r['smallest'] / r['peak']:.2f}" if r["smallest"] else "-"
-        out.append(f"| {r['mode']} | {r['peak'] / MiB:.0f} MiB | {small} | {frac} | {'yes' if r['all_same'] else 'NO'} |")
+        out.append(f"| {r['family']} | {r['mode']} | {r['peak'] / MiB:.0f} MiB | {small} | {frac} | "
+                   f"{'yes' if r['all_same'] else 'NO'} |")
     for r in results:
-        out += ["", f"## {r['mode']}", "",
+        out += ["", f"## {r['family']}: {r['mode']}", "",
                 "| budget | fits | evictions | recomputes | step time over plain (min) | bit-exact | pinned: read a value overwritten for good (at the OOM) |",
                 "|---|---|---|---|---|---|---|"]
         for row in r["rows"]:

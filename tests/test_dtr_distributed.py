@@ -181,6 +181,13 @@ def test_fsdp2_training_steps_under_chaos_match_plain(world, reshard_after_forwa
     assert evictions > 0
 
 
+def _fsdp_bench():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_fsdp_budget
+
+    return bench_fsdp_budget
+
+
 @pytest.mark.parametrize("mode", ["FSDP2, reshard after forward", "FSDP2, no reshard after forward"])
 def test_fsdp2_trains_under_a_budget_below_its_peak_and_matches_plain(world, mode):
     # bench/bench_fsdp_budget.py's model (six FSDP2 units, 512 wide, batch
@@ -191,9 +198,7 @@ def test_fsdp2_trains_under_a_budget_below_its_peak_and_matches_plain(world, mod
     # 92e9119) this ran out of memory in both modes. One thread, as the
     # bench: at two, MKL's sgemm gave other bits now and then (docs/live.md,
     # Known limits: not with MKL_CBWR set).
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import bench_fsdp_budget as bench
-
+    bench = _fsdp_bench()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -204,6 +209,30 @@ def test_fsdp2_trains_under_a_budget_below_its_peak_and_matches_plain(world, mod
     finally:
         torch.set_num_threads(threads)
     assert sum(s["evictions"] for s in stats) > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+
+def test_fsdp2_reshards_recompute_nothing_where_what_is_kept_leaves_room(world):
+    # bench_fsdp_budget.py's transformer blocks (four FSDP2 units, no
+    # reshard after forward) at 0.9 of the session's peak: a budget the same
+    # run meets without evicting anything. Each post-backward reshard frees a
+    # weight whose dead input gradient is read by the gradients of the block
+    # below; with little of the budget unevictable they are pinned and the
+    # dead one goes (RematEngine::prepare_write). Bringing it back wherever
+    # half the budget was allocated (the engine until 2026-11-29) recomputed
+    # dozens of values a step here and evicted as many to make room.
+    bench = _fsdp_bench()
+    mode = "FSDP2, no reshard after forward"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain, _, _ = bench.train(mode, 2, family="gpt")
+        _, _, unbounded = bench.train(mode, 1, lambda: dtralloc.dtr(device="cpu"), "gpt")
+        budget = int(0.9 * unbounded[0]["peak_bytes"])
+        got, _, stats = bench.train(mode, 2, lambda: dtralloc.dtr(device="cpu", budget=budget), "gpt")
+    finally:
+        torch.set_num_threads(threads)
+    assert [(s["evictions"], s["remats"]) for s in stats] == [(0, 0), (0, 0)]
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
 
 

@@ -40,7 +40,7 @@ class LiveSession::Driver : public RematDriver {
   // The engine's last resort before an OOM, as in the replay (PoolPort): on
   // CUDA the device pool, shared with the rest of the process, for the hold.
   void tight_placement(bool on) override { s_.pool_->set_tight_segments(on); }
-  double memory_fill() override { return s_.pool_->budget_fill(); }
+  std::size_t budget_bytes() override { return s_.pool_->budget_bytes(); }
   // Homes as in the replay (PoolPort); the session tells its own apart.
   bool keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
     return s_.pool_->keep_home(&s_, value, addr, bytes);

@@ -39,9 +39,9 @@ class FakeMemory : public RematDriver {
     return allocate(bytes, value);
   }
   bool held_elsewhere(int value) const override { return held.count(value) > 0; }
-  double memory_fill() override { return fill; }
+  std::size_t budget_bytes() override { return budget; }
   std::map<std::uintptr_t, std::size_t> live;
-  double fill = 0;  // memory_fill's answer
+  std::size_t budget = 0;  // budget_bytes' answer
   std::function<void(int)> on_allocate;  // before each allocation, e.g. to evict
   int fail_after = -1;                   // >= 0: that many more allocations succeed, then one throws
   std::vector<int> released, recomputed;
@@ -259,42 +259,54 @@ void test_write_to_pinned_value_pins_only_its_readers() {
 }
 
 // Where the value's memory is freed mid-step (FSDP2's reshard: a storage
-// resized by its owner) and memory is short, a dead reader whose readers are
-// more than twice its size comes back and is pinned in their place: they
-// stay evictable. With memory to spare, or at an op's in-place write (above),
-// it goes, and nothing is recomputed for it.
+// resized by its owner) and what no eviction could free would crowd the
+// budget, a dead reader whose readers are more than twice its size comes
+// back and is pinned in their place: they stay evictable. Where what no
+// eviction can free, those readers included, would take no more than half
+// the budget, or at an op's in-place write (above), it goes, and nothing is
+// recomputed for it.
 void test_write_to_pinned_value_under_pressure_keeps_big_readers_evictable() {
-  FakeMemory mem;
-  RematEngine e(mem);
-  const int p = e.add_initial(1024);
-  const int g = apply(e, {p}, 1024, 3);      // dropped: an input gradient
-  const int w = apply(e, {g}, 4096, 3);      // a weight gradient, four times its size
-  const int s = apply(e, {p}, 1024, 3);      // dropped; its reader is its size
-  const int t = apply(e, {s}, 1024, 3);
-  e.kill(g);
-  e.kill(s);
-  mem.fill = 0.9;
-  mem.recomputed.clear();
-  const std::vector<int> pinned = e.prepare_writes({p}, /*freed=*/true);
-  CHECK(mem.recomputed == std::vector<int>({g}));
-  CHECK(pinned == std::vector<int>({g, t}));  // t in s's place
-  const int op = e.begin_op(call(1, {p}, {p}));
-  e.write(op, p);
-  e.end_op(op);
-  CHECK(mem.recomputed == std::vector<int>({g}));
-  CHECK(e.value(g).pinned && e.value(g).state == ValueState::kResident);
-  CHECK(!e.value(w).pinned && e.evictable(w));
-  CHECK(e.value(s).state == ValueState::kReleased);
-  CHECK(e.value(t).pinned);
-  e.check_invariants();
-  // w goes and comes back from g; g goes with w.
-  CHECK(e.evict(w));
-  read(e, {w});
-  CHECK(mem.recomputed == std::vector<int>({g, w}));
-  e.kill(w);
-  CHECK(e.value(g).state == ValueState::kReleased);
-  e.check_invariants();
-  e.release_all();
+  // budget: unevictable now p (1024) + g's readers (4096) against half of it.
+  for (const std::size_t budget : {std::size_t{8192}, std::size_t{10240}, std::size_t{1} << 20, std::size_t{0}}) {
+    const bool short_of_room = budget == 8192;  // 5120 > 4096; 5120 is not over 5120
+    FakeMemory mem;
+    mem.budget = budget;
+    RematEngine e(mem);
+    const int p = e.add_initial(1024);
+    const int g = apply(e, {p}, 1024, 3);      // dropped: an input gradient
+    const int w = apply(e, {g}, 4096, 3);      // a weight gradient, four times its size
+    const int s = apply(e, {p}, 1024, 3);      // dropped; its reader is its size
+    const int t = apply(e, {s}, 1024, 3);
+    e.kill(g);
+    e.kill(s);
+    mem.recomputed.clear();
+    const std::vector<int> pinned = e.prepare_writes({p}, /*freed=*/true);
+    CHECK(mem.recomputed == (short_of_room ? std::vector<int>({g}) : std::vector<int>()));
+    CHECK(pinned == (short_of_room ? std::vector<int>({g, t}) : std::vector<int>({w, t})));  // t in s's place
+    const int op = e.begin_op(call(1, {p}, {p}));
+    e.write(op, p);
+    e.end_op(op);
+    CHECK(e.value(s).state == ValueState::kReleased);
+    CHECK(e.value(t).pinned);
+    e.check_invariants();
+    if (!short_of_room) {
+      CHECK(e.value(g).state == ValueState::kReleased);
+      CHECK(e.value(w).pinned && !e.evictable(w));
+      e.release_all();
+      continue;
+    }
+    CHECK(mem.recomputed == std::vector<int>({g}));
+    CHECK(e.value(g).pinned && e.value(g).state == ValueState::kResident);
+    CHECK(!e.value(w).pinned && e.evictable(w));
+    // w goes and comes back from g; g goes with w.
+    CHECK(e.evict(w));
+    read(e, {w});
+    CHECK(mem.recomputed == std::vector<int>({g, w}));
+    e.kill(w);
+    CHECK(e.value(g).state == ValueState::kReleased);
+    e.check_invariants();
+    e.release_all();
+  }
 }
 
 // An op that writes several values reads them all (split_with_sizes_copy
