@@ -219,7 +219,7 @@ def test_fsdp2_reshards_recompute_nothing_where_what_is_kept_leaves_room(world):
     # weight whose dead input gradient is read by the gradients of the block
     # below; with little of the budget unevictable they are pinned and the
     # dead one goes (RematEngine::prepare_write). Bringing it back wherever
-    # half the budget was allocated (the engine until 2026-11-29) recomputed
+    # half the budget was allocated (the rule of d77f04c) recomputed
     # dozens of values a step here and evicted as many to make room.
     bench = _fsdp_bench()
     mode = "FSDP2, no reshard after forward"
