@@ -530,48 +530,9 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
   // update (an optimizer's), the readers are about to be used and die:
   // bringing dead values back for them only costs memory (the replay's UNet
   // at 0.34 of its peak ran out of it).
-  std::vector<int> todo, pin, through;
+  std::vector<int> pin, through;
   const std::size_t budget = may_bring_back ? driver_.budget_bytes() : 0;
-  std::size_t kept_bytes = 0;  // unevictable_pool_bytes() once asked, plus what this write's plan pins
-  bool counted = false;
-  auto crowds_budget = [&](std::size_t frontier) {
-    if (!counted) kept_bytes = unevictable_pool_bytes();
-    counted = true;
-    return static_cast<double>(kept_bytes + frontier) > kUnevictableShare * static_cast<double>(budget);
-  };
-  auto plan = [&](bool bring_back_dead) {
-    todo.assign(1, v);
-    counted = false;
-    pin.clear();
-    through.clear();
-    visited_.next(values_.size());
-    bool brought = false;
-    while (!todo.empty()) {
-      const int x = todo.back();
-      todo.pop_back();
-      for (int d : values_[x].dependents) {
-        const Value& y = values_[d];
-        if (visited_.marked(d) || y.state == ValueState::kReleased || y.pinned) continue;
-        visited_.mark(d);
-        bool keep = y.alive || y.state == ValueState::kResident;
-        if (!keep && bring_back_dead && x == v) {  // a direct reader: a deeper one would recompute those above it
-          const std::size_t frontier = frontier_bytes(d);
-          keep = frontier > 2 * y.nbytes && crowds_budget(frontier);
-          if (counted) kept_bytes += keep ? y.nbytes : frontier;
-          brought = brought || keep;
-        }
-        if (keep) {
-          pin.push_back(d);
-        } else {
-          through.push_back(d);
-          todo.push_back(d);
-        }
-      }
-    }
-    std::sort(pin.begin(), pin.end());  // ids ascend in creation order: a topological order
-    return brought;
-  };
-  const bool brought = plan(budget > 0);
+  const bool brought = plan_write(v, budget, pin, through);
   if (pin.empty() && through.empty()) return;
   try {
     hold(pin);  // an evicted reader of a value passed through recomputes that value once more, here
@@ -579,7 +540,7 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
     // No room to bring the dead readers back (an optimizer's first write,
     // where every gradient must be resident): they go after all.
     if (!brought) throw;
-    plan(false);
+    plan_write(v, 0, pin, through);
     hold(pin);
   }
   for (int d : pin) pin_value(d, v);
@@ -587,6 +548,95 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
   for (int d : through) pin_value(d, v);
   for (int d : through) maybe_release(d);
   for (int d : pin) unlock(d);
+}
+
+bool RematEngine::plan_write(int v, std::size_t budget, std::vector<int>& pin, std::vector<int>& through) {
+  // prepare_write's plan (it says why): `pin`, ascending ids, and `through`,
+  // the dead readers that go. budget > 0: a dead direct reader may come back
+  // (then true).
+  std::size_t kept_bytes = 0;  // unevictable_pool_bytes() once asked, plus what this plan pins
+  bool counted = false;
+  auto crowds_budget = [&](std::size_t frontier) {
+    if (!counted) kept_bytes = unevictable_pool_bytes();
+    counted = true;
+    return static_cast<double>(kept_bytes + frontier) > kUnevictableShare * static_cast<double>(budget);
+  };
+  std::vector<int> todo{v};
+  pin.clear();
+  through.clear();
+  visited_.next(values_.size());
+  bool brought = false;
+  while (!todo.empty()) {
+    const int x = todo.back();
+    todo.pop_back();
+    for (int d : values_[x].dependents) {
+      const Value& y = values_[d];
+      if (visited_.marked(d) || y.state == ValueState::kReleased || y.pinned) continue;
+      visited_.mark(d);
+      bool keep = y.alive || y.state == ValueState::kResident;
+      if (!keep && budget > 0 && x == v) {  // a direct reader: a deeper one would recompute those above it
+        const std::size_t frontier = frontier_bytes(d);
+        keep = frontier > 2 * y.nbytes && crowds_budget(frontier);
+        if (counted) kept_bytes += keep ? y.nbytes : frontier;
+        brought = brought || keep;
+      }
+      if (keep) {
+        pin.push_back(d);
+      } else {
+        through.push_back(d);
+        todo.push_back(d);
+      }
+    }
+  }
+  std::sort(pin.begin(), pin.end());  // ids ascend in creation order: a topological order
+  return brought;
+}
+
+std::size_t RematEngine::overwrite_pin_bytes(int v, bool freed) {
+  if (!values_[v].pinned) return 0;
+  std::vector<int> pin, through;
+  plan_write(v, freed ? driver_.budget_bytes() : 0, pin, through);
+  std::size_t total = 0;
+  for (int d : pin) total += values_[d].nbytes;
+  return total;
+}
+
+std::vector<int> RematEngine::copy_readers(int v) const {
+  std::vector<int> readers;
+  for (int d : values_[v].dependents)
+    if (!values_[d].pinned && values_[d].state != ValueState::kReleased) readers.push_back(d);
+  return readers;
+}
+
+int RematEngine::add_copy(int v, std::uintptr_t addr) {
+  if (values_[v].state != ValueState::kResident || !values_[v].pinned)
+    broken(v, "copied for its readers while not resident and pinned");
+  // Memory first, under the id the copy will have (as add_output).
+  const int id = static_cast<int>(values_.size());
+  const std::size_t nbytes = values_[v].nbytes;
+  if (!addr && nbytes) addr = driver_.allocate(nbytes, id);
+  const int c = new_value(nbytes, -1, 0);
+  if (c != id) broken(c, "a value was created while the driver allocated");
+  const std::vector<int> readers = copy_readers(v);
+  if (readers.empty()) broken(v, "copied with no recipe reading it");
+  values_[c].pinned = true;
+  values_[c].alive = false;  // only recipes read it: released with the last
+  take_block(c, addr);
+  // Both resident: the readers' missing counts stay as they are.
+  for (int d : readers) {
+    std::vector<int>& recipe = values_[d].recipe;
+    const auto at = std::find(recipe.begin(), recipe.end(), v);
+    if (at == recipe.end()) broken(d, "a dependent whose recipe does not read the value copied");
+    *at = c;
+    values_[c].dependents.push_back(d);
+  }
+  values_[c].needed_by = static_cast<int>(readers.size());
+  values_[v].needed_by -= static_cast<int>(readers.size());
+  std::vector<int>& deps = values_[v].dependents;
+  deps.erase(std::remove_if(deps.begin(), deps.end(),
+                            [&](int d) { return !values_[d].pinned && values_[d].state != ValueState::kReleased; }),
+             deps.end());
+  return c;
 }
 
 std::size_t RematEngine::frontier_bytes(int d) {
@@ -950,8 +1000,8 @@ double RematEngine::recompute_need_bytes(int v, bool fresh) {
   if (need_done_.marked(v)) return need_[v];
   // need(x) = max(own_op(x), need(r) for every missing r of its recipe), in
   // post-order on an explicit stack (chains may be thousands of values deep).
-  // Recipes point back in time, so a value on the stack is never met again
-  // below itself.
+  // Recipes point back in time (or to a copy, which has none: add_copy), so
+  // a value on the stack is never met again below itself.
   need_stack_.assign(1, {v, 0});
   need_[v] = own_op(v);
   while (!need_stack_.empty()) {

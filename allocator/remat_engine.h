@@ -232,6 +232,18 @@ class RematEngine {
   // the values' memory goes mid-step (a storage resized by its owner, as
   // FSDP2 does), rather than an op overwriting them.
   std::vector<int> prepare_writes(const std::vector<int>& vs, bool freed = false);
+  // What prepare_writes({v}, freed) would pin now (their bytes), were `v`
+  // overwritten for good; 0 if `v` stays recomputable.
+  std::size_t overwrite_pin_bytes(int v, bool freed = true);
+  // The values whose recipes read `v` (its dependents not pinned or released):
+  // what add_copy moves.
+  std::vector<int> copy_readers(int v) const;
+  // Instead of pinning what reads the contents of pinned, resident `v` about
+  // to be lost (its storage resized away by its owner): a copy, a new value
+  // at `addr` (0: the driver allocates it; if that throws, nothing has
+  // changed), pinned and dead, that every recipe reading `v` reads in its
+  // place (copy_readers: at least one). It goes with the last of them.
+  int add_copy(int v, std::uintptr_t addr = 0);
   // Unlocks everything locked for the op. cost >= 0 replaces the cost given
   // to begin_op (the live driver measures it while the op runs).
   void end_op(int op, double cost = -1);
@@ -364,6 +376,9 @@ class RematEngine {
   bool any_unlockable(const std::vector<Frame>& stack) const;  // what unlock_held would unlock
   bool unlockable(const Frame& f, std::size_t i) const;
   void prepare_write(int v, std::vector<int>* pinned = nullptr, bool may_bring_back = false);  // appends what it pinned
+  // prepare_write's plan, not carried out: what it pins and what it passes
+  // through. budget > 0: a dead direct reader may come back (returns true if one does).
+  bool plan_write(int v, std::size_t budget, std::vector<int>& pin, std::vector<int>& through);
   void lock(int v) { ++values_[v].locks; }
   void unlock(int v);
   void take_block(int v, std::uintptr_t addr);

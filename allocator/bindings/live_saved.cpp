@@ -242,6 +242,92 @@ void LiveSession::exported(py::handle tensor) {
   own_for_recipes(v);
 }
 
+// Note [copy before a resize]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// What reads a storage about to be resized away is pinned (resizing, below)
+// unless a copy of the contents is kept for the recipes that read it: with
+// FSDP2's reshard after forward, each Linear's or conv's output would
+// otherwise stay pinned from its block's forward to its backward, and such
+// outputs (batch x features) outweigh the weight they read. The copy is
+// exact whatever the owner puts back: recomputes read the bytes the op
+// read, while the saved tensors and the program read the storage, refilled
+// (plain eager's bits). It is made only where something may be evicted (a
+// budget, or chaos), where it is smaller than what would be pinned
+// (RematEngine::overwrite_pin_bytes, dead readers brought back included),
+// and where every recipe reading the value can read it through a view of
+// the copy: not where an op wrote the value in place, and not where an
+// external tensor an op read was written since, outside the session (its
+// recompute would raise torch's version error: the copy would hide it).
+// No room for the copy: the readers are pinned as before. The copy is a
+// value of its own, pinned, dead, owned by the registry (kResizedCopy), and
+// goes with the last recipe that reads it.
+void LiveSession::keep_for_readers(int v, py::handle storage) {
+  if (!may_evict()) return;
+  const std::size_t nbytes = engine_->value(v).nbytes;
+  if (nbytes == 0) return;
+  // The refs that read v, each with the geometry it will read the copy by;
+  // false where no copy is to be made.
+  std::vector<std::pair<ArgRef*, Geometry>> moved;
+  auto plan = [&] {
+    moved.clear();
+    const std::vector<int> readers = engine_->copy_readers(v);
+    if (readers.empty() || nbytes >= engine_->overwrite_pin_bytes(v, /*freed=*/true)) return false;
+    const Slot& s = slots_[v];
+    const std::int64_t version = s.external ? as_int(get_attr(s.external, names().version)) : 0;
+    std::vector<int> seen_ops;
+    for (int d : readers) {
+      const int producer = engine_->value(d).producer;
+      if (producer < 0 || static_cast<std::size_t>(producer) >= ops_.size() || !ops_[producer]) return false;
+      if (std::find(seen_ops.begin(), seen_ops.end(), producer) != seen_ops.end()) continue;
+      seen_ops.push_back(producer);
+      LiveOp& op = *ops_[producer];
+      for (std::size_t k = 0; k < op.refs.size(); ++k) {
+        ArgRef& r = op.refs[k];
+        if (r.value != v) continue;
+        if (std::find(op.written.begin(), op.written.end(), static_cast<int>(k)) != op.written.end()) return false;
+        if (s.external && version != r.version) return false;
+        Geometry g = r.geometry;
+        if (r.external && !Geometry::try_of(r.external, &g)) return false;
+        moved.emplace_back(&r, std::move(g));
+      }
+    }
+    return true;
+  };
+  if (!plan()) return;
+  // The copy's memory. Making it may evict, and let values die (the pool's
+  // hook applies queued deaths): the plan is made again once nothing more
+  // can run before add_copy.
+  py::object copy;
+  std::uintptr_t addr = 0;
+  try {
+    copy = new_storage_(nbytes, storage, true, device_);  // on CUDA through the pool
+    addr = mirror_ ? allocate_mirror(nbytes, static_cast<int>(engine_->num_values()))
+                   : static_cast<std::uintptr_t>(as_int(call_method(copy, names().data_ptr)));
+  } catch (const OutOfMemoryError&) {
+    return;  // the readers are pinned as before
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_RuntimeError) || std::string(py::str(e.value())).find(kOutOfMemoryText) == std::string::npos)
+      throw;
+    return;
+  }
+  if (!plan()) {
+    if (mirror_) mirror_->free(reinterpret_cast<void*>(addr));
+    return;
+  }
+  const auto cdata = cdata_of(copy);
+  const int c = engine_->add_copy(v, addr);
+  for (auto& [r, g] : moved) {
+    r->value = c;
+    r->geometry = std::move(g);
+    r->external = py::object();
+  }
+  Slot& cs = slot(c);
+  cs.storage = std::move(copy);
+  cs.pin = PinReason::kResizedCopy;
+  watch(c, cs.storage, cdata);
+  ++stats_.resize_copies;
+}
+
 // A storage's contents go when it is resized outside the dispatcher: FSDP
 // frees each unsharded parameter after its forward (resize_(0)) and refills
 // it before its backward (resize_, then a copy under
@@ -265,6 +351,7 @@ void LiveSession::resizing(py::handle storage) {
     engine_->pin(v);
     slots_[v].pin = PinReason::kResized;
   }
+  keep_for_readers(v, storage);  // Note [copy before a resize]
   for (int d : engine_->prepare_writes({v}, /*freed=*/true)) own_for_recipes(d);
   const std::uintptr_t addr = engine_->make_external(v);
   if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));

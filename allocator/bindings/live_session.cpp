@@ -1233,8 +1233,11 @@ void LiveSession::sample_op(int op, py::handle func, std::uint32_t flags) {
   // As the replay: evictable bytes only where something can be evicted (a
   // budget, or chaos); the walk of the resident values is the sample's one
   // cost that grows with the model.
-  const bool evicting = options_.chaos || pool_->budget_bytes() < pool_->capacity_bytes();  // no budget: the capacity
-  series_.add(op, pool_->sample(), evicting ? engine_->evictable_resident_bytes() : 0);
+  series_.add(op, pool_->sample(), may_evict() ? engine_->evictable_resident_bytes() : 0);
+}
+
+bool LiveSession::may_evict() const {
+  return options_.chaos || pool_->budget_bytes() < pool_->capacity_bytes();  // no budget: the capacity
 }
 
 // The phase of the op being recorded. What the session knows: grad mode,
@@ -1284,7 +1287,7 @@ std::size_t LiveSession::evict_all() {
 std::string LiveSession::oom_report(std::size_t request_bytes) {
   // Resident bytes nothing can evict now, by why.
   std::size_t locked = 0, held = 0, dependents = 0, values = 0;
-  std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kOpaque) + 1, 0);
+  std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kResizedCopy) + 1, 0);
   for (int v : engine_->resident()) {
     const Value& x = engine_->value(v);
     const Slot& s = slots_[v];
@@ -1401,6 +1404,7 @@ py::dict LiveSession::stats() {
   d["device_call_seconds"] = static_cast<double>(r.stats.device_alloc_ns + r.stats.device_free_ns - device_ns_at_start_) * 1e-9;
   d["series_ops"] = series_.size();
   d["series_dropped"] = stats_.series_dropped;
+  d["resize_copies"] = stats_.resize_copies;
   d["history_recorded"] = pool_->history_recorded();
   return d;
 }

@@ -75,7 +75,8 @@ namespace py = pybind11;
   X(kNondeterministic, "outputs of ops that are not bitwise deterministic on this device")         \
   X(kForeign, "memory dtralloc's pool does not hold")                                              \
   X(kResized, "storages resized outside the dispatcher (FSDP's reshard and unshard)")              \
-  X(kOpaque, "made or written by ops reading tensors with no strided storage (sparse, nested, subclasses)")
+  X(kOpaque, "made or written by ops reading tensors with no strided storage (sparse, nested, subclasses)") \
+  X(kResizedCopy, "copies of storages resized outside the dispatcher, kept for the recomputes that read them")
 
 enum class PinReason : std::uint8_t {
 #define DTRALLOC_PIN_ENUM(e, doc) e,
@@ -172,6 +173,7 @@ struct LiveStats {
   double recompute_seconds = 0;     // wall time in the runner
   std::size_t gpu_timed_ops = 0;    // ops whose cost the GPU measured (OpTimer)
   std::size_t series_dropped = 0;   // engine ops past Options::series_ops, not sampled
+  std::size_t resize_copies = 0;    // storages copied before a resize for their readers (keep_for_readers)
 };
 
 struct Lifetimes;  // live_session.cpp, "what outlives the step"
@@ -297,6 +299,12 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::int64_t use_count(std::uintptr_t cdata) const;
   [[noreturn]] void version_error(py::handle what, std::int64_t now, std::int64_t expected);
   void own_for_recipes(int value);
+  // Before `storage` (value `v`, pinned) is resized away: where a copy of
+  // its contents pins less than its readers would, the recipes that read it
+  // read a copy instead (live_saved.cpp).
+  void keep_for_readers(int v, py::handle storage);
+  // Whether anything is ever evicted: a budget below the pool's capacity, or chaos.
+  bool may_evict() const;
   void sample_op(int op, py::handle func, std::uint32_t flags);
   Phase phase_of(std::uint32_t flags);
   void publish_counts();

@@ -309,6 +309,56 @@ void test_write_to_pinned_value_under_pressure_keeps_big_readers_evictable() {
   }
 }
 
+// Where a storage is about to be resized away by its owner (FSDP2's
+// reshard), a copy of its contents can serve the recipes that read it: they
+// stay recomputable instead of being pinned, and the copy goes with the last
+// of them. If the copy's memory cannot be had, nothing has changed.
+void test_a_copy_serves_the_recipes_of_a_value_about_to_be_lost() {
+  FakeMemory mem;
+  RematEngine e(mem);
+  const int p = e.add_initial(1024);
+  const int a = apply(e, {p}, 4096, 3);
+  const int b = apply(e, {p, a}, 4096, 3);
+  const int t = apply(e, {b}, 4096, 3);
+  e.kill(b);                                       // dead, kept for t's recipe
+  CHECK(e.overwrite_pin_bytes(p) == 2 * 4096);     // a, and t in b's place
+  CHECK(e.copy_readers(p) == std::vector<int>({a, b}));
+  const std::size_t values = e.num_values();
+  mem.fail_after = 0;
+  bool threw = false;
+  try {
+    e.add_copy(p);
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  CHECK(threw && e.num_values() == values);
+  CHECK(e.value(p).needed_by == 2 && e.copy_readers(p) == std::vector<int>({a, b}));
+  e.check_invariants();
+  const int c = e.add_copy(p);
+  CHECK(e.value(c).pinned && !e.value(c).alive && e.value(c).state == ValueState::kResident);
+  CHECK(e.value(c).needed_by == 2 && e.value(p).needed_by == 0);
+  CHECK(e.value(a).recipe == std::vector<int>({c}) && e.value(b).recipe == std::vector<int>({c, a}));
+  CHECK(e.copy_readers(p).empty() && e.overwrite_pin_bytes(p) == 0);
+  CHECK(e.prepare_writes({p}, /*freed=*/true).empty());
+  e.make_external(p);
+  CHECK(!e.value(a).pinned && !e.value(t).pinned && e.evictable(a) && e.evictable(t));
+  e.check_invariants();
+  // Both come back from the copy.
+  mem.recomputed.clear();
+  CHECK(e.evict(a) && e.evict(t));
+  read(e, {a});
+  read(e, {t});
+  CHECK(mem.recomputed == std::vector<int>({a, b, t}));
+  e.check_invariants();
+  e.kill(t);
+  CHECK(e.value(b).state == ValueState::kReleased && e.value(c).state == ValueState::kResident);
+  e.kill(a);
+  CHECK(e.value(c).state == ValueState::kReleased);
+  CHECK(std::find(mem.released.begin(), mem.released.end(), c) != mem.released.end());
+  e.check_invariants();
+  e.release_all();
+}
+
 // An op that writes several values reads them all (split_with_sizes_copy
 // into FSDP2's parameters: out= lists). A new version that reads another of
 // them, one nobody can recompute, reads what the op overwrites for good,
@@ -742,6 +792,7 @@ int main() {
   test_write_to_pinned_value_pins_only_its_readers();
   test_an_op_writing_several_values();
   test_write_to_pinned_value_under_pressure_keeps_big_readers_evictable();
+  test_a_copy_serves_the_recipes_of_a_value_about_to_be_lost();
   test_foreach_write_to_pinned_values_keeps_no_recipe();
   test_per_output_reads_make_per_element_recipes();
   test_locked_never_evicted_and_random();

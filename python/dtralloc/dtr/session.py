@@ -168,6 +168,8 @@ class Session:
         device_calls and device_call_seconds (segments the pool made and gave
         back since the session began, and the host time inside those calls:
         on CUDA cudaMalloc and cudaFree, whose wait for the device is in it),
+        resize_copies (storages resized outside the dispatcher whose contents
+        were copied for the recomputes that read them: docs/live.md),
         peak_bytes, budget_bytes, recompute_seconds, ..."""
         return self._core.stats()
 
