@@ -516,8 +516,8 @@ void RematEngine::prepare_write(int v, std::vector<int>* pinned, bool may_bring_
   // only where the value's memory is freed mid-step (may_bring_back: FSDP2's
   // reshards), where that pins less than half of what going would
   // (frontier_bytes), and where what going would pin, with what no eviction
-  // can free already (unevictable_pool_bytes: pinned, held by the program,
-  // locked), is more than kUnevictableShare of the budget: FSDP2's
+  // can free already (kept_resident_bytes: pinned or held by the program),
+  // is more than kUnevictableShare of the budget: FSDP2's
   // post-backward reshard frees a weight whose dead input gradient is read,
   // through other dead values, by the weight gradients of the block below,
   // twice its size, while the gradients held and the values pinned fill the
@@ -554,10 +554,10 @@ bool RematEngine::plan_write(int v, std::size_t budget, std::vector<int>& pin, s
   // prepare_write's plan (it says why): `pin`, ascending ids, and `through`,
   // the dead readers that go. budget > 0: a dead direct reader may come back
   // (then true).
-  std::size_t kept_bytes = 0;  // unevictable_pool_bytes() once asked, plus what this plan pins
+  std::size_t kept_bytes = 0;  // kept_resident_bytes() once asked, plus what this plan pins
   bool counted = false;
   auto crowds_budget = [&](std::size_t frontier) {
-    if (!counted) kept_bytes = unevictable_pool_bytes();
+    if (!counted) kept_bytes = kept_resident_bytes();
     counted = true;
     return static_cast<double>(kept_bytes + frontier) > kUnevictableShare * static_cast<double>(budget);
   };
@@ -972,10 +972,6 @@ std::size_t RematEngine::resident_bytes_if(Pred pred) const {
 
 std::size_t RematEngine::unevictable_resident_bytes() const {
   return resident_bytes_if([&](int v) { return !evictable(v); });
-}
-
-std::size_t RematEngine::unevictable_pool_bytes() const {
-  return resident_bytes_if([&](int v) { return !values_[v].external && !evictable(v); });
 }
 
 std::size_t RematEngine::kept_resident_bytes() const {

@@ -391,7 +391,6 @@ class RematEngine {
   // `overwritten` (the value prepare_write is about) is not released here.
   void pin_value(int d, int overwritten);
   std::size_t frontier_bytes(int d);
-  std::size_t unevictable_pool_bytes() const;  // as unevictable_resident_bytes, less external values
   bool reads_other_overwrite(int op, int v, const std::vector<int>* reads) const;
   int find(int v);
   void unite(int a, int b);
