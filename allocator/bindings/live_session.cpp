@@ -1314,8 +1314,12 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
     << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "
     << format_bytes(reserved) << ", allocated " << format_bytes(allocated) << ", largest free block "
     << format_bytes(r.largest_free_bytes) << " of " << format_bytes(r.free_cached_bytes) << " free. ";
-  if (!mirror_ && pool_->device_limited())  // Note [The device is the limit] (docs/allocator.md)
-    m << "The device itself is short of the budget: it has " << format_bytes(pool_->device_free_bytes())
+  // Note [The device is the limit] (docs/allocator.md). Once the device
+  // has refused a segment, it says so where it is short of the budget now:
+  // in a long-lived process the budget may be what limits a later request.
+  const std::size_t device_free = !mirror_ && pool_->device_limited() ? pool_->device_free_bytes() : 0;
+  if (!mirror_ && pool_->device_limited() && reserved + device_free < budget)
+    m << "The device itself is short of the budget: it has " << format_bytes(device_free)
       << " free of its " << format_bytes(pool_->capacity_bytes())
       << " (its CUDA context, other processes or memory allocated outside torch hold the rest), so "
          "the pool can reserve no more than that. ";
