@@ -17,8 +17,10 @@ after `--misses` of them in a row.
 
 FSDP frees each unsharded parameter after its forward and after its
 backward by resizing its storage (live_saved.cpp, resizing): what reads it
-is pinned until it dies. One intra-op thread: at two, MKL's sgemm gave
-other bits now and then (docs/live.md, Known limits).
+is pinned until it dies, or, where a copy of the parameter pins less, the
+recipes that read it read a copy (Note [copy before a resize]; the
+"copies" column counts them). One intra-op thread: at two, MKL's sgemm
+gave other bits now and then (docs/live.md, Known limits).
 
     python bench/bench_fsdp_budget.py [--model mlp|gpt|conv ...] [--step 2] [--misses 3]
         [--out bench/results/fsdp_budget-DATE-cpu.md]
@@ -165,6 +167,7 @@ def sweep(family: str, mode: str, steps: int, step_mib: float, misses: int, log)
             same = all(torch.equal(a, b) for a, b in zip(plain, got))
             rows.append(dict(budget=budget, fits=True, same=same,
                              evictions=sum(s["evictions"] for s in stats), remats=sum(s["remats"] for s in stats),
+                             copies=sum(s["resize_copies"] for s in stats),
                              ratio=min(seconds) / min(plain_s)))
             missed = 0
         r = rows[-1]
@@ -212,14 +215,15 @@ def main() -> None:
                    f"{'yes' if r['all_same'] else 'NO'} |")
     for r in results:
         out += ["", f"## {r['family']}: {r['mode']}", "",
-                "| budget | fits | evictions | recomputes | step time over plain (min) | bit-exact | pinned: read a value overwritten for good (at the OOM) |",
-                "|---|---|---|---|---|---|---|"]
+                "| budget | fits | evictions | recomputes | copies | step time over plain (min) | bit-exact | "
+                "pinned: read a value overwritten for good (at the OOM) |",
+                "|---|---|---|---|---|---|---|---|"]
         for row in r["rows"]:
             if row["fits"]:
                 out.append(f"| {row['budget'] / MiB:.0f} MiB | yes | {row['evictions']} | {row['remats']} | "
-                           f"{row['ratio']:.2f} | {'yes' if row['same'] else 'NO'} | |")
+                           f"{row['copies']} | {row['ratio']:.2f} | {'yes' if row['same'] else 'NO'} | |")
             else:
-                out.append(f"| {row['budget'] / MiB:.0f} MiB | out of memory | | | | | {row['pinned']} |")
+                out.append(f"| {row['budget'] / MiB:.0f} MiB | out of memory | | | | | | {row['pinned']} |")
     emit("\n".join(out) + "\n", args.out)
 
 
