@@ -5,8 +5,11 @@ ops that autograd saves tensors for (inputs, outputs, views made for the
 op), views that share the saved tensors' version counters and views that do
 not (``unsafe_split``, ``.data``), in-place writes through the whole tensor
 or half of it (in grad mode or under ``no_grad``), random ops, ``out=``,
-foreach ops, ``torch.utils.checkpoint`` of both kinds around two ops, and
-dropping tensors so that their storages die. Each program runs plainly, then
+foreach ops, ``torch.utils.checkpoint`` of both kinds around two ops,
+storages resized away and refilled with other numbers outside the
+dispatcher (FSDP's reshard: what was computed from the old numbers is pinned
+or recomputes from a copy of them), and dropping tensors so that their
+storages die. Each program runs plainly, then
 inside ``dtr(device="cpu", check_invariants=True)`` with nothing evicted and
 with ``chaos=True`` (every evictable value evicted at every opportunity),
 with its backward inside or after the block; programs that drop more of
@@ -93,7 +96,7 @@ CHAINS = [
 ]
 
 KINDS = ["unary", "binary", "view-op", "split", "data", "detach", "slice", "inplace", "random", "out", "del",
-         "foreach", "checkpoint"]
+         "foreach", "checkpoint", "resize"]
 INSTRUCTION = st.tuples(st.sampled_from(KINDS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63))
 PROGRAM = st.tuples(st.lists(INSTRUCTION, min_size=1, max_size=32), st.booleans())
 
@@ -178,6 +181,14 @@ def execute(program, params):
             out, _ = pool.pick(c, x.numel())
             with torch.no_grad():
                 torch.mul(x, y, out=out)
+        elif kind == "resize":  # FSDP's reshard and refill, with other numbers (a tensor that covers its storage)
+            storage = x.untyped_storage()
+            if x.is_contiguous() and x.storage_offset() == 0 and x.numel() * x.element_size() == storage.nbytes():
+                refill = x.detach().flip(0) * 0.5
+                storage.resize_(0)
+                storage.resize_(refill.numel() * refill.element_size())
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(x):
+                    x.copy_(refill)
         elif kind == "del":
             if len(pool.items) > 1 and sum(1 for _, k in pool.items if k == xc) == 1:
                 pool.items = [it for it in pool.items if it[1] != xc]
@@ -241,6 +252,7 @@ def test_random_programs_run_in_a_session_as_in_plain_eager(program):
     for kw in ({}, {"chaos": True}):
         got, s = run(program, _session(**kw))
         assert _same(want, got), (kw, *(r if isinstance(r, str) else "values" for r in (want, got)))
+    event("a storage copied before a resize" if s.stats()["resize_copies"] else "no copy")
 
 
 @pytest.mark.parametrize("program, expect", [
