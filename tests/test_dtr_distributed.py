@@ -218,6 +218,24 @@ def test_a_copy_for_a_resized_storage_is_made_only_where_the_budget_has_room(bud
     assert s.stats()["resize_copies"] == copies
 
 
+def test_a_storage_the_session_made_leaves_the_mirror_when_resized_outside_the_dispatcher():
+    # FSDP frees storages it made inside the session (resize_(0)): the CPU
+    # mirror must let their blocks go (on CUDA the pool really frees them and
+    # may hand the block to another value: the engine must not keep it)
+    with dtralloc.dtr(device="cpu", check_invariants=True) as s:
+        t = torch.ones(1 << 18)  # 1 MiB, made in the session
+        y = t * 2
+        before = s.stats()["allocated_bytes"]
+        t.untyped_storage().resize_(0)
+        freed = before - s.stats()["allocated_bytes"]
+        t.untyped_storage().resize_(1 << 20)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+            t.fill_(1.0)
+        z = (t + y).sum()
+    assert freed == 1 << 20
+    assert z.item() == 3 * (1 << 18)
+
+
 def _train(model, batch, steps, session=None, device="cpu"):
     """`steps` AdamW steps on batches of shape `batch`, each rank its own,
     forward and backward inside a fresh `session()` when given: (losses,
