@@ -592,10 +592,10 @@ bool RematEngine::plan_write(int v, std::size_t budget, std::vector<int>& pin, s
   return brought;
 }
 
-std::size_t RematEngine::overwrite_pin_bytes(int v, bool freed) {
+std::size_t RematEngine::overwrite_pin_bytes(int v) {
   if (!values_[v].pinned) return 0;
   std::vector<int> pin, through;
-  plan_write(v, freed ? driver_.budget_bytes() : 0, pin, through);
+  plan_write(v, driver_.budget_bytes(), pin, through);
   std::size_t total = 0;
   for (int d : pin) total += values_[d].nbytes;
   return total;

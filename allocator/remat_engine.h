@@ -232,9 +232,9 @@ class RematEngine {
   // the values' memory goes mid-step (a storage resized by its owner, as
   // FSDP2 does), rather than an op overwriting them.
   std::vector<int> prepare_writes(const std::vector<int>& vs, bool freed = false);
-  // What prepare_writes({v}, freed) would pin now (their bytes), were `v`
-  // overwritten for good; 0 if `v` stays recomputable.
-  std::size_t overwrite_pin_bytes(int v, bool freed = true);
+  // What prepare_writes({v}, /*freed=*/true) would pin now (their bytes),
+  // were `v`'s memory taken away; 0 if `v` stays recomputable.
+  std::size_t overwrite_pin_bytes(int v);
   // The values whose recipes read `v` (its dependents not pinned or released):
   // what add_copy moves.
   std::vector<int> copy_readers(int v) const;

@@ -82,6 +82,20 @@ def test_a_value_written_in_place_by_a_collective_is_pinned_never_recomputed(wor
     assert stats["evictions"] > 0 and stats["remats"] > 0  # what does not read the collective still is
 
 
+def _free_and_refill(w, refill):
+    """FSDP's reshard and unshard on w's storage: resized to nothing, then
+    back (what a fresh allocation holds is garbage: NaNs here, written
+    outside the dispatcher), and refilled with `refill` under
+    _unsafe_preserve_version_counter."""
+    storage = w.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    ctypes.memset(storage.data_ptr(), 0xFF, nbytes)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+        w.copy_(refill)
+
+
 def _resized_parameter_loss(w, x):
     """FSDP's pattern on one parameter: use it, free its storage, allocate it
     again (what a fresh allocation holds is garbage: written here outside the
@@ -90,14 +104,7 @@ def _resized_parameter_loss(w, x):
     a = x @ w
     h = a.sin()  # saves a, which is no longer the program's: chaos evicts it
     del a
-    kept = w.detach().clone()
-    storage = w.untyped_storage()
-    nbytes = storage.nbytes()
-    storage.resize_(0)
-    storage.resize_(nbytes)
-    ctypes.memset(storage.data_ptr(), 0xFF, nbytes)  # NaNs until the refill
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
-        w.copy_(kept)
+    _free_and_refill(w, w.detach().clone())
     return ((h @ w.t()).sigmoid() * h).sum()
 
 
@@ -127,13 +134,7 @@ def _refilled_otherwise_loss(w, x, refill, keep=None):
         del a
     else:
         keep += [a, h]
-    storage = w.untyped_storage()
-    nbytes = storage.nbytes()
-    storage.resize_(0)
-    storage.resize_(nbytes)
-    ctypes.memset(storage.data_ptr(), 0xFF, nbytes)
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
-        w.copy_(refill)
+    _free_and_refill(w, refill)
     return ((h @ w.t()).sigmoid() * h).sum()
 
 
@@ -185,12 +186,7 @@ def _resized_under_pressure_loss(w, x, refill):
     a = x @ w
     h = a.sin()
     filler = [torch.ones(1 << 18) for _ in range(4)]
-    storage = w.untyped_storage()
-    nbytes = storage.nbytes()
-    storage.resize_(0)
-    storage.resize_(nbytes)
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
-        w.copy_(refill)
+    _free_and_refill(w, refill)
     del a, filler
     return h.sum() * w.sum()
 

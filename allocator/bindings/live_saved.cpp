@@ -271,7 +271,7 @@ void LiveSession::keep_for_readers(int v, py::handle storage) {
   auto plan = [&] {
     moved.clear();
     const std::vector<int> readers = engine_->copy_readers(v);
-    if (readers.empty() || nbytes >= engine_->overwrite_pin_bytes(v, /*freed=*/true)) return false;
+    if (readers.empty() || nbytes >= engine_->overwrite_pin_bytes(v)) return false;
     const Slot& s = slots_[v];
     const std::int64_t version = s.external ? as_int(get_attr(s.external, names().version)) : 0;
     std::vector<int> seen_ops;

@@ -1317,8 +1317,9 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
   // Note [The device is the limit] (docs/allocator.md). Once the device
   // has refused a segment, it says so where it is short of the budget now:
   // in a long-lived process the budget may be what limits a later request.
-  const std::size_t device_free = !mirror_ && pool_->device_limited() ? pool_->device_free_bytes() : 0;
-  if (!mirror_ && pool_->device_limited() && reserved + device_free < budget)
+  const bool device_limited = !mirror_ && pool_->device_limited();
+  const std::size_t device_free = device_limited ? pool_->device_free_bytes() : 0;
+  if (device_limited && reserved + device_free < budget)
     m << "The device itself is short of the budget: it has " << format_bytes(device_free)
       << " free of its " << format_bytes(pool_->capacity_bytes())
       << " (its CUDA context, other processes or memory allocated outside torch hold the rest), so "
