@@ -473,11 +473,12 @@ def foreach() -> dict:
     chain of them under chaos, bit-exact with plain, with float32 lists (one
     dtype: split, fewer recomputes than with every-input recipes) and with
     float32 and bfloat16 alternating (torch's per-tensor loop for the list:
-    not split, the same recomputes either way); then three AdamW steps
+    not split, the same recomputes either way); then lists whose elements
+    pass or fail torch's fused route one by one; then three AdamW steps
     after clip_grad_norm_, foreach, inside chaos sessions; then the version
     counters in-place foreach ops leave, plain and inside a session."""
     dtralloc, torch = _setup()
-    from _foreach_chain import foreach_chain, optimizer_steps, whole_foreach_recipes
+    from _foreach_chain import foreach_chain, foreach_geometries, optimizer_steps, whole_foreach_recipes
 
     def grads_equal(a, b):
         return [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
@@ -498,6 +499,19 @@ def foreach() -> dict:
                 "whole_diffs": grads_equal(whole, plain), "split_remats": s.stats()["remats"],
                 "whole_remats": w.stats()["remats"]}
             _settle(torch)
+
+    # Lists whose elements pass or fail torch's fused route on their own:
+    # split only where all pass or all fail, bit-exact either way.
+    geometries = {}
+    for name, (xs, ys, split) in foreach_geometries(torch, "cuda").items():
+        with dtralloc.dtr() as s:
+            torch._foreach_add(xs, ys)
+        want = torch._foreach_mul(torch._foreach_add(xs, ys), 3.0)
+        with chaos():
+            got = torch._foreach_mul(torch._foreach_add(xs, ys), 3.0)
+        geometries[name] = {"splits": s.stats()["split_foreach_ops"], "expected": int(split),
+                            "diffs": grads_equal(got, want)}
+        _settle(torch)
 
     def adamw(session):
         steps = optimizer_steps(torch, lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True), session, "cuda")
@@ -522,7 +536,8 @@ def foreach() -> dict:
     counters = {name: {"plain": versions(contextlib.nullcontext, dtypes), "dtr": versions(dtralloc.dtr, dtypes)}
                 for name, dtypes in (("float32", [torch.float32] * 4),
                                      ("mixed", [torch.float32, torch.bfloat16] * 2))}
-    return {"chains": chains, "optimizer": optimizer, "versions": counters, "pool_ok": _pool_ok(dtralloc)}
+    return {"chains": chains, "geometries": geometries, "optimizer": optimizer, "versions": counters,
+            "pool_ok": _pool_ok(dtralloc)}
 
 
 def opinfo(kind: str = "backward", dtype_name: str = "float32", samples: str = "4", seconds: str = "60") -> dict:

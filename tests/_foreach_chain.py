@@ -1,5 +1,6 @@
-"""A chain of foreach ops for the split-by-element tests (test_dtr_write_path.py
-on CPU, _dtr_gpu_worker.py's `foreach` scenario on CUDA)."""
+"""A chain of foreach ops, and lists of every geometry torch's fused route
+asks about, for the split-by-element tests (test_dtr_write_path.py on CPU,
+_dtr_gpu_worker.py's `foreach` scenario on CUDA)."""
 from __future__ import annotations
 
 import os
@@ -40,6 +41,31 @@ def foreach_chain(torch, n, ctx, reduction=True, device="cpu", dtypes=None):
         del w
     loss.backward()
     return [p.grad for p in ps], s
+
+
+def foreach_geometries(torch, device="cpu"):
+    """Lists of four tensors (4 x 6 floats each) varied one way at a time in
+    what torch's CUDA fast route asks of each element (ForeachUtils.h,
+    check_fast_path_restrictions). Name -> (self list, other list, whether a
+    call on them splits by element where the device has fused kernels: every
+    element passes, or every one fails)."""
+    torch.manual_seed(0)
+    c = lambda: torch.randn(4, 6, device=device)  # noqa: E731
+    strided = lambda: torch.randn(4, 12, device=device)[:, ::2]  # noqa: E731  (not dense)
+    transposed = lambda: torch.randn(6, 4, device=device).t()  # noqa: E731  (dense, other strides)
+    column = lambda: torch.randn(4, 1, device=device)  # noqa: E731
+    return {
+        "contiguous": ([c() for _ in range(4)], [c() for _ in range(4)], True),
+        "one element not dense": ([c() for _ in range(4)], [c(), c(), strided(), c()], False),
+        "every element not dense": ([c() for _ in range(4)], [strided() for _ in range(4)], True),
+        "one element's strides differ between lists": ([c() for _ in range(4)], [c(), transposed(), c(), c()], False),
+        "every list transposed alike": ([transposed() for _ in range(4)], [transposed() for _ in range(4)], True),
+        # the strides of a dimension of size 1 are not compared
+        "one element's size-1 dimension with other strides": (
+            [column() for _ in range(4)],
+            [column(), torch.randn(1, 4, device=device).t(), column(), column()], True),
+        "dtypes mixed": ([c() for _ in range(4)], [c(), c().double(), c(), c()], False),
+    }
 
 
 def optimizer_steps(torch, make, ctx, device="cpu", steps=3):

@@ -16,7 +16,7 @@ import torch
 
 from dtralloc.dtr import dtr, mode
 
-from _foreach_chain import foreach_chain, optimizer_steps, whole_foreach_recipes
+from _foreach_chain import foreach_chain, foreach_geometries, optimizer_steps, whole_foreach_recipes
 from _live_models import NAMES, build
 from test_dtr import SWEEP_BATCH, _packed_rnns, _same_as_plain
 
@@ -186,6 +186,80 @@ def test_foreach_ops_split_by_element():
     # back every element's inputs (96).
     split_remats, whole_remats = remats[False]
     assert 0 < split_remats and split_remats * 2 < whole_remats
+
+
+def _split_calls(op, *lists, **kwargs) -> int:
+    """How many of one foreach call the session splits by element (0 or 1)."""
+    with dtr(device="cpu") as s:
+        op(*lists, **kwargs)
+    return s.stats()["split_foreach_ops"]
+
+
+@pytest.fixture
+def fused_foreach_rules(monkeypatch):
+    """CPU sessions that split foreach calls by CUDA's rules: torch's CUDA
+    kernels take one fused kernel for a whole list or loop per tensor."""
+    from dtralloc.dtr import session
+
+    monkeypatch.setattr(session, "_fused_foreach", lambda cuda: True)
+
+
+@pytest.mark.parametrize("name", list(foreach_geometries(torch)))
+def test_foreach_calls_split_where_each_element_takes_the_lists_route(name, fused_foreach_rules):
+    """Under CUDA's rules a call splits only where one element alone would
+    take the route (fused kernel or per-tensor loop) the whole list took:
+    every element passes torch's per-element conditions, or every one fails
+    them. Results bit-exact under chaos either way."""
+    xs, ys, split = foreach_geometries(torch)[name]
+    assert _split_calls(torch._foreach_add, xs, ys) == int(split)
+    want = torch._foreach_mul(torch._foreach_add(xs, ys), 3.0)
+    with dtr(device="cpu", chaos=True, check_invariants=True):
+        got = torch._foreach_mul(torch._foreach_add(xs, ys), 3.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_cpu_foreach_calls_split_whatever_the_geometry():
+    """torch's CPU foreach kernels always loop per tensor: every geometry
+    splits, and per-tensor reductions too."""
+    for name, (xs, ys, _) in foreach_geometries(torch).items():
+        assert _split_calls(torch._foreach_add, xs, ys) == 1, name
+    assert _split_calls(torch._foreach_norm, [torch.randn(8) for _ in range(3)]) == 1
+
+
+def test_per_tensor_reductions_split_only_without_fused_kernels(fused_foreach_rules):
+    """torch's CUDA _foreach_norm sizes its partial sums by the whole list."""
+    assert _split_calls(torch._foreach_norm, [torch.randn(8) for _ in range(3)]) == 0
+
+
+def test_the_dense_test_is_torchs(fused_foreach_rules):
+    """A one-list call with a contiguous element and a view x splits exactly
+    where x is non-overlapping and dense by torch's own definition
+    (torch._prims_common, the reference of c10's TensorImpl test), over
+    permuted, sliced, stepped, expanded, empty and size-1 views."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    gen = torch.Generator().manual_seed(0)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        sizes = [int(torch.randint(0 if torch.rand((), generator=gen) < 0.05 else 1, 4, (), generator=gen))
+                 for _ in range(int(torch.randint(1, 5, (), generator=gen)))]
+        x = torch.randn([2 * n + 1 for n in sizes])
+        index = []
+        for n in sizes:  # n elements of each dimension, one in two or all in a row
+            step = 2 if torch.rand((), generator=gen) < 0.3 else 1
+            begin = int(torch.randint(0, 2, (), generator=gen))
+            index.append(slice(begin, begin + n * step, step))
+        if torch.rand((), generator=gen) < 0.6:
+            x = x[tuple(index)]
+        else:  # all of it, contiguous before the permutation
+            x = torch.randn(sizes)
+        if torch.rand((), generator=gen) < 0.5:
+            x = x.permute(*torch.randperm(x.dim(), generator=gen).tolist())
+        if torch.rand((), generator=gen) < 0.15:
+            x = x.unsqueeze(0).expand(2, *x.shape)  # overlapping
+        seen[dense(x)] += 1
+        assert _split_calls(torch._foreach_neg, [torch.randn(3), x]) == int(dense(x)), (x.shape, x.stride())
+    assert min(seen.values()) > 50, seen
 
 
 @pytest.mark.parametrize("make", [

@@ -118,7 +118,7 @@ void bind_live(py::module_& m) {
                                                         "The C++ half of a dtralloc.dtr() session.")
       .def(py::init([](bool cuda, int device, std::size_t budget_bytes, const std::string& conf,
                        const std::string& policy, bool chaos, bool check_invariants, py::dict helpers,
-                       std::size_t series_ops, std::size_t history_entries) {
+                       std::size_t series_ops, std::size_t history_entries, bool fused_foreach) {
              LiveSession::Options o;
              o.cuda = cuda;
              o.device = device;
@@ -129,11 +129,12 @@ void bind_live(py::module_& m) {
              o.check_invariants = check_invariants;
              o.series_ops = series_ops;
              o.history_entries = history_entries;
+             o.fused_foreach = fused_foreach;
              return std::make_shared<LiveSession>(o, helpers);
            }),
            py::arg("cuda"), py::arg("device"), py::arg("budget_bytes"), py::arg("conf"), py::arg("policy"),
            py::arg("chaos"), py::arg("check_invariants"), py::arg("helpers"), py::arg("series_ops") = 0,
-           py::arg("history_entries") = 0)
+           py::arg("history_entries") = 0, py::arg("fused_foreach") = false)
       .def("start", &LiveSession::start)
       .def("stop", &LiveSession::stop)
       .def("end_block", &LiveSession::end_block)

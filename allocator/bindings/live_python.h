@@ -38,10 +38,12 @@ struct Accessors {
   PyObject* version = nullptr;
   PyObject* cdata = nullptr;
   PyObject* device = nullptr;
+  PyObject* layout = nullptr;
   PyObject* grad_fn = nullptr;
   PyObject* output_nr = nullptr;
   PyObject* base = nullptr;             // _base: a view's base tensor, or None
   PyObject* storage_device = nullptr;   // a storage's device
+  PyObject* strided = nullptr;          // torch.strided, the layout
   PyObject* empty = nullptr;            // torch.empty
   PyObject* disable_dispatch = nullptr;  // torch._C._DisableTorchDispatch: on from construction to deletion
   PyObject* tensor = nullptr;             // torch.Tensor, and the __torch_dispatch__ it has
@@ -79,10 +81,12 @@ inline void load_accessors(py::dict d) {
   a.version = take("_version");
   a.cdata = take("_cdata");
   a.device = take("device");
+  a.layout = take("layout");
   a.grad_fn = take("grad_fn");
   a.output_nr = take("output_nr");
   a.base = take("_base");
   a.storage_device = take("storage_device");
+  a.strided = take("strided");
   a.empty = take("empty");
   a.disable_dispatch = take("_DisableTorchDispatch");
   a.tensor = take("Tensor");

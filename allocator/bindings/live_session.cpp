@@ -778,6 +778,89 @@ bool LiveSession::covers_storage(py::handle t) {
   return bytes == as_int(call_method(storage, names().nbytes));
 }
 
+namespace {
+
+// c10's non-overlapping-and-dense test (TensorImpl: contiguous, or some
+// order of the dimensions whose strides chain without a gap; dimensions of
+// size 0 or 1 do not count).
+bool non_overlapping_and_dense(const std::vector<std::int64_t>& sizes, const std::vector<std::int64_t>& strides) {
+  const std::size_t dims = sizes.size();
+  for (std::int64_t size : sizes)
+    if (size == 0) return true;  // no elements: contiguous
+  std::int64_t expected = 1;  // contiguous
+  bool contiguous = true;
+  for (std::size_t d = dims; d-- > 0 && contiguous;) {
+    if (sizes[d] == 1) continue;
+    contiguous = strides[d] == expected;
+    expected *= sizes[d];
+  }
+  if (contiguous) return true;
+  std::vector<std::size_t> order(dims);
+  for (std::size_t d = 0; d < dims; ++d) order[d] = d;
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    if (sizes[a] < 2) return false;
+    if (sizes[b] < 2) return true;
+    return strides[a] < strides[b];
+  });
+  std::int64_t require = 1;
+  for (std::size_t d : order) {
+    if (sizes[d] < 2) return true;
+    if (strides[d] != require) return false;
+    require *= sizes[d];
+  }
+  return true;
+}
+
+std::vector<std::int64_t> int_tuple(const py::object& o) {
+  PyObject* seq = o.ptr();
+  if (!PyTuple_Check(seq)) throw std::logic_error("dtralloc live session: a tensor's size or stride is not a tuple");
+  std::vector<std::int64_t> out(PyTuple_GET_SIZE(seq));
+  for (std::size_t d = 0; d < out.size(); ++d) {
+    out[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, d));
+    if (out[d] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  return out;
+}
+
+}  // namespace
+
+// What each element of a foreach call passes or fails of torch's fused
+// route on its own (ForeachUtils.h: _check_tensors_share_device_and_dtype's
+// strided, non-overlapping and dense tensors; _check_tensors_share_sizes_and_strides'
+// equal sizes at one index in every list, and equal strides where the size
+// is not 1). `element`: each tensor's index in its list, -1 for a single
+// tensor argument (the same for every element).
+std::vector<bool> LiveSession::fused_route_at(const std::vector<PyObject*>& tensors, const std::vector<int>& element,
+                                              int n) const {
+  std::vector<bool> route(n, true);
+  std::vector<std::vector<std::int64_t>> sizes(n), strides(n);  // each index's first tensor
+  std::vector<bool> seen(n, false);
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
+    const int e = element[k];
+    if (e < 0 || !route[e]) continue;
+    py::handle t(tensors[k]);
+    if (get_attr(t, names().layout).ptr() != names().strided) {
+      route[e] = false;
+      continue;
+    }
+    std::vector<std::int64_t> size = int_tuple(call_method(t, names().size));
+    std::vector<std::int64_t> stride = int_tuple(call_method(t, names().stride));
+    if (!non_overlapping_and_dense(size, stride)) {
+      route[e] = false;
+    } else if (!seen[e]) {
+      seen[e] = true;
+      sizes[e] = std::move(size);
+      strides[e] = std::move(stride);
+    } else if (size != sizes[e]) {
+      route[e] = false;
+    } else {
+      for (std::size_t d = 0; d < size.size(); ++d)
+        if (size[d] != 1 && stride[d] != strides[e][d]) route[e] = false;
+    }
+  }
+  return route;
+}
+
 // ops.PER_ELEMENT_*: the values mode.py's classifier gives (ops.py).
 constexpr int kPerElementNone = 0, kPerElementReduction = 2;
 
@@ -786,7 +869,7 @@ int LiveSession::elements_of(const FuncInfo& known, PyObject* args, PyObject* kw
   if (known.per_element == kPerElementNone) return 0;
   // torch's CUDA per-tensor reductions size their partial sums by the whole
   // list (ops.py, PER_ELEMENT_REDUCTION): not split there.
-  if (options_.cuda && known.per_element == kPerElementReduction) return 0;
+  if (options_.fused_foreach && known.per_element == kPerElementReduction) return 0;
   auto* tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type_.ptr());
   Py_ssize_t n = -1;
   std::vector<Py_ssize_t> scalar_lists;  // lengths of the lists without tensors (Scalar[])
@@ -832,11 +915,13 @@ int LiveSession::elements_of(const FuncInfo& known, PyObject* args, PyObject* kw
     element->clear();
     return 0;
   }
-  if (options_.cuda) {
+  if (options_.fused_foreach) {
     // torch takes its fused kernel for a whole list or its per-tensor loop;
-    // one element must take the kernel the list took. What decides it for
-    // the whole list and not per element: one dtype and one device for all
-    // the tensors, and scalars of one kind (ForeachUtils.h).
+    // one element must take the kernel the list took (ForeachUtils.h,
+    // check_fast_path_restrictions). What decides it for the whole list and
+    // not per element: one dtype and one device for all the tensors, and
+    // scalars of one kind; then what each element passes or fails on its
+    // own (fused_route_at): all must pass, or all fail.
     PyObject* dtype = nullptr;
     std::int64_t device = -2;
     for (PyObject* t : tensors) {
@@ -851,6 +936,10 @@ int LiveSession::elements_of(const FuncInfo& known, PyObject* args, PyObject* kw
       }
     }
     for (PyObject* x : scalars) ok = ok && Py_TYPE(x) == Py_TYPE(scalars.front());
+    if (ok) {
+      const std::vector<bool> route = fused_route_at(tensors, *element, static_cast<int>(n));
+      for (bool r : route) ok = ok && r == route.front();
+    }
     if (!ok) {
       element->clear();
       return 0;
@@ -1010,6 +1099,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   // inputs, not of all of them (n outputs x 2n inputs an optimizer step).
   const int elements =
       !reads_opaque && made.size() + written.size() > 1 ? split_elements(func, args, kwargs, leaf, write_index) : 0;
+  if (elements) ++stats_.split_foreach_ops;
   auto reads_of = [&](int element) -> const std::vector<int>* {
     if (!elements) return nullptr;
     scratch_reads_ = scratch_by_element_[element];
@@ -1410,6 +1500,7 @@ py::dict LiveSession::stats() {
   d["series_ops"] = series_.size();
   d["series_dropped"] = stats_.series_dropped;
   d["resize_copies"] = stats_.resize_copies;
+  d["split_foreach_ops"] = stats_.split_foreach_ops;
   d["history_recorded"] = pool_->history_recorded();
   return d;
 }

@@ -174,6 +174,7 @@ struct LiveStats {
   std::size_t gpu_timed_ops = 0;    // ops whose cost the GPU measured (OpTimer)
   std::size_t series_dropped = 0;   // engine ops past Options::series_ops, not sampled
   std::size_t resize_copies = 0;    // storages copied before a resize for their readers (keep_for_readers)
+  std::size_t split_foreach_ops = 0;  // foreach calls recorded one recipe per element (split_elements)
 };
 
 struct Lifetimes;  // live_session.cpp, "what outlives the step"
@@ -188,6 +189,11 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
     Policy policy = Policy::kDtralloc;
     bool chaos = false;
     bool check_invariants = false;
+    // The device's foreach ops run a whole list through one fused kernel or
+    // through torch's per-tensor loop (CUDA): a call splits by element only
+    // where one element alone takes the route the list took (elements_of).
+    // Set with `cuda`; tests set it on CPU to run CUDA's rules there.
+    bool fused_foreach = false;
     // The per-op series and the event log keep the first `series_ops` ops
     // (0: none recorded); past it they stop (LiveStats::series_dropped).
     std::size_t series_ops = 0;
@@ -415,6 +421,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // not split), and into *element the element of each tensor argument in
   // for_each_tensor's order (-1: a single tensor every element reads).
   int elements_of(const FuncInfo& known, PyObject* args, PyObject* kwargs, std::vector<int>* element) const;
+  std::vector<bool> fused_route_at(const std::vector<PyObject*>& tensors, const std::vector<int>& element, int n) const;
   int split_elements(py::handle func, py::handle args, py::handle kwargs, int outputs, int writes);
   static py::object one_element(const py::object& x, int n, int element);
   FuncInfo& func_info(PyObject* func);

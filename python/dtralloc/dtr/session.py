@@ -97,6 +97,15 @@ def _policy(policy: Optional[str]) -> str:
     return policy
 
 
+def _fused_foreach(cuda: bool) -> bool:
+    """Whether the session's device runs a foreach op's whole list through
+    one fused kernel or through torch's per-tensor loop (CUDA), so that a
+    call splits by element only where each element alone would take the
+    list's route (LiveSession::elements_of). Tests replace this to run
+    CUDA's rules on CPU, whose foreach kernels always loop."""
+    return cuda
+
+
 class Session:
     """A dtr() session; use it as a context manager. ``stats()`` works during
     and after the block; backward may run after the block (the session lives
@@ -115,7 +124,8 @@ class Session:
         self.policy = _policy(policy)
         self.chaos = chaos
         self._core = _core.LiveSession(cuda, index, self.budget_bytes, _core.config_text(), self.policy, chaos,
-                                       check_invariants, helpers(name), series, history_events)
+                                       check_invariants, helpers(name), series, history_events,
+                                       _fused_foreach(cuda))
         self._core.use_raw_refcount(_check_raw_refcount())
         self._record, self._pack, self._fast_dispatch = self._core.fast_calls()
         self._mode: Optional[Mode] = None
@@ -170,7 +180,8 @@ class Session:
         on CUDA cudaMalloc and cudaFree, whose wait for the device is in it),
         resize_copies (storages resized outside the dispatcher whose contents
         were copied for the recomputes that read them: docs/live.md),
-        peak_bytes, budget_bytes, recompute_seconds, ..."""
+        split_foreach_ops (foreach calls recorded with a recipe per element:
+        docs/live.md), peak_bytes, budget_bytes, recompute_seconds, ..."""
         return self._core.stats()
 
     def series(self) -> dict:
