@@ -696,9 +696,12 @@ int RematEngine::write(int op, int v, bool reads_old, const std::vector<int>* re
   if (values_[v].state != ValueState::kResident || values_[v].locks == 0)
     broken(v, "an in-place write needs the value resident and locked (begin_op's writes)");
   const int n = new_value(values_[v].nbytes, op, ops_[op].cost);
-  values_[n].external = values_[v].external;  // the memory stays where it was
-  if ((reads_old && values_[v].pinned) || reads_other_overwrite(op, v, reads))
-    values_[n].pinned = true;  // it reads a version gone for good (below): no recipe to keep
+  // The memory stays where it was; memory outside the pool is never evicted
+  // (nor could a recompute put the value back there), even where an op
+  // overwrote it whole (copy_ into a storage its owner resized and refilled).
+  values_[n].external = values_[v].external;
+  if (values_[n].external || (reads_old && values_[v].pinned) || reads_other_overwrite(op, v, reads))
+    values_[n].pinned = true;  // or it reads a version gone for good (below): no recipe to keep
   else if (reads_old)
     set_recipe(n, op, {}, reads);
   else

@@ -1194,7 +1194,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       py::object dropped = std::move(old.storage);
       if (!s.saved.empty()) s.storage = std::move(dropped);
       s.external = std::move(old.external);
-      s.pin = old.pin == PinReason::kExternal ? PinReason::kExternal
+      // Memory outside the session stays so, and pinned (RematEngine::write).
+      const bool outside = old.pin == PinReason::kExternal || old.pin == PinReason::kResized;
+      s.pin = outside                          ? old.pin
               : reads_opaque                   ? PinReason::kOpaque
               : pins_writes                    ? reason
                                                : PinReason::kNone;

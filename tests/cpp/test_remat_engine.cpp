@@ -741,6 +741,16 @@ void test_adopted_pinned_and_late_cost() {
   const int q = e.add_output(op2, 512, kAdopted + 0xB0000);
   e.end_op(op2);
   CHECK_EQ(e.value_at(kAdopted + 0xB0000), q);
+  // And where an op overwrites it whole without reading it (copy_): pinned,
+  // with no recipe, never evicted (its memory is not the pool's).
+  const int src = leaf(e, 4096, 1);
+  const int w2 = e.begin_op(call(1, {src}, {x2}));
+  const int x3 = e.write(w2, x2, /*reads_old=*/false);
+  e.end_op(w2);
+  CHECK(e.value(x3).external && e.value(x3).pinned && e.value(x3).recipe.empty() && !e.evictable(x3));
+  CHECK(e.value(x3).addr == 0 && e.value(x3).state == ValueState::kResident);
+  e.evict_all();
+  CHECK(e.value(x3).state == ValueState::kResident);
   e.check_invariants();
   e.release_all();
 }
