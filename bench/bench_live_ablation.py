@@ -200,7 +200,9 @@ class Bench:
         if "oom" in self.step(config):
             return {"oom": True}
         activity = ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU
-        with profile(activities=[activity]) as prof:
+        # acc_events: nothing to accumulate in a profiler used once, but torch
+        # 2.11 warns without it.
+        with profile(activities=[activity], acc_events=True) as prof:
             r = self.step(config)
         if "oom" in r:
             return {"oom": True}
