@@ -238,7 +238,11 @@ def test_install_refuses_a_graph_capture_before_torch_changes_anything(cuda_torc
 def test_captures_run_as_torch_wrote_them_once_dtralloc_is_not_torchs_allocator(monkeypatch, cuda_torch, events):
     dtralloc.install("")
     cuda_torch.state.current = None  # another allocator is torch's now
-    for name in ("synchronize", "empty_cache"):  # what graph.__enter__ calls first; no CUDA here
+    # What graph.__enter__ calls besides the capture's parts (no CUDA here):
+    # synchronize and empty_cache first; torch 2.14 also asks for the current
+    # stream after capture_begin (maybe_stamp_capture_root, which uses it only
+    # with annotations on).
+    for name in ("synchronize", "empty_cache", "current_stream"):
         monkeypatch.setattr(torch.cuda, name, lambda: None)
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
     parts = _CaptureParts()
