@@ -478,7 +478,8 @@ def foreach() -> dict:
     after clip_grad_norm_, foreach, inside chaos sessions; then the version
     counters in-place foreach ops leave, plain and inside a session."""
     dtralloc, torch = _setup()
-    from _foreach_chain import foreach_chain, foreach_geometries, optimizer_steps, whole_foreach_recipes
+    from _foreach_chain import (foreach_chain, foreach_geometries, foreach_geometry_grads, optimizer_steps,
+                                whole_foreach_recipes)
 
     def grads_equal(a, b):
         return [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
@@ -501,16 +502,17 @@ def foreach() -> dict:
             _settle(torch)
 
     # Lists whose elements pass or fail torch's fused route on their own:
-    # split only where all pass or all fail, bit-exact either way.
+    # split only where all pass or all fail, and recomputed bit-exact either way.
     geometries = {}
     for name, (xs, ys, split) in foreach_geometries(torch, "cuda").items():
         with dtralloc.dtr() as s:
             torch._foreach_add(xs, ys)
-        want = torch._foreach_mul(torch._foreach_add(xs, ys), 3.0)
-        with chaos():
-            got = torch._foreach_mul(torch._foreach_add(xs, ys), 3.0)
+        want, _ = foreach_geometry_grads(torch, xs, ys, contextlib.nullcontext)
+        again, _ = foreach_geometry_grads(torch, xs, ys, contextlib.nullcontext)
+        got, c = foreach_geometry_grads(torch, xs, ys, chaos)
         geometries[name] = {"splits": s.stats()["split_foreach_ops"], "expected": int(split),
-                            "diffs": grads_equal(got, want)}
+                            "control": grads_equal(again, want), "diffs": grads_equal(got, want),
+                            "remats": c.stats()["remats"]}
         _settle(torch)
 
     def adamw(session):

@@ -68,6 +68,21 @@ def foreach_geometries(torch, device="cpu"):
     }
 
 
+def foreach_geometry_grads(torch, xs, ys, ctx):
+    """The gradients of weights multiplied into _foreach_add(xs, ys)'s
+    outputs, which autograd saves and the program drops: under chaos, each is
+    brought back by running the op again (on its element alone, where the
+    call split). Returns the gradients and the session (ctx's value)."""
+    torch.manual_seed(1)
+    ws = [torch.randn(x.shape, device=x.device, requires_grad=True) for x in xs]
+    with ctx() as s:
+        zs = torch._foreach_add(xs, ys)
+        loss = sum((z * w).sin().sum() for z, w in zip(zs, ws))
+        del zs
+    loss.backward()
+    return [w.grad for w in ws], s
+
+
 def optimizer_steps(torch, make, ctx, device="cpu", steps=3):
     """`steps` training steps of 12 parameters (of 8 to 19 floats) with the
     optimizer `make(params)` gives, each inside `ctx()`: forward, backward,
