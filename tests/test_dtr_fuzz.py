@@ -8,8 +8,9 @@ or half of it (in grad mode or under ``no_grad``), random ops, ``out=``,
 foreach ops, ``torch.utils.checkpoint`` of both kinds around two ops,
 storages resized away and refilled with other numbers outside the
 dispatcher (FSDP's reshard: what was computed from the old numbers is pinned
-or recomputes from a copy of them), and dropping tensors so that their
-storages die. Each program runs plainly, then
+or recomputes from a copy of them), parameters (made outside the session)
+written in place or overwritten whole under ``no_grad`` and then read, and
+dropping tensors so that their storages die. Each program runs plainly, then
 inside ``dtr(device="cpu", check_invariants=True)`` with nothing evicted and
 with ``chaos=True`` (every evictable value evicted at every opportunity),
 with its backward inside or after the block; programs that drop more of
@@ -96,7 +97,7 @@ CHAINS = [
 ]
 
 KINDS = ["unary", "binary", "view-op", "split", "data", "detach", "slice", "inplace", "random", "out", "del",
-         "foreach", "checkpoint", "resize"]
+         "foreach", "checkpoint", "resize", "param"]
 INSTRUCTION = st.tuples(st.sampled_from(KINDS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63))
 PROGRAM = st.tuples(st.lists(INSTRUCTION, min_size=1, max_size=32), st.booleans())
 
@@ -189,6 +190,16 @@ def execute(program, params):
                 storage.resize_(refill.numel() * refill.element_size())
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(x):
                     x.copy_(refill)
+        elif kind == "param":  # a parameter (made outside the session) written under no_grad, as an
+            # optimizer's update does, or overwritten whole by copy_; from then on read by the program
+            p = params[b % len(params)]
+            with torch.no_grad():
+                if c % 2:
+                    p.mul_(0.5)
+                else:
+                    p.copy_(x if x.numel() == p.numel() else x.sum().expand_as(p))
+            if c % 4 >= 2 and not any(t is p for t, _ in pool.items):
+                pool.add(p)
         elif kind == "del":
             if len(pool.items) > 1 and sum(1 for _, k in pool.items if k == xc) == 1:
                 pool.items = [it for it in pool.items if it[1] != xc]
