@@ -780,21 +780,14 @@ bool LiveSession::covers_storage(py::handle t) {
 
 namespace {
 
-// c10's non-overlapping-and-dense test (TensorImpl: contiguous, or some
-// order of the dimensions whose strides chain without a gap; dimensions of
-// size 0 or 1 do not count).
+// c10's non-overlapping-and-dense test (TensorImpl: empty, or some order of
+// the dimensions whose strides chain without a gap, dimensions of size 1
+// aside; c10 asks is_contiguous first only because it has it cached, and a
+// contiguous tensor's strides chain in that order too).
 bool non_overlapping_and_dense(const std::vector<std::int64_t>& sizes, const std::vector<std::int64_t>& strides) {
   const std::size_t dims = sizes.size();
   for (std::int64_t size : sizes)
     if (size == 0) return true;  // no elements: contiguous
-  std::int64_t expected = 1;  // contiguous
-  bool contiguous = true;
-  for (std::size_t d = dims; d-- > 0 && contiguous;) {
-    if (sizes[d] == 1) continue;
-    contiguous = strides[d] == expected;
-    expected *= sizes[d];
-  }
-  if (contiguous) return true;
   std::vector<std::size_t> order(dims);
   for (std::size_t d = 0; d < dims; ++d) order[d] = d;
   std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
@@ -1194,9 +1187,9 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       py::object dropped = std::move(old.storage);
       if (!s.saved.empty()) s.storage = std::move(dropped);
       s.external = std::move(old.external);
-      // Memory outside the session stays so, and pinned (RematEngine::write).
-      const bool outside = old.pin == PinReason::kExternal || old.pin == PinReason::kResized;
-      s.pin = outside                          ? old.pin
+      // Memory outside the session stays so, pinned for the reason it was
+      // (RematEngine::write).
+      s.pin = engine_->value(n).external       ? old.pin
               : reads_opaque                   ? PinReason::kOpaque
               : pins_writes                    ? reason
                                                : PinReason::kNone;
