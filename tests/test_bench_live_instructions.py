@@ -1,0 +1,64 @@
+"""bench/bench_live_instructions.py: its measured process runs the workload
+it names in the context it names and says how many ops a step has; the
+parent reads callgrind's totals and reports per-op differences. (Running
+valgrind itself takes minutes a cell: not here.)"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import bench_live_instructions as bench  # noqa: E402
+
+
+@pytest.mark.parametrize("config", ["plain", "dtr"])
+def test_the_measured_process_runs_the_workload_and_counts_its_ops(config, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench.child("adds", config, 1, None) == 0
+    finally:
+        torch.set_num_threads(threads)  # the measured process runs on one
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["ops"] == 2000  # 2000 x torch.add
+    assert os.path.isfile(os.path.join(info["dtralloc"], "__init__.py"))
+
+
+def test_totals_are_read_from_callgrind_output(tmp_path):
+    out = tmp_path / "x.callgrind"
+    out.write_text("version: 1\ncreator: callgrind-3.19.0\nevents: Ir\nfn=(1) main\n3 5\nsummary: 123456\ntotals: 123456\n")
+    assert bench.instructions_of(str(out)) == 123456
+    out.write_text("events: Ir\n")
+    with pytest.raises(RuntimeError, match="no totals"):
+        bench.instructions_of(str(out))
+
+
+def test_report_gives_per_op_counts_and_differences_per_build():
+    rows = []
+    for config, per_op in (("plain", 10_000), ("hooks", 30_000), ("dtr", 45_000)):
+        rows.append({"workload": "chain", "config": config, "package": None, "ops": 2000, "per_op": per_op})
+    rows.append({"workload": "chain", "config": "dtr", "package": "before", "ops": 2000, "per_op": 47_500})
+    text = bench.report(rows, ["chain"], ["plain", "hooks", "dtr"], 3, [("before", "/x")], "cmd",
+                        lambda title, command: f"# {title}\n")
+    assert "| plain | noop mode + hooks | dtr | dtr [before] | dtr over plain | dtr over noop mode + hooks | " \
+           "dtr [before] over plain | dtr [before] over noop mode + hooks |" in text, text
+    assert "| 2000 | 10,000 | 30,000 | 45,000 | 47,500 | 35,000 | 15,000 | 37,500 | 17,500 |" in text, text
+
+
+def test_bad_arguments_are_named(monkeypatch):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/valgrind")
+    with pytest.raises(SystemExit, match="unknown nope; choose from adds"):
+        bench.main(["--workloads", "nope"])
+    with pytest.raises(SystemExit, match="NAME=DIR"):
+        bench.main(["--package", "nodir"])
+    with pytest.raises(SystemExit, match="holds no dtralloc"):
+        bench.main(["--package", f"x={ROOT}/bench"])
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="valgrind is not on PATH"):
+        bench.main([])
