@@ -39,6 +39,7 @@ struct Accessors {
   PyObject* cdata = nullptr;
   PyObject* device = nullptr;
   PyObject* layout = nullptr;
+  PyObject* is_nested = nullptr;
   PyObject* grad_fn = nullptr;
   PyObject* output_nr = nullptr;
   PyObject* base = nullptr;             // _base: a view's base tensor, or None
@@ -82,6 +83,7 @@ inline void load_accessors(py::dict d) {
   a.cdata = take("_cdata");
   a.device = take("device");
   a.layout = take("layout");
+  a.is_nested = take("is_nested");
   a.grad_fn = take("grad_fn");
   a.output_nr = take("output_nr");
   a.base = take("_base");

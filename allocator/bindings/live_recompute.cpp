@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "live_python.h"
 #include "live_session.h"
@@ -18,9 +20,26 @@ Geometry Geometry::of(py::handle tensor) {
   g.size = exact_tuple(call_method(tensor, names().size));  // a torch.Size
   g.stride = exact_tuple(call_method(tensor, names().stride));
   g.offset = as_int(call_method(tensor, names().storage_offset));
-  if (call_method(tensor, names().is_conj).ptr() == Py_True) g.bits |= 1;
+  // Only a complex tensor carries the conjugate bit (c10 asserts it), while
+  // a real one can carry the negative bit (`x.conj().imag`).
+  if (is_complex(g.dtype.ptr()) && call_method(tensor, names().is_conj).ptr() == Py_True) g.bits |= 1;
   if (call_method(tensor, names().is_neg).ptr() == Py_True) g.bits |= 2;
   return g;
+}
+
+bool Geometry::is_complex(PyObject* dtype) {
+  // torch.dtype objects are singletons: each is asked once (held here).
+  static auto* known = new std::vector<std::pair<PyObject*, bool>>();  // under the GIL
+  for (const auto& [d, complex] : *known)
+    if (d == dtype) return complex;
+  static PyObject* const name = PyUnicode_InternFromString("is_complex");
+  PyObject* answer = PyObject_GetAttr(dtype, name);
+  if (!answer) throw py::error_already_set();
+  const bool complex = answer == Py_True;
+  Py_DECREF(answer);
+  Py_INCREF(dtype);
+  known->emplace_back(dtype, complex);
+  return complex;
 }
 
 bool Geometry::try_of(py::handle tensor, Geometry* g) {

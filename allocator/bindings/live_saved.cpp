@@ -27,6 +27,9 @@ namespace dtralloc::live {
 // lets it go (release: `seen` keeps the counter, which nothing can move
 // any more). While it lives the unpack returns it as it is, with the saved
 // geometry and lazy bits, instead of building a view (Geometry::view).
+// Nothing but the handle holds the alias, so nothing can reshape it: the
+// pack does not read the geometry (five calls into torch a saved tensor),
+// release() reads it from the alias before letting the alias go.
 
 py::object LiveSession::pack(py::handle tensor) {
   flush_deaths();
@@ -38,8 +41,13 @@ py::object LiveSession::pack(py::handle tensor) {
   const auto cdata = cdata_of(storage);
   const int v = value_of(storage, cdata);
   if (v < 0 || slots_[v].pin == PinReason::kExternal) return py::none();
+  // A legacy nested tensor has no sizes: no view rebuilds it.
+  if (get_attr(tensor, names().is_nested).ptr() == Py_True) return py::none();
+  // Its geometry is read now only where no alias will keep it (Note [saved
+  // alias]: the alias has the same, and release() reads it from there).
+  const bool aliased = shared_pyrefs_ >= 0;  // -1: this torch's references are not known (runner.shared_storage_pyrefs)
   Geometry geometry;
-  if (!Geometry::try_of(tensor, &geometry)) return py::none();
+  if (!aliased && !Geometry::try_of(tensor, &geometry)) return py::none();
   PyObject* ref = PyWeakref_NewRef(tensor.ptr(), nullptr);
   if (!ref) throw py::error_already_set();
   py::object tensor_ref = py::reinterpret_steal<py::object>(ref);
@@ -51,6 +59,7 @@ py::object LiveSession::pack(py::handle tensor) {
   handle->session = shared_from_this();
   handle->value = v;
   handle->geometry = std::move(geometry);
+  handle->described = !aliased;
   handle->tensor = std::move(tensor_ref);
   py::object base = get_attr(tensor, names().base);
   if (!base.is_none()) {
@@ -59,7 +68,7 @@ py::object LiveSession::pack(py::handle tensor) {
     handle->base = py::reinterpret_steal<py::object>(base_ref);
   }
   handle->version = as_int(get_attr(tensor, names().version));
-  if (shared_pyrefs_ >= 0) {  // -1: this torch's references are not known (runner.shared_storage_pyrefs)
+  if (aliased) {
     const py::object guard = no_dispatch();  // not an op of the session
     handle->alias = call_method(tensor, names().detach);
   }
@@ -159,6 +168,7 @@ py::object LiveSession::unpack(const SavedValue& saved) {
       // in-place op that moved its version made a new one), and for a saved
       // view that is gone, the node torch gives such a view once its base
       // was written (runner.version_error makes one to ask).
+      const Geometry geometry = saved.geometry_now();
       py::object grad_fn = saved.grad_fn_name ? saved.grad_fn_name : py::object(py::none());
       PyObject* t = referent(saved.tensor);
       PyObject* base = referent(saved.base);
@@ -166,10 +176,10 @@ py::object LiveSession::unpack(const SavedValue& saved) {
         py::object current = get_attr(t, names().grad_fn);
         if (!current.is_none()) grad_fn = grad_fn_name(current);
       } else if (!saved.is_output && base) {
-        grad_fn = py::make_tuple(py::reinterpret_borrow<py::object>(base), saved.geometry.size,
-                                 saved.geometry.stride, saved.geometry.offset);
+        grad_fn = py::make_tuple(py::reinterpret_borrow<py::object>(base), geometry.size, geometry.stride,
+                                 geometry.offset);
       }
-      version_error(py::make_tuple(saved.geometry.dtype, saved.device, saved.geometry.size,
+      version_error(py::make_tuple(geometry.dtype, saved.device, geometry.size,
                                    saved.output_nr, grad_fn),
                     now, saved.version);
     }
@@ -214,6 +224,9 @@ py::object LiveSession::unpack(const SavedValue& saved) {
     if (now >= 0) check_version(now);
     // The alias is on the storage as it is now (evicting it let the alias
     // go), with the saved tensor's geometry and lazy bits.
+    if (!saved.alias && !saved.described)
+      throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(value) +
+                             " lost its alias before its geometry was read");
     tensor = saved.alias ? saved.alias : saved.geometry.view(storage_of(read));
   } catch (...) {
     engine_->unacquire(read);
@@ -357,6 +370,13 @@ void LiveSession::resizing(py::handle storage) {
   if (mirror_ && addr) mirror_->free(reinterpret_cast<void*>(addr));
   publish_counts();
   if (options_.check_invariants) check_invariants();
+}
+
+Geometry SavedValue::geometry_now() const {
+  if (described) return geometry;
+  if (!alias) throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(value) +
+                                     " has neither its geometry nor an alias");
+  return Geometry::of(alias);
 }
 
 PyObject* SavedValue::watched() const {

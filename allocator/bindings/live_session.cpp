@@ -455,6 +455,10 @@ void LiveSession::release(int value, std::uintptr_t addr) {
   for (SavedValue* h : s.saved) {
     if (!h->alias) continue;
     h->seen = as_int(get_attr(h->alias.ptr(), names().version));
+    if (!h->described) {
+      h->geometry = Geometry::of(h->alias);
+      h->described = true;
+    }
     h->alias = py::object();  // s.storage still holds the storage
   }
   // Last: dropping the storage may free device memory (dtralloc_free, which
@@ -1538,6 +1542,10 @@ void LiveSession::check_invariants() {
         if (h->alias)
           throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(h->value) +
                                  " keeps an alias of the storage of value " + std::to_string(v) + ", which is not resident");
+    for (const SavedValue* h : s.saved)
+      if (!h->alias && !h->described)
+        throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(h->value) +
+                               " has neither an alias nor its geometry");
   }
 }
 

@@ -110,6 +110,7 @@ struct Geometry {
   // `x.conj().imag` are views that only flag their data (Geometry::view sets them again).
   std::uint8_t bits = 0;
   static Geometry of(py::handle tensor);
+  static bool is_complex(PyObject* dtype);  // a torch.dtype's is_complex
   // of(), or false where torch gives the tensor no sizes or strides (a
   // legacy nested tensor): nothing can rebuild it from its storage.
   static bool try_of(py::handle tensor, Geometry* g);
@@ -470,7 +471,11 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
 struct SavedValue {
   std::shared_ptr<LiveSession> session;
   int value;
+  // The saved tensor's geometry, once `described`: read at the pack where
+  // no alias is kept, else from the alias when it goes (Note [saved alias]).
   Geometry geometry;
+  bool described = false;
+  Geometry geometry_now() const;  // geometry, or the alias's while not described
   std::int64_t version;
   // A weakref to the tensor autograd saved: its version counter is the one
   // torch would check (an in-place write outside the session shows there;

@@ -134,7 +134,7 @@ def _accessors() -> dict:
     return {"untyped_storage": tensor.untyped_storage, "size": tensor.size, "stride": tensor.stride,
             "storage_offset": tensor.storage_offset, "dtype": tensor.__dict__["dtype"],
             "_version": tensor.__dict__["_version"], "device": tensor.__dict__["device"],
-            "layout": tensor.__dict__["layout"], "strided": torch.strided,
+            "layout": tensor.__dict__["layout"], "strided": torch.strided, "is_nested": tensor.__dict__["is_nested"],
             "grad_fn": tensor.__dict__["grad_fn"], "output_nr": tensor.__dict__["output_nr"],
             "_base": tensor.__dict__["_base"], "nbytes": storage.nbytes, "data_ptr": storage.data_ptr,
             "_cdata": storage.__dict__["_cdata"], "is_contiguous": tensor.is_contiguous, "numel": tensor.numel,
