@@ -5,8 +5,8 @@ two cores its cells swing by 20-30% from one run to the next (its committed
 results say so), so a change of one microsecond an op cannot be told from
 noise. This bench runs each workload under valgrind's callgrind, which
 counts the instructions the process executes: the same build and workload
-give the same count to within a few hundred instructions a step, whatever
-else the machine runs.
+give the same count to within 0.2% from one run to the next, whatever else
+the machine runs.
 
 Per workload (bench_live_overhead.workloads(): the add loop, the chain, the
 two MLPs, the SGD step, ResNet-50's graph, the RNNs) and configuration
@@ -16,8 +16,10 @@ there), one process: the workload runs twice in its context as a warm-up
 step before), then `--steps` times, each in a context of its own as a
 training loop would, and only those steps are counted
 (callgrind's --toggle-collect on operator.call, which wraps them and
-nothing else). Reported: instructions per ATen op (the ops a dispatch mode
-sees in one step), and the differences that matter: dtr over plain, and
+nothing else; the import and the warm-up run uninstrumented until the
+process says it is warm and callgrind_control turns instrumentation on).
+Reported: instructions per ATen op (the ops a dispatch mode sees in one
+step), and the differences that matter: dtr over plain, and
 dtr over noop mode + hooks (what the session itself adds to the floor of
 any runtime built on a dispatch mode and saved-tensor hooks).
 
@@ -32,8 +34,9 @@ change removes work, and how much.
     python bench/bench_live_instructions.py [--workloads chain,mlp,dropout] [--configs plain,hooks,dtr]
         [--steps 5] [--package before=/path/to/pkg] [--jobs 2] [--out FILE.md]
 
-Needs valgrind (`apt-get install valgrind`); a step takes about 50 times its
-plain time under it, and each process spends a minute importing torch.
+Needs valgrind (`apt-get install valgrind`, with its callgrind_control); a
+counted step takes about 50 times its plain time under it, and each process
+spends about half a minute importing torch uninstrumented.
 """
 from __future__ import annotations
 
@@ -81,10 +84,14 @@ def _use_package(directory: str) -> None:
     sys.path.insert(0, directory)
 
 
-def child(workload: str, config: str, steps: int, package: str | None) -> int:
+def child(workload: str, config: str, steps: int, package: str | None, go: str | None = None) -> int:
     """One measured process (run under callgrind by the parent): prints the
-    ATen ops of one step and where dtralloc came from, as JSON."""
+    ATen ops of one step and where dtralloc came from, as JSON. With `go`
+    (a file's path), it says READY and its pid once warm, and waits for
+    that file: the parent turns callgrind's instrumentation on meanwhile
+    (import and warm-up run uninstrumented, several times faster)."""
     import operator
+    import time
 
     if package:
         _use_package(package)
@@ -116,6 +123,10 @@ def child(workload: str, config: str, steps: int, package: str | None) -> int:
     step()
     step()
     ops = overhead.ops_of(fn)
+    if go:
+        print(f"READY {os.getpid()}", flush=True)
+        while not os.path.exists(go):
+            time.sleep(0.01)
     operator.call(measured, steps)  # counted: callgrind --toggle-collect=_operator_call
     print(json.dumps({"ops": ops, "dtralloc": os.path.dirname(dtralloc.__file__)}))
     return 0
@@ -135,17 +146,34 @@ def instructions_of(callgrind_out: str) -> int:
 
 
 def run_one(workload, config, steps, package_name, package_dir, workdir):
-    out = os.path.join(workdir, f"{workload}-{config}-{package_name or 'this'}.callgrind")
-    cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=_operator_call",
-           f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
-           "--child", workload, config, str(steps)]
+    name = f"{workload}-{config}-{package_name or 'this'}"
+    out = os.path.join(workdir, name + ".callgrind")
+    go = os.path.join(workdir, name + ".go")
+    # Instrumentation off until the child is warm (callgrind_control turns
+    # it on); counting only inside operator.call, which wraps the steps.
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+           "--toggle-collect=_operator_call", f"--callgrind-out-file={out}", sys.executable,
+           os.path.abspath(__file__), "--child", workload, config, str(steps), "--child-go", go]
     if package_dir:
         cmd += ["--child-package", package_dir]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"{workload}/{config} ({package_name or 'this build'}) failed:\n{p.stderr[-3000:]}")
-    info = json.loads(p.stdout.strip().splitlines()[-1])
+    label = f"{workload}/{config} ({package_name or 'this build'})"
+    with open(os.path.join(workdir, name + ".err"), "w+") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("READY "):
+                on = subprocess.run(["callgrind_control", "-i", "on", line.split()[1]], capture_output=True, text=True)
+                if on.returncode != 0:
+                    p.kill()
+                    raise RuntimeError(f"{label}: callgrind_control -i on failed:\n{on.stdout}{on.stderr}")
+                open(go, "w").close()
+        p.wait()
+        if p.returncode != 0 or not any(line.startswith("READY ") for line in lines):
+            err.seek(0)
+            raise RuntimeError(f"{label} failed (exit {p.returncode}):\n{err.read()[-3000:]}")
+    info = json.loads(lines[-1])
     total = instructions_of(out)
     return {"workload": workload, "config": config, "package": package_name, "ops": info["ops"],
             "dtralloc": info["dtralloc"], "instructions": total, "per_op": total / steps / info["ops"]}
@@ -220,8 +248,9 @@ def _parse_list(text, known, what):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
-        package = argv[argv.index("--child-package") + 1] if "--child-package" in argv else None
-        return child(argv[1], argv[2], int(argv[3]), package)
+        def option(flag):
+            return argv[argv.index(flag) + 1] if flag in argv else None
+        return child(argv[1], argv[2], int(argv[3]), option("--child-package"), option("--child-go"))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="workloads: " + ", ".join(f"{k} ({v})" for k, v in WORKLOADS.items()))
@@ -234,8 +263,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes at once (default: cores)")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args(argv)
-    if shutil.which("valgrind") is None:
-        raise SystemExit("bench_live_instructions: valgrind is not on PATH (apt-get install valgrind)")
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("bench_live_instructions: valgrind (with callgrind_control) is not on PATH "
+                         "(apt-get install valgrind)")
     if args.steps < 1:
         raise SystemExit("--steps: at least 1")
     workloads = _parse_list(args.workloads, WORKLOADS, "workloads")

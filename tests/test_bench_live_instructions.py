@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,6 +30,24 @@ def test_the_measured_process_runs_the_workload_and_counts_its_ops(config, capsy
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["ops"] == 2000  # 2000 x torch.add
     assert os.path.isfile(os.path.join(info["dtralloc"], "__init__.py"))
+
+
+def test_the_measured_process_waits_for_its_go_file(tmp_path):
+    # The parent turns callgrind's instrumentation on between READY and the file.
+    go = tmp_path / "go"
+    p = subprocess.Popen([sys.executable, bench.__file__, "--child", "adds", "plain", "1", "--child-go", str(go)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.split() == ["READY", str(p.pid)], line
+        time.sleep(0.5)
+        assert p.poll() is None  # still waiting
+        go.touch()
+        out, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0
+    assert json.loads(out.strip().splitlines()[-1])["ops"] == 2000
 
 
 def test_totals_are_read_from_callgrind_output(tmp_path):
@@ -52,7 +72,7 @@ def test_report_gives_per_op_counts_and_differences_per_build():
 
 
 def test_bad_arguments_are_named(monkeypatch):
-    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/valgrind")
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/" + name)
     with pytest.raises(SystemExit, match="unknown nope; choose from adds"):
         bench.main(["--workloads", "nope"])
     with pytest.raises(SystemExit, match="NAME=DIR"):
@@ -60,5 +80,5 @@ def test_bad_arguments_are_named(monkeypatch):
     with pytest.raises(SystemExit, match="holds no dtralloc"):
         bench.main(["--package", f"x={ROOT}/bench"])
     monkeypatch.setattr(bench.shutil, "which", lambda name: None)
-    with pytest.raises(SystemExit, match="valgrind is not on PATH"):
+    with pytest.raises(SystemExit, match=r"valgrind \(with callgrind_control\) is not on PATH"):
         bench.main([])
