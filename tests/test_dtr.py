@@ -264,6 +264,19 @@ def _modify_saved_output():
     y.sum().backward()
 
 
+def _modify_saved_output_then_drop_it():
+    # Under chaos y's storage is evicted once the program lets go of it:
+    # the error names the sizes the handle kept when its alias went.
+    a = torch.randn(4, requires_grad=True)
+    x = a * 2
+    y = x.exp()
+    y.add_(1)
+    loss = (y * 3).sum()
+    del x, y
+    loss = loss * 1
+    loss.backward()
+
+
 def _modify_parameter_outside():
     w = torch.randn(4, requires_grad=True)
     y = w.sin().sum()  # saves w, a leaf made outside the session
@@ -347,15 +360,16 @@ def _write_through_a_detach_of_a_dropped_saved_output():
     loss.backward()
 
 
-@pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_parameter_outside, _backward_twice, _shape_error,
-                                    _optimizer_step_between_forward_and_backward,
+@pytest.mark.parametrize("misuse", [_modify_saved_output, _modify_saved_output_then_drop_it, _modify_parameter_outside,
+                                    _backward_twice, _shape_error, _optimizer_step_between_forward_and_backward,
                                     _modify_saved_input_through_a_view, _modify_saved_input_then_drop_it,
                                     _modify_the_base_of_a_saved_view, _modify_saved_output_of_a_numbered_node,
                                     _write_through_a_detach_of_a_dropped_saved_output])
 @pytest.mark.parametrize("chaos", [False, True], ids=["resident", "chaos"])
 def test_misuse_gives_the_same_error_as_plain_eager(misuse, chaos):
-    # Under chaos the saved values are evicted, so the error's sizes come
-    # from what the handle kept, not from its alias (Note [saved alias]).
+    # Under chaos a saved value the program dropped is evicted, and the
+    # error's sizes come from what its handle kept, not from its alias
+    # (Note [saved alias]; _modify_saved_output_then_drop_it).
     plain = _error_of(misuse)
     assert plain is not None
     with dtr(device="cpu", chaos=chaos):
