@@ -52,7 +52,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Short names for bench_live_overhead's workloads (its report's names).
+# Short names for bench_live_overhead's workloads and configurations (its names).
 WORKLOADS = {
     "adds": "add loop (2000 x torch.add, 8 floats)",
     "chain": "add chain (x = x + b, 2000 times, 8 floats)",
@@ -75,10 +75,9 @@ DEFAULT_CONFIGS = "plain,hooks,dtr"
 
 
 def _use_package(directory: str) -> None:
-    """Import dtralloc from `directory` instead of the installed one (an
-    editable install's finder would take precedence over sys.path)."""
-    if not os.path.isfile(os.path.join(directory, "dtralloc", "__init__.py")):
-        raise SystemExit(f"--package: {directory} holds no dtralloc/__init__.py (give the folder above dtralloc/)")
+    """Import dtralloc from `directory` (main checked it holds one) instead
+    of the installed one (an editable install's finder would take precedence
+    over sys.path)."""
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()
                         and "editable" not in type(f).__module__.lower()]
     sys.path.insert(0, directory)
@@ -100,28 +99,16 @@ def child(workload: str, config: str, steps: int, package: str | None, go: str |
 
     import dtralloc
     import bench_live_overhead as overhead
-    from dtralloc.dtr import dtr
 
     torch.set_num_threads(1)  # one thread: no worker threads' spinning counted
     fn = overhead.workloads()[WORKLOADS[workload]]
-    contexts = {"plain": None, "noop": overhead.NoopMode, "hooks": overhead.NoopModeAndHooks,
-                "dtr": lambda: dtr(device="cpu"),
-                "budget": lambda: dtr(device="cpu", budget=overhead.UNREACHED_BUDGET)}
-    ctx = contexts[config]
-
-    def step():
-        if ctx is None:
-            fn()
-        else:
-            with ctx():
-                fn()
+    ctx = overhead.contexts()[CONFIGS[config]]
 
     def measured(k):
         for _ in range(k):
-            step()
+            overhead.timed(fn, ctx)  # (its two clock reads are a few hundred instructions a step)
 
-    step()
-    step()
+    measured(2)  # warm-up
     ops = overhead.ops_of(fn)
     if go:
         print(f"READY {os.getpid()}", flush=True)

@@ -159,18 +159,23 @@ def timed(fn, ctx) -> float:
 UNREACHED_BUDGET = 1 << 40
 
 
+def contexts() -> dict:
+    """The configurations a workload runs in, by name (None: plainly)."""
+    return {"plain": None, "noop mode": NoopMode, "noop mode + hooks": NoopModeAndHooks,
+            "dtr": lambda: dtr(device="cpu"),
+            "dtr, budget": lambda: dtr(device="cpu", budget=UNREACHED_BUDGET)}
+
+
 def measure(rounds: int):
     rows = []
     for name, fn in workloads().items():
-        contexts = {"plain": None, "noop mode": NoopMode, "noop mode + hooks": NoopModeAndHooks,
-                    "dtr": lambda: dtr(device="cpu"),
-                    "dtr, budget": lambda: dtr(device="cpu", budget=UNREACHED_BUDGET)}
-        for ctx in contexts.values():  # warm-up: first calls, imports
+        configs = contexts()
+        for ctx in configs.values():  # warm-up: first calls, imports
             timed(fn, ctx)
         n = ops_of(fn)
-        best = {k: float("inf") for k in contexts}
+        best = {k: float("inf") for k in configs}
         for _ in range(rounds):
-            for k, ctx in contexts.items():
+            for k, ctx in configs.items():
                 best[k] = min(best[k], timed(fn, ctx))
         us = {k: v / n * 1e6 for k, v in best.items()}
         with dtr(device="cpu") as s:

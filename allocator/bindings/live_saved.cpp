@@ -224,10 +224,7 @@ py::object LiveSession::unpack(const SavedValue& saved) {
     if (now >= 0) check_version(now);
     // The alias is on the storage as it is now (evicting it let the alias
     // go), with the saved tensor's geometry and lazy bits.
-    if (!saved.alias && !saved.described)
-      throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(value) +
-                             " lost its alias before its geometry was read");
-    tensor = saved.alias ? saved.alias : saved.geometry.view(storage_of(read));
+    tensor = saved.alias ? saved.alias : saved.geometry_now().view(storage_of(read));
   } catch (...) {
     engine_->unacquire(read);
     throw;

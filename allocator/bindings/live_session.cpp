@@ -1536,16 +1536,17 @@ void LiveSession::check_invariants() {
       if (s.saved[i]->listed != static_cast<int>(i) || latest(s.saved[i]->value) != static_cast<int>(v))
         throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(s.saved[i]->value) +
                                " is not where value " + std::to_string(v) + "'s list says");
-    // A saved alias holds the storage: only a resident one (Note [saved alias]).
-    if (engine_->value(static_cast<int>(v)).state != ValueState::kResident)
-      for (const SavedValue* h : s.saved)
-        if (h->alias)
-          throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(h->value) +
-                                 " keeps an alias of the storage of value " + std::to_string(v) + ", which is not resident");
-    for (const SavedValue* h : s.saved)
+    // A saved alias holds the storage: only a resident one; without it the
+    // handle has its geometry (Note [saved alias]).
+    const bool resident = engine_->value(static_cast<int>(v)).state == ValueState::kResident;
+    for (const SavedValue* h : s.saved) {
+      if (h->alias && !resident)
+        throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(h->value) +
+                               " keeps an alias of the storage of value " + std::to_string(v) + ", which is not resident");
       if (!h->alias && !h->described)
         throw std::logic_error("dtralloc live session: a saved handle of value " + std::to_string(h->value) +
                                " has neither an alias nor its geometry");
+    }
   }
 }
 
