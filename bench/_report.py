@@ -16,10 +16,15 @@ def header(title: str, command: str) -> str:
     )
 
 
+def write(report: str, out_path: str) -> None:
+    """Write the report to `out_path` (its folder made where missing)."""
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        f.write(report)
+
+
 def emit(report: str, out_path: str | None) -> None:
     """Print the report, and write it to `out_path` when given."""
     print(report)
     if out_path:
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-        with open(out_path, "w") as f:
-            f.write(report)
+        write(report, out_path)

@@ -29,6 +29,13 @@ dtralloc.install("policy:dtralloc") made, so the pool is the same for all):
 
 Rounds alternate the configurations; per configuration the fastest round
 counts (the least disturbed). Overheads are ratios to plain in the same run.
+The configurations without a budget are timed first, those with budget M
+after them, each group after a warm-up step of its own: on CUDA all share one
+pool, which a budget shrinks (cached segments given back, each cudaFree
+waiting for the device) and a step without one grows again (cudaMalloc), so
+alternating the two groups would time those transitions in both instead of a
+training loop's steady state. The report is rewritten after each batch, so a
+run cut short keeps what it measured.
 
 Each model runs at its base batch B and at multiples of it (--multiples;
 ResNet-50 1 and 3, GPT-2 1 and 2.5 by default): at B the host is the slower
@@ -55,15 +62,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _report import emit, header  # noqa: E402
-from bench_gpu_budget import BASE_BATCH, SMOKE_BATCH, Model  # noqa: E402
+from _report import emit, header, write  # noqa: E402
+from bench_gpu_budget import BASE_BATCH, GPT2_LOSS_CHUNKS, SMOKE_BATCH, Model  # noqa: E402
 from bench_live_overhead import CountMode, NoopMode, NoopModeAndHooks  # noqa: E402
 
 CONFIGS = ("plain", "noop mode", "noop mode + hooks", "dtr", "dtr, no series", "dtr, no GPU op timing",
            "dtr, budget M", "dtr, budget M, no series")
 # Batches, as multiples of the model's base batch B: B, and one where the
-# kernels should outlast the host (GPT-2 at 3 B cannot fit M: its loss alone
-# needs about 3 x 4.6 GiB of logits-sized tensors at once there).
+# kernels should outlast the host, which M holds (on the first H100 run,
+# 2026-11-27, dtr at budget M trained GPT-2 at 2.75-2.88 B with the logits
+# whole, ResNet-50 at 5.75 B).
 MULTIPLES = {"resnet50": (1.0, 3.0), "gpt2": (1.0, 2.5)}
 PROFILED = ("plain", "dtr", "dtr, budget M")
 # CUDA runtime and driver calls that wait for the device (or for a stream or
@@ -98,13 +106,26 @@ def _without_gpu_timing():
         session_module.helpers = original
 
 
+@contextlib.contextmanager
+def _untimed_session(device: str):
+    """A dtr() session made without a stream to mark (_without_gpu_timing);
+    yields the session, as `with dtr() as s` does."""
+    from dtralloc.dtr import dtr
+
+    with _without_gpu_timing():
+        session = dtr(device=device)
+    with session as s:
+        yield s
+
+
 class Bench:
     def __init__(self, name: str, batch: int, smoke: bool, cuda: bool):
         import torch
 
         self.torch, self.cuda = torch, cuda
         self.device = "cuda" if cuda else "cpu"
-        self.m = Model(name, smoke, torch.device(self.device))
+        # GPT-2's loss in as many pieces as the budget bench's: the same model as the one whose figures it explains.
+        self.m = Model(name, smoke, torch.device(self.device), GPT2_LOSS_CHUNKS if name == "gpt2" else 1)
         self.batch = self.m.batch(batch)
         self.budget = None
 
@@ -130,10 +151,7 @@ class Bench:
         if config == "dtr, no series":
             return dtr(device=self.device, series=0)
         if config == "dtr, no GPU op timing":
-            stack = contextlib.ExitStack()
-            stack.enter_context(_without_gpu_timing())
-            stack.enter_context(dtr(device=self.device))
-            return stack
+            return _untimed_session(self.device)
         if config == "dtr, budget M":
             return dtr(device=self.device, budget=self.budget)
         if config == "dtr, budget M, no series":
@@ -233,8 +251,14 @@ class Bench:
         from dtralloc.dtr import dtr
 
         if self.cuda:
+            import gc
+
             import dtralloc
 
+            # What the pool caches from an earlier model's steps would count
+            # in this one's peak reserved bytes.
+            gc.collect()
+            dtralloc.empty_cache()
             self.step("plain")
             dtralloc.reset_peak_memory_stats()
             self.step("plain")
@@ -249,38 +273,51 @@ class Bench:
         return counter.ops
 
 
-def run(name: str, batch: int, multiples, rounds: int, smoke: bool, cuda: bool, profile: bool) -> dict:
+def groups(configs) -> list:
+    """The configurations without a budget, then those with one (timed
+    apart: see the module's docstring)."""
+    return [[c for c in configs if "budget" not in c], [c for c in configs if "budget" in c]]
+
+
+def run(name: str, batch: int, multiples, rounds: int, smoke: bool, cuda: bool, profile: bool,
+        progress=lambda result: None) -> dict:
+    """One model at each multiple of `batch`; `progress(result so far)` after
+    each batch and after the profile."""
     b = Bench(name, batch, smoke, cuda)
     configs = [c for c in CONFIGS if cuda or c != "dtr, no GPU op timing"]
     b.budget = b.measure_budget()  # at B
     ops = b.ops_per_step()
-    runs = []
+    result = {"model": name, "description": b.m.description, "batch": batch, "ops": ops, "budget": b.budget,
+              "runs": [], "profiled": {}, "profiled_batch": None}
     for m in multiples:
         size = max(1, round(m * batch))
         b.set_batch(size)
-        for c in configs:  # warm-up: kernels, optimizer state, the sessions' first step
-            b.step(c)
         best: dict = {}
-        for _ in range(rounds):
-            for c in configs:
-                r = b.step(c)
-                if c not in best or ("oom" in best[c] and "oom" not in r) or (
-                        "oom" not in r and r["wall"] < best[c]["wall"]):
-                    best[c] = r
-        runs.append({"batch": size, "multiple": m, "rows": best})
-    profiled = {}
+        for group in groups(configs):
+            for c in group:  # warm-up: kernels, optimizer state, the sessions' first step, the pool's size
+                b.step(c)
+            for _ in range(rounds):
+                for c in group:
+                    r = b.step(c)
+                    if c not in best or ("oom" in best[c] and "oom" not in r) or (
+                            "oom" not in r and r["wall"] < best[c]["wall"]):
+                        best[c] = r
+        result["runs"].append({"batch": size, "multiple": m, "rows": {c: best[c] for c in configs}})
+        progress(result)
     if profile:  # at the largest batch, which the loop above left set
+        result["profiled_batch"] = result["runs"][-1]["batch"]
         for c in PROFILED:
-            profiled[c] = b.profile(c)
-    return {"model": name, "description": b.m.description, "batch": batch, "ops": ops, "budget": b.budget,
-            "runs": runs, "profiled": profiled, "profiled_batch": runs[-1]["batch"]}
+            result["profiled"][c] = b.profile(c)
+        progress(result)
+    return result
 
 
 def _profile_section(res: dict, cuda: bool) -> list:
     lines = [f"### Under torch.profiler, batch {res['profiled_batch']}", "",
              "One step each (after a warm one), CUDA activity only. GPU busy: the union of its kernels', copies' and "
-             "sets' times; span: first start to last end. The profiler adds its own cost to every CUDA call; two "
-             "cudaDeviceSynchronize are the bench's own (before the step and after it).", "",
+             "sets' times; span: first start to last end. The profiler adds its own cost to every CUDA call; three "
+             "cudaDeviceSynchronize are not the step's: the bench's before the step and after it, and the "
+             "profiler's own as it stops.", "",
              "| config | host ms | wall ms | GPU busy ms | GPU span ms | GPU idle in span | CUDA calls | of them waiting |",
              "|---|---|---|---|---|---|---|---|"]
     for c, p in res["profiled"].items():
@@ -393,8 +430,14 @@ def main(argv=None) -> int:
     command = "python bench/bench_live_ablation.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for name in models:
         batch = args.batch or (SMOKE_BATCH if args.smoke else BASE_BATCH)[name]
-        results.append(run(name, batch, multiples or MULTIPLES[name], args.rounds, args.smoke, cuda, args.profile))
-        emit(report(results, args.rounds, command, device_line, cuda), args.out)  # after each model: a kill keeps it
+
+        def progress(result):  # the file after each batch: a run cut short keeps what it measured
+            if args.out:
+                write(report(results + [result], args.rounds, command, device_line, cuda), args.out)
+
+        results.append(run(name, batch, multiples or MULTIPLES[name], args.rounds, args.smoke, cuda, args.profile,
+                           progress))
+        emit(report(results, args.rounds, command, device_line, cuda), args.out)
     return 0
 
 

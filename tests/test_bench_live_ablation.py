@@ -101,3 +101,51 @@ def test_bad_multiples_are_named(capsys, value):
         ab.main(["--smoke", "--device", "cpu", "--multiples", value])
     assert e.value.code == 2
     assert "--multiples" in capsys.readouterr().err
+
+
+def test_configurations_without_a_budget_are_timed_apart_from_those_with_one():
+    configs = list(ab.CONFIGS)
+    unbudgeted, budgeted = ab.groups(configs)
+    assert sorted(unbudgeted + budgeted) == sorted(configs)
+    assert budgeted == ["dtr, budget M", "dtr, budget M, no series"]
+    assert "plain" in unbudgeted and "dtr" in unbudgeted
+
+
+def test_steps_run_group_by_group_and_the_report_keeps_the_configurations_order(monkeypatch):
+    ran = []
+    original = ab.Bench.step
+
+    def step(self, config):
+        ran.append(config)
+        return original(self, config)
+
+    monkeypatch.setattr(ab.Bench, "step", step)
+    progress = []
+    result = ab.run("resnet50", ab.SMOKE_BATCH["resnet50"], (1.0,), 2, smoke=True, cuda=False, profile=False,
+                    progress=lambda r: progress.append([run_["batch"] for run_ in r["runs"]]))
+    cpu_configs = [c for c in ab.CONFIGS if c != "dtr, no GPU op timing"]
+    unbudgeted, budgeted = ab.groups(cpu_configs)
+    timed = ran[-(3 * len(cpu_configs)):]  # after the budget's and the op count's steps: warm-up + 2 rounds a group
+    assert timed == unbudgeted * 3 + budgeted * 3
+    assert list(result["runs"][0]["rows"]) == cpu_configs
+    assert progress == [[ab.SMOKE_BATCH["resnet50"]]]
+
+
+def test_a_run_cut_short_keeps_the_batches_it_measured(tmp_path, monkeypatch):
+    def interrupted(self, config):
+        raise KeyboardInterrupt  # as the session's time limit would stop it, in the profile
+
+    monkeypatch.setattr(ab.Bench, "profile", interrupted)
+    out = tmp_path / "ablation.md"
+    with pytest.raises(KeyboardInterrupt):
+        ab.main(["--smoke", "--device", "cpu", "--rounds", "1", "--models", "resnet50", "--multiples", "1,2",
+                 "--profile", "--out", str(out)])
+    b = ab.SMOKE_BATCH["resnet50"]
+    assert list(_tables(out.read_text())) == [f"batch {b} (1 B)", f"batch {2 * b} (2 B)"]
+
+
+def test_the_untimed_configuration_reports_its_sessions_stats():
+    b = ab.Bench("resnet50", ab.SMOKE_BATCH["resnet50"], smoke=True, cuda=False)
+    with b.context("dtr, no GPU op timing") as s:
+        b.m.step(b.batch)
+    assert s.stats()["ops"] > 0
