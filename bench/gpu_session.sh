@@ -6,7 +6,7 @@
 #
 #   session.md              date, device, versions, and each step's command, exit status and time
 #   build.log               pip install --no-build-isolation -e .
-#   pytest-gpu.md           pytest -m gpu -v (header + output)
+#   pytest-gpu.md           pytest -m gpu -v (header + output): the gpu_alone ones serially after the rest
 #   live_ablation-DATE.md   bench/bench_live_ablation.py (a dtr() step's time by layer: host vs wall,
 #                           cudaMalloc/cudaFree per step, ResNet-50 at B and 3 B; then under
 #                           torch.profiler: GPU busy time and the CUDA calls that wait; GPT-2 too with
@@ -136,7 +136,7 @@ fi
 # 2. The gpu-marked tests (tests/test_dtr_gpu.py, tests/test_gpu.py) first:
 # a figure from a runtime that is wrong on this GPU is worth nothing. Each test
 # is cut off at 100 s where pytest-timeout is installed, so one hang costs little.
-{ header "pytest -m gpu" "python -m pytest -m gpu -v"; echo '```'; } > "$OUT/pytest-gpu.md"
+{ header "pytest -m gpu" "python -m pytest -m 'gpu and not gpu_alone' -v [-n 4], then -m gpu_alone"; echo '```'; } > "$OUT/pytest-gpu.md"
 PYTEST_TIMEOUT=""
 $PY -c 'import pytest_timeout' 2>/dev/null && PYTEST_TIMEOUT="--timeout 100"
 # Every test runs its scenario in worker processes of its own (a few seconds
@@ -146,9 +146,12 @@ PYTEST_WORKERS="${GPU_SESSION_PYTEST_WORKERS:-4}"
 # Under xdist, pytest-benchmark (on the GPU image) warns that it turns itself
 # off, and the suite's filterwarnings=error made that an INTERNALERROR on the
 # first run (2026-11-27): it is not loaded at all.
-[ "$PYTEST_WORKERS" != 0 ] && $PY -c 'import xdist' 2>/dev/null && PYTEST_TIMEOUT="$PYTEST_TIMEOUT -n $PYTEST_WORKERS -p no:benchmark"
-# pipefail: the step's status is pytest's, not tee's.
-step pytest_gpu 240 260 "set -o pipefail; $PY -m pytest -m gpu -v -rfE $PYTEST_TIMEOUT -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'"
+PYTEST_PARALLEL=""
+[ "$PYTEST_WORKERS" != 0 ] && $PY -c 'import xdist' 2>/dev/null && PYTEST_PARALLEL="-n $PYTEST_WORKERS -p no:benchmark"
+# The tests marked gpu_alone fill the device's memory: they run after the
+# others, one at a time, with no other test process on the GPU.
+# pipefail: each run's status is pytest's, not tee's; the step fails if either does.
+step pytest_gpu 240 260 "set -o pipefail; $PY -m pytest -m 'gpu and not gpu_alone' -v -rfE $PYTEST_TIMEOUT $PYTEST_PARALLEL -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'; shared=\$?; $PY -m pytest -m gpu_alone -v -rfE $PYTEST_TIMEOUT -p no:cacheprovider 2>&1 | tee -a '$OUT/pytest-gpu.md'; alone=\$?; [ \$shared -eq 0 ] && [ \$alone -eq 0 ]"
 echo '```' >> "$OUT/pytest-gpu.md"
 
 # 3. Where a dtr() step's time goes (about a minute): on the first H100 run

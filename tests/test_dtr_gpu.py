@@ -47,8 +47,12 @@ def test_flash_attention_dropout_is_bit_exact_under_chaos(dtype):
         # masks must still be the drawn ones, so the live gradients stray
         # from plain's no more than plain's own do (a wrong mask moves them
         # by their own size). The forward of the first step is exact either way.
+        # A float16 ulp of the largest gradient is up to 1e-3 of it; a wrong
+        # mask moves gradients by 1e-1 and more. The RNG state after the
+        # steps does not depend on the backward's rounding.
         assert "loss 0" not in r["diffs"], r
-        assert r["grad_spread_live"] <= max(4 * r["grad_spread_control"], 1e-3), r
+        assert "CUDA RNG state" not in r["diffs"], r
+        assert r["grad_spread_live"] <= max(4 * r["grad_spread_control"], 1e-2), r
 
 
 @pytest.mark.parametrize("kind", ["backward", "modules"])
@@ -117,17 +121,21 @@ def test_backward_on_the_device_thread_evicts_and_stays_exact():
         f"no budget made backward (on the device thread) evict: {r}"
 
 
+@pytest.mark.gpu_alone
 def test_with_no_budget_a_full_device_makes_the_session_evict():
     """The device, not a budget, is the limit: other memory leaves the pool
     less than the step needs. Before the pool's headroom counted the device's
     free memory, the evictor planned no segment release (the budget, the
     device's whole capacity, seemed to have room) and the step ran out."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("fills the GPU's memory, which other test processes share: run it alone "
+                    "(-m gpu_alone without -n; bench/gpu_session.sh does)")
     r = run("device_full")
     assert r["roomy_evictions"] == 0, r
     *runs, short = r["runs"]
     runs = [x for x in runs if "ballast_error" not in x]
     assert runs, r
-    # 2% of the step's bytes: less than its gradients. The error says the
+    # 10% of the step's bytes: less than its gradients. The error says the
     # device, not the budget, was short.
     assert "oom" in short and "The device itself is short of the budget" in short["oom"], short
     assert "CUDA out of memory." in short["oom"], short

@@ -173,7 +173,10 @@ class _Tally:
         no-op mode's where that differs; `reruns`: how many more runs of the
         reference may match instead (an op plain eager itself runs
         nondeterministically). A sample plain eager rejects (an error input,
-        an unsupported gradient) is skipped."""
+        an unsupported gradient) is skipped, and so is every sample once the
+        time given is up."""
+        if self.out_of_time(where):
+            return
         try:
             plain = step(contextlib.nullcontext())
         except Exception:
