@@ -44,6 +44,7 @@ struct Accessors {
   PyObject* output_nr = nullptr;
   PyObject* base = nullptr;             // _base: a view's base tensor, or None
   PyObject* storage_device = nullptr;   // a storage's device
+  PyObject* fix_weakref = nullptr;      // StorageBase._fix_weakref, or None (Note [storage weakrefs])
   PyObject* strided = nullptr;          // torch.strided, the layout
   PyObject* empty = nullptr;            // torch.empty
   PyObject* disable_dispatch = nullptr;  // torch._C._DisableTorchDispatch: on from construction to deletion
@@ -88,6 +89,7 @@ inline void load_accessors(py::dict d) {
   a.output_nr = take("output_nr");
   a.base = take("_base");
   a.storage_device = take("storage_device");
+  a.fix_weakref = take("_fix_weakref");
   a.strided = take("strided");
   a.empty = take("empty");
   a.disable_dispatch = take("_DisableTorchDispatch");

@@ -516,7 +516,20 @@ py::object LiveSession::storage_of(int value) const {
   const Slot& s = slots_[value];
   if (s.storage) return s.storage;
   if (s.external) return call_method(s.external, names().untyped_storage);
-  if (PyObject* o = referent(s.watch)) return py::reinterpret_borrow<py::object>(o);
+  if (PyObject* o = referent(s.watch)) {
+    // Note [storage weakrefs]: torch before 2.10 lets the StorageImpl own a
+    // storage's Python object once Python's last reference goes (PyObject
+    // preservation), and a reference taken back through a weakref does not
+    // hand it back to Python: kept past the StorageImpl (as the registry
+    // keeps what it owns), the object is deallocated under it ("Deallocating
+    // UntypedStorage that still has live PyObject references") and reads
+    // "Got a null Storage" after: seen on torch 2.8. _fix_weakref() hands it
+    // back, as that warning asks; on newer torch, whose StorageImpl holds a
+    // counted reference instead, it changes nothing.
+    py::object storage = py::reinterpret_borrow<py::object>(o);
+    if (names().fix_weakref != Py_None) call_method(storage, names().fix_weakref);
+    return storage;
+  }
   const Value& x = engine_->value(value);
   const int producer = x.producer;
   std::string made_by = "an input";

@@ -142,6 +142,7 @@ def _accessors() -> dict:
             "is_neg": tensor.is_neg, "set_": tensor.set_, "_conj": tensor._conj, "_neg_view": tensor._neg_view,
             "detach": tensor.detach,
             "storage_device": storage.__dict__["device"], "empty": torch.empty,
+            "_fix_weakref": getattr(storage, "_fix_weakref", None),
             "_DisableTorchDispatch": _no_dispatch, "Tensor": torch.Tensor,
             "disabled_torch_dispatch": torch._C._disabled_torch_dispatch_impl}
 
