@@ -250,6 +250,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes at once (default: cores)")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args(argv)
+    if not hasattr(__import__("operator"), "call"):
+        raise SystemExit("bench_live_instructions: needs Python 3.11 or newer (operator.call, inside which "
+                         f"callgrind counts), not {sys.version.split()[0]}")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("bench_live_instructions: valgrind (with callgrind_control) is not on PATH "
                          "(apt-get install valgrind)")

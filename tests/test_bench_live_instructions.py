@@ -18,6 +18,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_live_instructions as bench  # noqa: E402
 
 
+needs_operator_call = pytest.mark.skipif(not hasattr(__import__("operator"), "call"),
+                                         reason="the measured steps run inside operator.call (Python 3.11+)")
+
+
+@needs_operator_call
 @pytest.mark.parametrize("config", ["plain", "dtr"])
 def test_the_measured_process_runs_the_workload_and_counts_its_ops(config, capsys):
     import torch
@@ -32,6 +37,7 @@ def test_the_measured_process_runs_the_workload_and_counts_its_ops(config, capsy
     assert os.path.isfile(os.path.join(info["dtralloc"], "__init__.py"))
 
 
+@needs_operator_call
 def test_the_measured_process_waits_for_its_go_file(tmp_path):
     # The parent turns callgrind's instrumentation on between READY and the file.
     go = tmp_path / "go"
@@ -71,6 +77,15 @@ def test_report_gives_per_op_counts_and_differences_per_build():
     assert "| 2000 | 10,000 | 30,000 | 45,000 | 47,500 | 35,000 | 15,000 | 37,500 | 17,500 |" in text, text
 
 
+def test_a_python_without_operator_call_is_named(monkeypatch):
+    import operator
+
+    monkeypatch.delattr(operator, "call", raising=False)
+    with pytest.raises(SystemExit, match="needs Python 3.11 or newer"):
+        bench.main([])
+
+
+@needs_operator_call
 def test_bad_arguments_are_named(monkeypatch):
     monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/" + name)
     with pytest.raises(SystemExit, match="unknown nope; choose from adds"):

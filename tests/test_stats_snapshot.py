@@ -11,6 +11,7 @@ import base64
 import contextlib
 import copy
 import io
+import inspect
 import json
 import os
 import pickle
@@ -346,6 +347,8 @@ def test_memory_viz_html_plots_embed_the_snapshot(make_pool):
 
 def test_every_free_completed_follows_a_free_requested(make_pool):
     # torch's filter_alloc_free_pairs prints a complaint for an unpaired event.
+    if "filter_freed" not in inspect.signature(memory_viz.trace_plot).parameters:
+        pytest.skip("this torch's trace_plot has no filter_freed (torch 2.9 added it)")
     pool, held = busy_pool(make_pool)
     pool.complete_events()
     for h in held:

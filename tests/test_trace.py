@@ -244,8 +244,10 @@ def test_view_ops_alias_their_input_storage():
         return x.view(64, 16).t().transpose(0, 1).expand(2, 64, 16)[:, 1:3]
 
     trace = _record(step)
-    assert [op.name for op in trace.ops] == [
-        "aten::view", "aten::t", "aten::transpose.int", "aten::expand", "aten::slice.Tensor"]
+    names = [op.name for op in trace.ops]
+    assert names[:4] == ["aten::view", "aten::t", "aten::transpose.int", "aten::expand"]
+    # torch before 2.9 also dispatches the whole-dimension slice `:`.
+    assert names[4:] in (["aten::slice.Tensor"], ["aten::slice.Tensor"] * 2), names
     (sid,) = trace.initial_storages()
     for op in trace.ops:
         assert op.inputs == [sid] and op.outputs == [sid] and op.aliased == [sid]
