@@ -62,7 +62,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _report import emit, header, write  # noqa: E402
+from _report import header, write  # noqa: E402
 from bench_gpu_budget import BASE_BATCH, GPT2_LOSS_CHUNKS, SMOKE_BATCH, Model  # noqa: E402
 from bench_live_overhead import CountMode, NoopMode, NoopModeAndHooks  # noqa: E402
 
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
 
         results.append(run(name, batch, multiples or MULTIPLES[name], args.rounds, args.smoke, cuda, args.profile,
                            progress))
-        emit(report(results, args.rounds, command, device_line, cuda), args.out)
+        print(report(results, args.rounds, command, device_line, cuda))  # the file: progress() wrote it
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import json
 
 import pytest
 import torch
@@ -477,7 +478,7 @@ def test_what_reads_a_value_overwritten_for_good_is_kept_and_what_it_is_read_by_
 
 
 _FIX_WEAKREF_SPY = """
-import contextlib, sys, torch
+import contextlib, json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from dtralloc.dtr import dtr, runner
 from test_dtr_write_path import _overwritten_for_good
@@ -492,7 +493,7 @@ runner._accessors = spied  # before the process's first session reads them
 want = _overwritten_for_good(contextlib.nullcontext())
 got = _overwritten_for_good(dtr(device="cpu", chaos=True))
 assert all(torch.equal(a, b) for a, b in zip(want, got))
-print(calls)
+print(json.dumps(calls))
 """
 
 
@@ -512,5 +513,5 @@ def test_a_storage_the_registry_takes_back_through_its_weakref_is_handed_back_to
     out = subprocess.run([sys.executable, "-c", _FIX_WEAKREF_SPY, here], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    calls = eval(out.stdout.strip().splitlines()[-1])
+    calls = json.loads(out.stdout.strip().splitlines()[-1])
     assert calls and set(calls) == {"UntypedStorage"}, calls
