@@ -213,6 +213,71 @@ def test_explicit_generator_is_replayed():
     assert s.stats()["rng_replays"] > 0
 
 
+_DEFAULT_DEVICE_PROGRAM = """
+import collections, contextlib, json, torch
+from torch.overrides import TorchFunctionMode
+
+# Not the device the session's tensors are on, as torch.set_default_device("cuda")
+# is not the CPU: the session's one-time probes of torch must not follow it.
+torch.set_default_device("meta")
+
+
+class Count(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls[getattr(func, "__name__", repr(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+from dtralloc.dtr import dtr  # (its import runs a probe too)
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16, device="cpu"), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                            torch.nn.Linear(16, 1, device="cpu"))
+x = torch.randn(8, 16, device="cpu")
+
+
+def step(make_session):
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    counter = Count()
+    with counter:
+        session = make_session()  # the process's first session: the probes run here, inside the user's mode
+        with session:
+            loss = model(x).sum()
+            loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters()], dict(counter.calls), session
+
+
+want, plain_calls, _ = step(contextlib.nullcontext)
+got, session_calls, s = step(lambda: dtr(device="cpu", chaos=True))
+print(json.dumps({"exact": all(torch.equal(a, b) for a, b in zip(want, got)), "plain": plain_calls,
+                  "session": session_calls, "evictions": s.stats()["evictions"]}))
+"""
+
+
+def test_a_default_device_and_a_users_torch_function_mode_leave_the_sessions_probes_alone():
+    # torch.set_default_device (and `with torch.device(...)`) is a torch
+    # function mode that fills in factories' device: the probes a process's
+    # first session makes of torch (runner.probing) made their CPU tensors on
+    # it, and set_() a CPU storage into a tensor on the default device
+    # failed ("the devices must match"), so no session could start under
+    # torch.set_default_device("cuda"). A mode of the user's saw those calls
+    # too. Checked in a process of its own: the probes run once a process.
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_PROGRAM], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["exact"]
+    assert result["evictions"] > 0
+    assert result["session"] == result["plain"], (result["session"], result["plain"])
+
+
 def test_backward_after_the_block():
     model, loss_fn = build("mlp_inplace_dropout")
     torch.manual_seed(1)

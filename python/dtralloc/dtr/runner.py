@@ -15,6 +15,17 @@ import torch
 _no_dispatch = torch._C._DisableTorchDispatch
 
 
+@contextlib.contextmanager
+def probing():
+    """For the one-time probes of how this torch behaves (they make CPU
+    tensors of their own): Python dispatch and torch function off, so that
+    neither a default device (torch.set_default_device and `with
+    torch.device(...)` are a torch function mode that fills in factories'
+    device) nor a mode of the user's changes them or sees them."""
+    with torch._C.DisableTorchFunction(), _no_dispatch():
+        yield
+
+
 def detached(t):
     """An external input as a recompute reads it: the same tensor, outside
     autograd (so rerunning the op builds no graph)."""
@@ -77,8 +88,8 @@ def _torch_words() -> tuple:
     whether it names the op ("output 0 of Exp", torch 2.13) or its backward
     node ("output 0 of ExpBackward0", torch 2.11). Learnt from a real one."""
     try:
-        with _no_dispatch():
-            a = torch.zeros(1, requires_grad=True)
+        with probing():
+            a = torch.zeros(1, requires_grad=True, device="cpu")
             y = a.exp()
             y.add_(1)
             y.sum().backward()
@@ -162,10 +173,10 @@ def shared_storage_pyrefs() -> int:
     a warning says so once."""
     global _shared_pyrefs
     if _shared_pyrefs is None:
-        storage = torch.UntypedStorage(8)
+        storage = torch.UntypedStorage(8, device="cpu")
         alone = sys.getrefcount(storage)
-        with _no_dispatch():
-            t = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with probing():
+            t = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
         shared = sys.getrefcount(storage) - alone
         del t
         if sys.getrefcount(storage) != alone or shared not in (0, 1):

@@ -20,7 +20,7 @@ from .. import _core
 from ..config import size_in_bytes
 from .recording import HISTORY_EVENTS, SERIES_OPS
 from .mode import Mode, pack, unpack_hook
-from .runner import helpers
+from .runner import helpers, probing
 
 _active = threading.local()      # the session whose `with` block this thread is in
 _sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()  # alive (their saved values may be unpacked)
@@ -33,13 +33,14 @@ def _check_raw_refcount() -> bool:
     need no call into Python)."""
     global _raw_refcount
     if _raw_refcount is None:
-        t = torch.empty(4)
-        c = t.untyped_storage()._cdata
-        agree = _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
-        views = [t.view(2, 2), t[1:]]
-        agree = agree and _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
-        del views
-        agree = agree and _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
+        with probing():
+            t = torch.empty(4, device="cpu")
+            c = t.untyped_storage()._cdata
+            agree = _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
+            views = [t.view(2, 2), t[1:]]
+            agree = agree and _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
+            del views
+            agree = agree and _core.storage_refcount_word(c) == torch._C._storage_Use_Count(c)
         _raw_refcount = bool(agree)
     return _raw_refcount
 
@@ -57,7 +58,8 @@ def _device(device) -> tuple[bool, int, str]:
 
     if device is None:
         device = "cuda" if installed() else "cpu"
-    d = torch.device(device)
+    with torch._C.DisableTorchFunction():  # torch.device goes through torch function: a user's mode would see it
+        d = torch.device(device)
     if d.type == "cpu":
         return False, 0, "cpu"
     if d.type != "cuda":
