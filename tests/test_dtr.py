@@ -278,6 +278,50 @@ def test_a_default_device_and_a_users_torch_function_mode_leave_the_sessions_pro
     assert result["session"] == result["plain"], (result["session"], result["plain"])
 
 
+def _to_bfloat16(t):
+    return t.to(torch.bfloat16), t.dtype
+
+
+def _back(packed):
+    return packed[0].to(packed[1])
+
+
+def _step_with_hooks(session_outside):
+    """One forward+backward whose saved tensors a user's hooks store in
+    bfloat16 (a lossy compression), inside a session where one is given."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(32, 16)
+    with session_outside if session_outside is not None else contextlib.nullcontext():
+        with torch.autograd.graph.saved_tensors_hooks(_to_bfloat16, _back):
+            m(x).sum().backward()
+    return [p.grad for p in m.parameters()]
+
+
+def test_a_session_inside_a_users_saved_tensor_hooks_is_refused_and_outside_them_leaves_them_be():
+    # torch applies only the innermost saved-tensor hooks: a session entered
+    # inside a user's would replace them for everything in its block (here a
+    # bfloat16 compression: the gradients moved by 5e-3 against the same
+    # code without the session). The session refuses to start there, and
+    # says how to nest the two instead.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(32, 16)
+    s = dtr(device="cpu", chaos=True)
+    with torch.autograd.graph.saved_tensors_hooks(_to_bfloat16, _back):
+        with pytest.raises(RuntimeError, match=r"saved-tensor hooks are already active in this thread "
+                                               r"\(test_dtr\._to_bfloat16: .*Enter the session outside them"):
+            with s:
+                m(x).sum().backward()
+    with s:  # refused, not spent: it runs once the hooks are gone
+        m(x).sum().backward()
+    assert s.stats()["evictions"] > 0
+    # Outside them, the user's hooks apply to what they wrap, as without the session.
+    want = _step_with_hooks(None)
+    got = _step_with_hooks(dtr(device="cpu", chaos=True))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_backward_after_the_block():
     model, loss_fn = build("mlp_inplace_dropout")
     torch.manual_seed(1)

@@ -73,6 +73,24 @@ def _device(device) -> tuple[bool, int, str]:
     return True, index, f"cuda:{index}"
 
 
+def _outer_pack_hook() -> Optional[str]:
+    """The name of the pack hook on top of this thread's stack of saved-tensor
+    hooks (torch.autograd.graph.saved_tensors_hooks and what builds on it),
+    or None where there is none. torch's accessor is private (from torch
+    2.8; its argument, whether to look past Dynamo's tracing, came later)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        hooks = top(True)
+    except TypeError:
+        hooks = top()
+    if not hooks:
+        return None
+    pack = hooks[0]
+    return f"{getattr(pack, '__module__', None) or '?'}.{getattr(pack, '__qualname__', None) or repr(pack)}"
+
+
 def _explain_saved_hooks_refusal(error) -> None:
     """torch.func.grad, vjp, jacrev and hessian refuse to run while any
     saved-tensor hooks are installed (torch/_functorch/vmap.py,
@@ -139,6 +157,16 @@ class Session:
             raise RuntimeError("dtralloc.dtr: a session can be entered once; make a new one with dtralloc.dtr()")
         if getattr(_active, "session", None) is not None:
             raise RuntimeError("dtralloc.dtr: sessions do not nest; this thread is already inside one")
+        outer = _outer_pack_hook()
+        if outer is not None:
+            raise RuntimeError(
+                f"dtralloc.dtr: saved-tensor hooks are already active in this thread ({outer}: "
+                "torch.autograd.graph.saved_tensors_hooks, save_on_cpu, or checkpoint's own). torch applies only "
+                "the innermost hooks, so the session's would replace them for everything inside its block: what "
+                "they do (offloading, compressing) would be lost, and gradients could differ from the same code "
+                "without the session. Enter the session outside them (with dtralloc.dtr(): with save_on_cpu(): "
+                "...): they then apply to what they wrap, as without the session, and the session owns what is "
+                "saved outside them.")
         self._entered = True
         self._core.start()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack(self), unpack_hook)
