@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach
+    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach | hf
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
     python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP] [SECONDS]
 """
@@ -180,6 +180,46 @@ def flash_dropout(dtype_name: str) -> dict:
     return {"ops": sorted(n for n in ops.names if "attention" in n), "control": control, "diffs": diffs,
             "grad_spread_control": spread(grads[1]), "grad_spread_live": spread(grads[2]),
             "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
+
+
+# tests/_hf_models.py's models on CUDA: every one but wav2vec2, whose CTC loss
+# has no deterministic CUDA backward (deterministic algorithms are on here).
+HF_MODELS = ("t5", "mixtral", "mamba", "swin", "clip")
+
+
+def hf() -> dict:
+    """Small transformers models (tests/_hf_models.py) on CUDA under chaos:
+    two AdamW steps each, plain, plain again and live, every dropout mask,
+    drop-path draw and recompute on the GPU. One process for all of them; a
+    model that raises is reported, and the others still run."""
+    dtralloc, torch = _setup()
+    import numpy as np
+
+    from _hf_models import MODELS, on
+
+    result = {}
+    for name in HF_MODELS:
+        try:
+            _, batch_of = MODELS[name]()
+            batch = on(batch_of(torch.Generator().manual_seed(7)), "cuda")
+
+            def build(name=name):
+                torch.manual_seed(0)
+                model, _ = MODELS[name]()
+                return model.cuda().train()
+
+            def loss_fn(model, b):
+                np.random.seed(0)
+                return model(**b).loss
+
+            control, diffs, s = _plain_twice_and_live(torch, build, batch, loss_fn, 2,
+                                                      lambda: dtralloc.dtr(chaos=True))
+            result[name] = {"control": control, "diffs": diffs, "stats": s.stats()}
+        except Exception as e:  # reported; the next model still runs
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        _settle(torch)
+    result["pool_ok"] = _pool_ok(dtralloc)
+    return result
 
 
 def generator() -> dict:
@@ -649,6 +689,7 @@ SCENARIOS = {
     "oom": oom,
     "device_thread": device_thread,
     "long_lived": long_lived,
+    "hf": hf,
 }
 
 

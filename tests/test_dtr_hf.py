@@ -1,26 +1,8 @@
-"""transformers architectures outside the zoo, each bringing ops the zoo's
-models do not use, train bit-exactly under dtr(chaos=True): one AdamW step
-(after a first one outside the session, so optimizer state exists), compared
-with the same step run plainly: parameters, buffers, optimizer state, the loss
-and the global RNG state. Tiny configurations with random weights (no hub).
-
-* t5: relative position buckets (log, min, where) and their bias, T5's
-  RMS layer norm, cross attention, the decoder's shifted labels.
-* mixtral: sparse experts (router softmax, top-k, one_hot, per-expert
-  index_add_ of token slices) and the router's auxiliary loss, grouped-query
-  attention.
-* mamba: the selective scan's reference loop (a state carried over the
-  sequence, one einsum a token), a causal depthwise conv1d, softplus.
-* swin: shifted windows (roll, window partition by view and permute), the
-  relative position table gathered by an index buffer, the shift's attention
-  mask, stochastic depth (torch.rand in the model).
-* clip: two towers, the text tower's end token found by argmax and indexed,
-  the contrastive loss through logit_scale.exp().
-* wav2vec2: the convolutional feature encoder with group norm, the
-  positional conv under a weight_norm parametrization, time masking (numpy's
-  RNG picks the spans; the learned mask embedding written in by index), and
-  CTC loss.
-"""
+"""transformers architectures outside the zoo (tests/_hf_models.py says what
+each brings) train bit-exactly under dtr(chaos=True): one AdamW step (after a
+first one outside the session, so optimizer state exists), compared with the
+same step run plainly: parameters, buffers, optimizer state, the loss and the
+global RNG state."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,76 +11,9 @@ import torch
 
 from dtralloc.dtr import dtr
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-VOCAB = 96
-
-
-def _t5():
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0)
-    return transformers.T5ForConditionalGeneration(config), lambda g: dict(
-        input_ids=torch.randint(3, VOCAB, (2, 12), generator=g), labels=torch.randint(3, VOCAB, (2, 9), generator=g))
-
-
-def _causal_lm(model):
-    def batch(g):
-        ids = torch.randint(3, VOCAB, (2, 16), generator=g)
-        return dict(input_ids=ids, labels=ids)
-
-    return model, batch
-
-
-def _mixtral():
-    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, attention_dropout=0.1, max_position_embeddings=64,
-                                        output_router_logits=True)
-    return _causal_lm(transformers.MixtralForCausalLM(config))
-
-
-def _mamba():
-    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                                      conv_kernel=4, use_mambapy=False)
-    return _causal_lm(transformers.MambaForCausalLM(config))
-
-
-def _images(classes):
-    return lambda g: dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g),
-                          labels=torch.randint(0, classes, (2,), generator=g))
-
-
-def _swin():
-    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 1], num_heads=[2, 2],
-                                     window_size=4, num_labels=5, hidden_dropout_prob=0.1,
-                                     attention_probs_dropout_prob=0.1, drop_path_rate=0.2)
-    return transformers.SwinForImageClassification(config), _images(5)
-
-
-def _clip():
-    config = transformers.CLIPConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=32, attention_dropout=0.1,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=32, patch_size=8, attention_dropout=0.1))
-    return transformers.CLIPModel(config), lambda g: dict(
-        input_ids=torch.randint(3, VOCAB, (2, 10), generator=g), pixel_values=torch.randn(2, 3, 32, 32, generator=g),
-        return_loss=True)
-
-
-def _wav2vec2():
-    config = transformers.Wav2Vec2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4, hidden_dropout=0.1, attention_dropout=0.1, activation_dropout=0.1,
-        feat_proj_dropout=0.1, layerdrop=0.0, mask_time_prob=0.3, mask_time_length=2, do_stable_layer_norm=True,
-        pad_token_id=0, ctc_loss_reduction="mean")
-    return transformers.Wav2Vec2ForCTC(config), lambda g: dict(
-        input_values=torch.randn(2, 1600, generator=g), labels=torch.randint(1, VOCAB, (2, 5), generator=g))
-
-
-MODELS = {"t5": _t5, "mixtral": _mixtral, "mamba": _mamba, "swin": _swin, "clip": _clip, "wav2vec2": _wav2vec2}
+from _hf_models import MODELS  # noqa: E402  (needs transformers)
 
 
 def _train(name, session=None):
