@@ -322,6 +322,26 @@ def test_a_session_inside_a_users_saved_tensor_hooks_is_refused_and_outside_them
     assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(budget="abc"), ValueError, "bad budget 'abc': expected a size with a unit"),
+    (dict(budget=-5), ValueError, "budget must be positive, got -5"),
+    (dict(budget=1.5), TypeError, r"budget must be bytes \(an int\) or a size"),
+    (dict(budget=True), TypeError, r"budget must be bytes \(an int\) or a size"),
+    (dict(policy="nope"), ValueError, "unknown policy 'nope'; available: .*dtralloc"),
+    (dict(device="mps"), ValueError, r"device must be 'cpu' or 'cuda\[:N\]', not 'mps'"),
+    (dict(device="cuda:x"), ValueError, r"device must be 'cpu' or 'cuda\[:N\]', not 'cuda:x' \("),
+    (dict(chaos="yes"), TypeError, "chaos is True or False, not 'yes'"),
+    (dict(check_invariants=1), TypeError, "check_invariants is True or False, not 1"),
+    (dict(series=-1), TypeError, "series is a number of ops"),
+    (dict(history=-3), ValueError, "history is True, False or a number of events"),
+])
+def test_a_bad_argument_is_named_with_what_it_takes(kwargs, error, match):
+    # (chaos="yes" reached the C++ constructor and came back as pybind11's
+    # list of its overloads; a device torch cannot parse, as torch's own words.)
+    with pytest.raises(error, match=f"^dtralloc.dtr: {match}"):
+        dtr(**{"device": "cpu", **kwargs})
+
+
 def test_backward_after_the_block():
     model, loss_fn = build("mlp_inplace_dropout")
     torch.manual_seed(1)

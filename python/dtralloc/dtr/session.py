@@ -58,8 +58,11 @@ def _device(device) -> tuple[bool, int, str]:
 
     if device is None:
         device = "cuda" if installed() else "cpu"
-    with torch._C.DisableTorchFunction():  # torch.device goes through torch function: a user's mode would see it
-        d = torch.device(device)
+    try:
+        with torch._C.DisableTorchFunction():  # torch.device goes through torch function: a user's mode would see it
+            d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:  # torch's words (a number on a machine without CUDA, a typo)
+        raise ValueError(f"dtralloc.dtr: device must be 'cpu' or 'cuda[:N]', not {device!r} ({e})") from None
     if d.type == "cpu":
         return False, 0, "cpu"
     if d.type != "cuda":
@@ -133,6 +136,10 @@ class Session:
 
     def __init__(self, budget=None, policy: Optional[str] = None, device=None, chaos: bool = False,
                  check_invariants: bool = False, series: int = SERIES_OPS, history=False):
+        for flag, value in (("chaos", chaos), ("check_invariants", check_invariants)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"dtralloc.dtr: {flag} is True or False, not {value!r}")
+        chaos, check_invariants = bool(chaos), bool(check_invariants)
         cuda, index, name = _device(device)
         if isinstance(series, bool) or not isinstance(series, int) or series < 0:
             raise TypeError(f"dtralloc.dtr: series is a number of ops (0: none), not {series!r}")
