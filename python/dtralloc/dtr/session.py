@@ -79,14 +79,16 @@ def _device(device) -> tuple[bool, int, str]:
 def _outer_pack_hook() -> Optional[str]:
     """The name of the pack hook on top of this thread's stack of saved-tensor
     hooks (torch.autograd.graph.saved_tensors_hooks and what builds on it),
-    or None where there is none. torch's accessor is private (from torch
-    2.8; its argument, whether to look past Dynamo's tracing, came later)."""
+    or None where there is none. torch's accessor is private: torch 2.8, 2.13
+    and 2.14 have it (checked), taking whether to look past Dynamo's
+    tracing (yes); one without the argument is asked without it, and a
+    torch without the accessor starts sessions as before."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
         return None
     try:
         hooks = top(True)
-    except TypeError:
+    except TypeError:  # an accessor that takes no argument
         hooks = top()
     if not hooks:
         return None
