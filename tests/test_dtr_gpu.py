@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from _dtr_gpu_worker import HF_MODELS
 from test_gpu import _cuda_available, run_gpu_worker
 
 pytestmark = [
@@ -189,8 +190,8 @@ def test_foreach_ops_split_by_element_on_cuda_only_where_one_element_takes_the_l
 
 
 def test_transformers_models_train_bit_exactly_on_cuda_under_chaos():
-    # tests/_hf_models.py's models (T5, Mixtral, Mamba's reference scan,
-    # Swin, CLIP) on CUDA with the installed pool. Where plain differs from
+    # tests/_hf_models.py's models (HF_MODELS: T5, Mixtral, Mamba's reference
+    # scan, Swin, CLIP) on CUDA with the installed pool. Where plain differs from
     # plain on this GPU (a backward whose kernels are not deterministic even
     # so), bit for bit means nothing after the first backward: the first
     # step's loss and the CUDA RNG state (every draw the steps made, replayed
@@ -198,7 +199,7 @@ def test_transformers_models_train_bit_exactly_on_cuda_under_chaos():
     r = run("hf")
     assert r["pool_ok"]
     problems = {}
-    for name in ("t5", "mixtral", "mamba", "swin", "clip"):
+    for name in HF_MODELS:
         m = r[name]
         if "error" in m:
             problems[name] = m["error"]
