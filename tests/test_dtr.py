@@ -298,7 +298,7 @@ def _step_with_hooks(session_outside):
     return [p.grad for p in m.parameters()]
 
 
-def test_a_session_inside_a_users_saved_tensor_hooks_is_refused_and_outside_them_leaves_them_be():
+def test_a_session_is_refused_inside_saved_tensor_hooks_or_where_they_are_disabled_and_outside_them_leaves_them_be():
     # torch applies only the innermost saved-tensor hooks: a session entered
     # inside a user's would replace them for everything in its block (here a
     # bfloat16 compression: the gradients moved by 5e-3 against the same
@@ -313,7 +313,14 @@ def test_a_session_inside_a_users_saved_tensor_hooks_is_refused_and_outside_them
                                                r"\(test_dtr\._to_bfloat16: .*Enter the session outside them"):
             with s:
                 m(x).sum().backward()
-    with s:  # refused, not spent: it runs once the hooks are gone
+    # Where hooks are disabled (torch.func's transforms do it), refused
+    # before anything starts too (it used to start, fail at torch's check
+    # with torch's message alone, and be spent).
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in here"):
+        with pytest.raises(RuntimeError, match=r"saved-tensor hooks are disabled here .*'no hooks in here'"):
+            with s:
+                pass
+    with s:  # refused twice, not spent: it runs out of both
         m(x).sum().backward()
     assert s.stats()["evictions"] > 0
     # Outside them, the user's hooks apply to what they wrap, as without the session.

@@ -166,6 +166,13 @@ class Session:
             raise RuntimeError("dtralloc.dtr: a session can be entered once; make a new one with dtralloc.dtr()")
         if getattr(_active, "session", None) is not None:
             raise RuntimeError("dtralloc.dtr: sessions do not nest; this thread is already inside one")
+        autograd = torch._C._autograd
+        if hasattr(autograd, "_saved_tensors_hooks_is_enabled") and not autograd._saved_tensors_hooks_is_enabled():
+            raise RuntimeError(
+                "dtralloc.dtr: saved-tensor hooks are disabled here (torch.autograd.graph."
+                "disable_saved_tensors_hooks, as torch.func's transforms do, with the message "
+                f"{autograd._saved_tensors_hooks_get_disabled_error_message()!r}), and a session owns saved tensors "
+                "through them. Enter the session outside that code, or run that code without one.")
         outer = _outer_pack_hook()
         if outer is not None:
             raise RuntimeError(
