@@ -195,11 +195,9 @@ def main(argv=None) -> int:
     text = report(results, args.confs, command.strip())
     if skipped:
         text += "\nSkipped: " + "; ".join(f"{name} ({why})" for name, why in skipped.items()) + "\n"
-    print(text)
-    if args.out:
-        from _report import write
+    from _report import emit
 
-        write(text, args.out)
+    emit(text, args.out)
     return 0
 
 
