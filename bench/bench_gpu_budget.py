@@ -17,6 +17,9 @@ next), the largest batch whose steps all run within M:
                   alone gives (its placement under a budget, no eviction)
 * dtr             dtralloc.install("policy:dtralloc"), every step inside dtralloc.dtr(budget=M)
                   (its budget turns the dtralloc placement on; cudaMalloc segments unless --conf says unmap_pages:on)
+* dtr-forward     the same, with only the forward and the loss inside the block; backward and
+                  the optimizer's step run after it (docs/live.md "Costs": the ops after the block
+                  pay no dispatch mode, and the session still evicts under M through the pool)
 * dtr [CONF]      with --also-conf CONF (GPU, repeatable): dtr again on install("policy:dtralloc,CONF"),
                   side by side with the default in the same run (e.g. arena:on, docs/allocator.md)
 
@@ -58,8 +61,13 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 
-CONFIGS_GPU = ("plain", "checkpoint", "plain-dtralloc", "dtr")
+CONFIGS_GPU = ("plain", "checkpoint", "plain-dtralloc", "dtr", "dtr-forward")
+# dtr-forward runs on CPU only where --configs names it: the CPU mirror counts
+# what runs inside the block, so its backward and optimizer step are not in M there.
 CONFIGS_CPU = ("plain", "checkpoint", "dtr")
+CONFIGS_ALL = CONFIGS_GPU
+# The configurations that run in dtr(budget=M), one search each.
+DTR_CONFIGS = ("dtr", "dtr-forward")
 # B per model: plain fits comfortably on an 80 GB GPU in fp32 (GPT-2 small at
 # seq 1024 about 15 GB, ResNet-50 at 224x224 about 12 GB), so that the 8x B the
 # search may reach under a cap is still a batch the device could hold
@@ -216,10 +224,13 @@ class Model:
         images = torch.randn(size, 3, self.image, self.image, generator=g).to(self.device)
         return images, torch.randint(0, self.classes, (size,), generator=g).to(self.device)
 
-    def step(self, batch) -> "object":
-        """One training step as a training loop runs it; returns the loss."""
+    def step(self, batch, forward_in=None) -> "object":
+        """One training step as a training loop runs it; returns the loss.
+        `forward_in`: a context (a dtr() session) that only the forward and
+        the loss run in; backward and the optimizer's step run after it."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, *batch)
+        with forward_in if forward_in is not None else contextlib.nullcontext():
+            loss = self.loss_fn(self.model, *batch)
         loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -253,7 +264,7 @@ class Worker:
         self.cuda = spec["device"] == "cuda"
         self.cap = spec.get("cap_bytes")
         conf = with_policy(spec.get("conf") or "")
-        if self.cuda and self.config == "dtr":
+        if self.cuda and self.config in DTR_CONFIGS:
             import dtralloc
 
             dtralloc.install(conf)  # no pool budget: the session's budget is the cap
@@ -301,11 +312,15 @@ class Worker:
             self._sync()
             before = self._device_calls()
             start = time.perf_counter()
-            if self.config == "dtr" or not self.cuda:
+            if self.config in DTR_CONFIGS or not self.cuda:
                 # CPU: every configuration inside a session, whose mirror pool
-                # measures what a GPU would reserve; only dtr has a budget.
-                with self._session(self.cap if self.config == "dtr" else None) as s:
-                    self.m.step(batch)
+                # measures what a GPU would reserve; only the dtr ones have a budget.
+                s = self._session(self.cap if self.config in DTR_CONFIGS else None)
+                if self.config == "dtr-forward":
+                    self.m.step(batch, forward_in=s)
+                else:
+                    with s:
+                        self.m.step(batch)
                 stats = s.stats()
                 peak = max(peak, stats["peak_bytes"])
                 evictions += stats["evictions"]
@@ -317,15 +332,18 @@ class Worker:
             times.append(time.perf_counter() - start)
             if before is not None:
                 calls.append(tuple(a - b for a, b in zip(self._device_calls(), before)))
-        if self.cuda and self.config != "dtr":
-            peak = self.torch.cuda.max_memory_reserved()
+        if self.cuda:
+            # The pool's (or torch's) own peak since _clean(): a session's
+            # peak_bytes counts reserved bytes at the ops it records only,
+            # and dtr-forward records none of its backward.
+            peak = max(peak, self.torch.cuda.max_memory_reserved())
         return {"times": times, "peak": peak, "evictions": evictions, "remats": remats, "calls": calls}
 
     def _device_calls(self):
         """dtralloc's pool so far: cudaMalloc + cudaFree calls, and the host
         nanoseconds inside them (a cudaFree waits for the device first);
         None where dtralloc's pool does not serve (CPU, plain, checkpoint)."""
-        if not (self.cuda and self.config in ("dtr", "plain-dtralloc")):
+        if not (self.cuda and self.config in DTR_CONFIGS + ("plain-dtralloc",)):
             return None
         import dtralloc
 
@@ -339,7 +357,7 @@ class Worker:
         try:
             batch = self.m.batch(size)
             r = self.run_steps(batch, 1 + self.timed_steps)
-            ok = not (not self.cuda and self.config != "dtr" and self.cap and r["peak"] > self.cap)
+            ok = not (not self.cuda and self.config not in DTR_CONFIGS and self.cap and r["peak"] > self.cap)
             record.update(ok=ok, step_s=min(r["times"][1:]), peak_bytes=r["peak"], evictions=r["evictions"],
                           remats=r["remats"])
             timed = r["calls"][1:]  # the steps after the warm-up, as step_s
@@ -567,7 +585,7 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
     after each (so a run killed from outside keeps what it measured)."""
     device, smoke = args.device, args.smoke
     base = args.base or (SMOKE_BATCH if smoke else BASE_BATCH)[name]
-    configs = CONFIGS_GPU if device == "cuda" else CONFIGS_CPU
+    configs = getattr(args, "configs", None) or (CONFIGS_GPU if device == "cuda" else CONFIGS_CPU)
     also = {f"dtr [{c}]": c for c in (getattr(args, "also_conf", None) or [])}
     configs = tuple(configs) + tuple(also)
     started = time.monotonic()
@@ -584,7 +602,7 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
     if m is None:
         return
     # The dtr search gets twice the others' share: its probes recompute, and it also runs the check.
-    weights = {c: (2.0 if c == "dtr" or c in also else 1.0) for c in configs}
+    weights = {c: (2.0 if c in DTR_CONFIGS or c in also else 1.0) for c in configs}
     # The dtr searches run first: theirs are the figures the bench is for, and
     # a configuration that overruns its share (a process's start is not in its
     # deadline) takes from those after it. The report keeps `configs`' order;
@@ -633,12 +651,15 @@ def report(results: list, args, command: str, elapsed: float) -> str:
              "M = peak reserved bytes of plain training at batch B (every step, warm-up included), "
              + ("under torch's caching allocator, uncapped, in a process of its own; plain and checkpoint "
                 "are capped at M with set_per_process_memory_fraction, plain-dtralloc with the pool's budget "
-                "(install('policy:dtralloc,budget:M')), dtr with dtr(budget=M) on install('policy:dtralloc'). "
+                "(install('policy:dtralloc,budget:M')), dtr with dtr(budget=M) on install('policy:dtralloc') "
+                "around the whole step, dtr-forward the same around the forward and the loss only (backward "
+                "and the optimizer step after the block, the session alive and its budget in force). "
                 "Reserved, because both caps bound reserved bytes."
                 if args.device == "cuda" else
                 "as the session's virtual mirror pool counts them (CPU: every configuration runs inside "
                 "dtr(device='cpu'); plain and checkpoint fit when the mirror's peak is within M, dtr has "
-                "budget M). CPU times mean nothing."),
+                "budget M; dtr-forward's mirror counts its block only, the forward, so its backward and "
+                "optimizer step are not in M). CPU times mean nothing."),
              "Overhead = step time per sample at that batch / plain's at B - 1; a probe is one warm-up "
              f"step and {SMOKE_TIMED_STEPS if args.smoke else TIMED_STEPS} timed (the fastest counts). Search: "
              + ", ".join(f"{f}B" for f in (SMOKE_LADDER if args.smoke else LADDER))
@@ -646,7 +667,6 @@ def report(results: list, args, command: str, elapsed: float) -> str:
              "dtralloc's pool's calls a timed step (mean), and the host time inside them (memory_stats' "
              "device_alloc_ns + device_free_ns; a cudaFree waits for the device first); '-' where torch's "
              "allocator serves.", ""]
-    goal_met = []
     for res in results:
         name, base, m = res["model"], res["base"], res["measure"]
         lines.append(f"## {name}")
@@ -717,12 +737,10 @@ def report(results: list, args, command: str, elapsed: float) -> str:
                     lines.append("Ops torch warned have no deterministic implementation: "
                                  + "; ".join(check["nondeterministic_ops"]))
         for config, row in s["rows"].items():
-            if not (config == "dtr" or config.startswith("dtr [")) or not row["best"]:
+            if not (config in DTR_CONFIGS or config.startswith("dtr [")) or not row["best"]:
                 continue
             at3 = {b: o for b, o in row["overheads"].items() if b >= 3 * base}
             met = bool(at3) and min(at3.values()) <= 0.25
-            if config == "dtr":
-                goal_met.append(met)
             lines += ["", f"Goal (>= 3x B at <= 25% overhead){'' if config == 'dtr' else ', ' + config}: "
                       f"**{'met' if met else 'not met'}**"
                       + (f" (at {min(at3, key=at3.get)}: {100 * min(at3.values()):+.1f}%)" if at3 else
@@ -736,6 +754,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
     parser.add_argument("--models", default="gpt2,resnet50", help="comma-separated: gpt2, resnet50")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated, of " + ", ".join(CONFIGS_ALL) + " (default: all of them on a "
+                             "GPU; on CPU " + ", ".join(CONFIGS_CPU) + ")")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when torch sees a GPU, else cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny models (the zoo's small sizes): checks the bench")
@@ -786,6 +807,14 @@ def main(argv=None) -> int:
             _core.describe_config(conf)
         except Exception as e:  # noqa: BLE001 - the parser's own words name the bad setting
             parser.error(f"{flag}: {e}")
+    if args.configs is not None:
+        args.configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+        unknown = [c for c in args.configs if c not in CONFIGS_ALL]
+        if unknown or not args.configs:
+            parser.error(f"--configs: unknown configuration {', '.join(map(repr, unknown)) or '(none given)'}; "
+                         f"available: {', '.join(CONFIGS_ALL)}")
+        if args.device != "cuda" and "plain-dtralloc" in args.configs:
+            parser.error("--configs: plain-dtralloc installs dtralloc's pool, which exists on a GPU only")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for name in models:
         if name not in BASE_BATCH:

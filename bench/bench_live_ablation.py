@@ -26,6 +26,11 @@ dtralloc.install("policy:dtralloc") made, so the pool is the same for all):
 * dtr, budget M, no series  the same with series=0: under a budget each op's
                          sample walks every resident value for the evictable
                          bytes (3 µs an op on ResNet-50's graph on CPU)
+* dtr[, budget M], forward in the block  the session around the forward and
+                         the loss only; backward and the optimizer's step run
+                         after the block (the session alive, its budget in
+                         force on CUDA), so their ops pass no dispatch mode.
+                         On CPU the mirror counts what the block runs only.
 
 Rounds alternate the configurations; per configuration the fastest round
 counts (the least disturbed). Overheads are ratios to plain in the same run.
@@ -66,8 +71,9 @@ from _report import header, write  # noqa: E402
 from bench_gpu_budget import BASE_BATCH, GPT2_LOSS_CHUNKS, SMOKE_BATCH, Model  # noqa: E402
 from bench_live_overhead import CountMode, NoopMode, NoopModeAndHooks  # noqa: E402
 
+FORWARD = ", forward in the block"
 CONFIGS = ("plain", "noop mode", "noop mode + hooks", "dtr", "dtr, no series", "dtr, no GPU op timing",
-           "dtr, budget M", "dtr, budget M, no series")
+           "dtr" + FORWARD, "dtr, budget M", "dtr, budget M, no series", "dtr, budget M" + FORWARD)
 # Batches, as multiples of the model's base batch B: B, and one where the
 # kernels should outlast the host, which M holds (on the first H100 run,
 # 2026-11-27, dtr at budget M trained GPT-2 at 2.75-2.88 B with the logits
@@ -140,6 +146,7 @@ class Bench:
     def context(self, config: str):
         from dtralloc.dtr import dtr
 
+        config = config.removesuffix(FORWARD)
         if config == "plain":
             return contextlib.nullcontext()
         if config == "noop mode":
@@ -182,8 +189,12 @@ class Bench:
         start = time.perf_counter()
         message = None
         try:
-            with self.context(config) as s:
-                self.m.step(self.batch)
+            if config.endswith(FORWARD):
+                s = self.context(config)
+                self.m.step(self.batch, forward_in=s)
+            else:
+                with self.context(config) as s:
+                    self.m.step(self.batch)
         except (RuntimeError, MemoryError) as e:
             if not _is_oom(e):
                 raise

@@ -133,15 +133,17 @@ def test_a_check_that_runs_out_of_memory_moves_down_to_the_next_batch_that_fitte
     assert "ran out of memory at batch 8" in report, report
 
 
-def test_conf_is_checked_before_anything_runs():
-    def fails(*args):
-        proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        return proc.stderr
+def _refused(*args) -> str:
+    """The bench's argument error for `args` (exit 2, nothing run): its stderr."""
+    proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc.stderr
 
-    assert "install nothing" in fails("--device", "cpu", "--conf", "unmap_pages:off")
-    assert "unknown key 'unmap_pagez'" in fails("--device", "cuda", "--conf", "unmap_pagez:off")
+
+def test_conf_is_checked_before_anything_runs():
+    assert "install nothing" in _refused("--device", "cpu", "--conf", "unmap_pages:off")
+    assert "unknown key 'unmap_pagez'" in _refused("--device", "cuda", "--conf", "unmap_pagez:off")
 
 
 def test_the_dtralloc_configurations_install_the_dtralloc_policy():
@@ -179,9 +181,13 @@ def test_also_conf_runs_the_dtr_search_again_on_its_settings(monkeypatch):
     result = {}
     bench.bench_model("gpt2", args, 100.0, result, lambda: None)
     # The dtr searches run first (the figures the bench is for); the report keeps the configurations' order.
-    by_label = dict(zip(["measure", "dtr", "dtr [arena:on]", "plain", "checkpoint", "plain-dtralloc"], specs))
-    assert [spec["config"] for spec in specs] == ["measure", "dtr", "dtr", "plain", "checkpoint", "plain-dtralloc"]
-    assert list(result["configs"]) == ["plain", "checkpoint", "plain-dtralloc", "dtr", "dtr [arena:on]"]
+    labels = ["measure", "dtr", "dtr-forward", "dtr [arena:on]", "plain", "checkpoint", "plain-dtralloc"]
+    by_label = dict(zip(labels, specs))
+    assert [spec["config"] for spec in specs] == ["measure", "dtr", "dtr-forward", "dtr", "plain", "checkpoint",
+                                                  "plain-dtralloc"]
+    assert list(result["configs"]) == ["plain", "checkpoint", "plain-dtralloc", "dtr", "dtr-forward",
+                                       "dtr [arena:on]"]
+    assert "check" not in by_label["dtr-forward"]
     assert by_label["dtr [arena:on]"]["config"] == "dtr" and by_label["dtr [arena:on]"]["conf"] == "arena:on"
     assert "check" not in by_label["dtr [arena:on]"] and by_label["dtr"]["check"] == 16
     assert by_label["dtr"]["conf"] == ""
@@ -216,3 +222,50 @@ def test_gpt2_loss_in_pieces_is_the_same_loss_and_its_count_is_checked():
     proc = subprocess.run([sys.executable, "bench/bench_gpu_budget.py", "--gpt2-loss-chunks", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--gpt2-loss-chunks is a number of pieces >= 1" in proc.stderr, proc.stderr
+
+
+def test_configs_are_checked_before_anything_runs():
+    err = _refused("--device", "cpu", "--configs", "plain,dtr-fwd")
+    assert "unknown configuration 'dtr-fwd'" in err and "dtr-forward" in err, err
+    assert "(none given)" in _refused("--device", "cpu", "--configs", ",")
+    assert "GPU only" in _refused("--device", "cpu", "--configs", "plain-dtralloc")
+
+
+def test_dtr_forward_runs_the_forward_alone_in_the_session(tmp_path):
+    """dtr-forward: the session around the forward and the loss; backward and
+    the optimizer step after the block (on CPU the mirror counts the block
+    alone); it runs and is reported beside dtr."""
+    out = tmp_path / "budget.md"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_gpu_budget.py", "--smoke", "--device", "cpu", "--in-process",
+         "--models", "resnet50", "--configs", "dtr,dtr-forward", "--time-limit", "40", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (res,) = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert list(res["configs"]) == ["dtr", "dtr-forward"]
+    fits = {c: max((r["batch"] for r in res["configs"][c] if r["event"] == "probe" and r["ok"]), default=0)
+            for c in res["configs"]}
+    assert fits["dtr"] >= res["base"] and fits["dtr-forward"] >= res["base"], fits
+    report = out.read_text()
+    assert "| dtr-forward |" in report and "Goal (>= 3x B at <= 25% overhead), dtr-forward:" in report, report
+    assert "dtr-forward's mirror counts its block only" in report
+
+
+def test_model_step_runs_only_the_forward_in_forward_in():
+    import torch
+
+    bench = _bench()
+    m = bench.Model("resnet50", True, torch.device("cpu"))
+    batch = m.batch(2)
+    seen = []
+
+    class Spy:
+        def __enter__(self):
+            seen.append(("enter", any(p.grad is not None for p in m.model.parameters())))
+
+        def __exit__(self, *exc):
+            seen.append(("exit", any(p.grad is not None for p in m.model.parameters())))
+
+    loss = m.step(batch, forward_in=Spy())
+    assert seen == [("enter", False), ("exit", False)]  # no gradient yet when the block ends: backward runs after
+    assert loss.requires_grad is False and all(p.grad is not None for p in m.model.parameters())

@@ -107,8 +107,27 @@ def test_configurations_without_a_budget_are_timed_apart_from_those_with_one():
     configs = list(ab.CONFIGS)
     unbudgeted, budgeted = ab.groups(configs)
     assert sorted(unbudgeted + budgeted) == sorted(configs)
-    assert budgeted == ["dtr, budget M", "dtr, budget M, no series"]
-    assert "plain" in unbudgeted and "dtr" in unbudgeted
+    assert budgeted == ["dtr, budget M", "dtr, budget M, no series", "dtr, budget M, forward in the block"]
+    assert "plain" in unbudgeted and "dtr" in unbudgeted and "dtr, forward in the block" in unbudgeted
+
+
+def test_forward_in_the_block_records_the_forward_only_and_the_step_still_trains():
+    import torch
+
+    b = ab.Bench("resnet50", ab.SMOKE_BATCH["resnet50"], smoke=True, cuda=False)
+    with b.context("dtr") as whole:
+        b.m.step(b.batch)
+    before = [p.detach().clone() for p in b.m.model.parameters()]
+    forward = b.context("dtr, forward in the block")
+    b.m.step(b.batch, forward_in=forward)
+    # backward and the optimizer's step ran after the block: every parameter
+    # has a gradient and moved, and the session recorded about a third of the ops
+    assert all(p.grad is not None for p in b.m.model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(b.m.model.parameters(), before))
+    assert 0 < forward.stats()["ops"] < whole.stats()["ops"] / 2, (forward.stats()["ops"], whole.stats()["ops"])
+    b.budget = 1 << 20  # far below what the forward alone needs: reported, and the next step runs
+    assert b.step("dtr, budget M, forward in the block")["oom"].startswith("dtralloc.dtr: out of memory")
+    assert "host" in b.step("dtr, forward in the block")
 
 
 def test_steps_run_group_by_group_and_the_report_keeps_the_configurations_order(monkeypatch):
