@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import itertools
 import json
 import sys
 import threading
@@ -322,7 +323,10 @@ def oom() -> dict:
 def device_thread() -> dict:
     """Backward runs on autograd's CUDA device thread (without the GIL); under
     a budget its allocations call the pool's eviction hook from there, which
-    must take the GIL, only free, and leave the gradients bit-exact."""
+    must take the GIL, only free, and leave the gradients bit-exact. Both
+    inside the block (the device thread runs the session's dispatch mode) and
+    after it (no mode: the session, alive, evicts through the pool's hook
+    alone; docs/live.md "Costs")."""
     dtralloc, torch = _setup()
     from torch import nn
 
@@ -331,17 +335,22 @@ def device_thread() -> dict:
     x = torch.randn(4096, 2048, device="cuda")  # 32 MiB per activation
     main = threading.get_ident()
 
-    def forward_backward(budget=None):
+    def forward_backward(budget=None, after=False):
         model.zero_grad(set_to_none=True)
+        dtralloc.reset_peak_memory_stats()
         threads = []
         with dtralloc.dtr(budget=budget) as s:
             y = model(x)
             y.register_hook(lambda g: threads.append(threading.get_ident()))
             loss = y.square().mean()
             before = s.stats()["evictions"]
+            if not after:
+                loss.backward()
+        if after:
             loss.backward()
         torch.cuda.synchronize()
-        return [p.grad.clone() for p in model.parameters()], s.stats(), before, threads
+        pool_peak = dtralloc.memory_stats()["reserved_bytes.all.peak"]
+        return [p.grad.clone() for p in model.parameters()], {**s.stats(), "pool_peak": pool_peak}, before, threads
 
     def resident():
         """Reserved bytes once the cache is given back: what a budget must
@@ -354,19 +363,20 @@ def device_thread() -> dict:
     want, peak_stats, _, _ = forward_backward()
     peak = peak_stats["peak_bytes"]
     runs = []
-    for fraction in (0.75, 0.6, 0.45):
+    for fraction, after in itertools.product((0.75, 0.6, 0.45), (False, True)):
         got = None  # the last run's gradients are not this run's
         budget = resident() + int((peak - at_start) * fraction)
         try:
-            got, stats, before, threads = forward_backward(budget)
+            got, stats, before, threads = forward_backward(budget, after)
         except dtralloc.OutOfMemoryError as e:
-            runs.append({"fraction": fraction, "oom": str(e).splitlines()[0]})
+            runs.append({"fraction": fraction, "after_block": after, "oom": str(e).splitlines()[0]})
             continue
         gc.collect()
-        runs.append({"fraction": fraction, "budget": budget, "exact": all(torch.equal(a, b) for a, b in zip(got, want)),
+        runs.append({"fraction": fraction, "after_block": after, "budget": budget,
+                     "exact": all(torch.equal(a, b) for a, b in zip(got, want)),
                      "evictions_in_forward": before, "evictions": stats["evictions"], "remats": stats["remats"],
-                     "peak_bytes": stats["peak_bytes"], "backward_off_main_thread": bool(threads) and
-                     all(t != main for t in threads)})
+                     "peak_bytes": stats["peak_bytes"], "pool_peak": stats["pool_peak"],
+                     "backward_off_main_thread": bool(threads) and all(t != main for t in threads)})
     return {"peak": peak, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
 
 

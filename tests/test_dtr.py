@@ -364,6 +364,53 @@ def test_backward_after_the_block():
     assert s.stats()["remats"] > 0
 
 
+def _forward_alone(model, loss_fn, steps, **session):
+    """`steps` AdamW steps with the forward alone in a dtr(**session) block;
+    backward and the step after it. Returns (losses, parameters, buffers),
+    the global RNG state, and per step (ops recorded, remats at the block's
+    end, remats after the backward)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, counts = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with dtr(device="cpu", **session) as s:
+            loss = loss_fn(model)
+        in_block = s.stats()["remats"]
+        loss.backward()
+        counts.append((s.stats()["ops"], in_block, s.stats()["remats"]))
+        losses.append(loss.detach())
+        opt.step()
+    state = [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
+    return (losses, *state), torch.get_rng_state(), counts
+
+
+@pytest.mark.parametrize("name", ["transformer_sdpa_dropout", "convnet_batchnorm"])
+def test_the_forward_alone_in_the_block_trains_bit_exactly_recomputing_in_the_backward(name):
+    """docs/live.md, "The forward alone in the block": backward and the
+    optimizer's step after the block pass no mode; what the forward saved
+    is still the session's, brought back at its unpack, under chaos and
+    under a budget, and three AdamW steps equal plain eager's."""
+    model, loss_fn = build(name, SWEEP_BATCH[name])
+    torch.manual_seed(3)
+    want = train(copy.deepcopy(model), loss_fn, 3)
+    want_rng = torch.get_rng_state()
+    torch.manual_seed(3)
+    _, _, whole = _forward_alone(copy.deepcopy(model), loss_fn, 1)
+    with dtr(device="cpu") as s:  # the same step with the backward inside, for its op count
+        loss_fn(copy.deepcopy(model)).backward()
+    assert whole[0][0] < s.stats()["ops"] / 2
+    with dtr(device="cpu") as s:
+        loss = loss_fn(copy.deepcopy(model))
+    peak = s.stats()["peak_bytes"]
+    del loss
+    for session in ({"chaos": True}, {"budget": int(0.5 * peak)}):
+        torch.manual_seed(3)
+        got, rng, counts = _forward_alone(copy.deepcopy(model), loss_fn, 3, **session)
+        assert_identical(got, want)
+        assert torch.equal(rng, want_rng)
+        assert any(after > in_block for _, in_block, after in counts), (session, counts)
+
+
 def test_a_thousand_layer_chain_recomputes_without_recursion():
     torch.manual_seed(0)
     chain = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(1000)])

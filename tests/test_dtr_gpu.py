@@ -117,9 +117,10 @@ def test_backward_on_the_device_thread_evicts_and_stays_exact():
     for x in runs:
         assert x["exact"], x
         assert x["backward_off_main_thread"], x
-        assert x["peak_bytes"] <= x["budget"], x
-    assert any(x["evictions"] > x["evictions_in_forward"] for x in runs), \
-        f"no budget made backward (on the device thread) evict: {r}"
+        assert x["peak_bytes"] <= x["budget"] and x["pool_peak"] <= x["budget"], x
+    for after in (False, True):  # backward in the block (under the mode) and after it (no mode)
+        assert any(x["evictions"] > x["evictions_in_forward"] for x in runs if x["after_block"] == after), \
+            f"no budget made backward (on the device thread{', after the block' if after else ''}) evict: {r}"
 
 
 @pytest.mark.gpu_alone
