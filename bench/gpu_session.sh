@@ -47,7 +47,7 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 SESSION="$OUT/session.md"
 REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
 BENCH_ARGS=""
-[ -n "$REHEARSAL" ] && BENCH_ARGS="--smoke --device cpu --in-process --models resnet50"
+[ -n "$REHEARSAL" ] && BENCH_ARGS="--smoke --device cpu --in-process --models resnet50 --configs plain,checkpoint,dtr,dtr-forward"
 # The dtr search again on these settings, beside the default. None by
 # default: the bench's own dtr-forward search (the forward alone in the
 # block, docs/live.md "Costs") takes the time arena:on's took until
