@@ -28,9 +28,9 @@ GPT-2's loss runs in 8 pieces over the tokens in every configuration
 alone needs more than M at 3x B.
 
 Per configuration: max batch / B, and the step time per sample over plain's
-at B (the overhead), at every batch probed. The dtr process then checks one
-forward+backward at 2B (evicting) against a plain uncapped one in the same
-process: loss, gradients, buffers and the CUDA RNG state bit for bit, with
+at B (the overhead), at every batch probed. Each dtr process then checks one
+forward+backward at 2B (evicting; dtr-forward with the backward after the
+block) against a plain uncapped one in the same process: loss, gradients, buffers and the CUDA RNG state bit for bit, with
 deterministic algorithms on, next to a plain-vs-plain control that shows
 whether the kernels themselves are deterministic.
 
@@ -424,12 +424,13 @@ class Worker:
         buffers0 = [b.detach().clone() for b in model.buffers()]
         batch = self.m.batch(size, seed=1)
 
-        def once():
+        def once(forward_in=contextlib.nullcontext()):
             for b, b0 in zip(model.buffers(), buffers0):
                 b.copy_(b0)
             model.zero_grad(set_to_none=True)
             torch.manual_seed(1234)
-            loss = self.m.loss_fn(model, *batch)
+            with forward_in:
+                loss = self.m.loss_fn(model, *batch)
             loss.backward()
             rng = torch.cuda.get_rng_state() if self.cuda else torch.get_rng_state()
             out = [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters() if p.grad is not None] + \
@@ -461,16 +462,22 @@ class Worker:
             self._clean()
             second = once()
             self._clean()
-            with self._session(self.cap) as s:
-                live = once()
+            s = self._session(self.cap)
+            if self.config == "dtr-forward":  # the forward alone in the session, backward after it
+                live = once(forward_in=s)
+            else:
+                with s:
+                    live = once()
             stats = s.stats()
+            # The pool's own peak too (_clean reset it): dtr-forward records none of its backward.
+            peak = max(stats["peak_bytes"], torch.cuda.max_memory_reserved() if self.cuda else 0)
         nondeterministic = sorted({str(w.message).split(" does not have a deterministic")[0]
                                    for w in caught if "deterministic" in str(w.message)})
         return {"event": "check", "batch": size, "strict_determinism": strict,
                 "plain_vs_plain": same(first, second),
                 "dtr_vs_plain": same(live, first), "tensors": len(first), "evictions": stats["evictions"],
                 "remats": stats["remats"], "rng_replays": stats["rng_replays"],
-                "peak_bytes": stats["peak_bytes"], "nondeterministic_ops": nondeterministic[:8]}
+                "peak_bytes": peak, "nondeterministic_ops": nondeterministic[:8]}
 
 
 def worker_main(spec: dict, emit=_print) -> int:
@@ -491,7 +498,7 @@ def worker_main(spec: dict, emit=_print) -> int:
     deadline = time.monotonic() + spec["deadline_s"]
     known = {int(b): good for b, good in spec.get("known", {}).items()}
     largest = w.search(spec["base"], known, deadline)
-    if spec["config"] == "dtr" and spec.get("check"):
+    if spec["config"] in DTR_CONFIGS and spec.get("check"):
         # At 2B when dtr fits there (it must evict: plain needs about 2M),
         # else at the largest batch that fits. Which values dtr evicts follows
         # the op times it measures, and those vary from run to run: a batch
@@ -615,7 +622,7 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
         spec = {**common, "config": config, "cap_bytes": m["cap_bytes"], "deadline_s": max(share * 0.7, 5.0)}
         if config in also:  # the dtr search again on other settings (no bit-exactness check: dtr's covers it)
             spec.update(config="dtr", conf=also[config])
-        elif config == "dtr":
+        elif config in DTR_CONFIGS:
             spec["check"] = 2 * base
         result["configs"][config] = run_config(spec, max(share, 30.0), in_process)
         result["configs"] = {c: result["configs"][c] for c in configs if c in result["configs"]}
@@ -712,21 +719,24 @@ def report(results: list, args, command: str, elapsed: float) -> str:
                 if r["event"] == "died":
                     lines.append(f"{'':<15}process died ({r['rc']}) probing batch {r['batch']}: {r['error']}")
         lines.append("```")
-        dtr_row = s["rows"].get("dtr")
-        if dtr_row:
+        for config in DTR_CONFIGS:
+            dtr_row = s["rows"].get(config)
+            if not dtr_row:
+                continue
+            how = "" if config == "dtr" else f" ({config}: the forward in the session, backward after it)"
             for r in dtr_row["other"]:
                 if r["event"] == "check_oom":
-                    lines += ["", f"The bit-exactness check ran out of memory at batch {r['batch']}, which fitted "
-                              "in its probe (what dtr evicts follows measured op times, which vary from run to "
-                              f"run): {r['error'].splitlines()[0][:200]}"]
+                    lines += ["", f"The bit-exactness check{how} ran out of memory at batch {r['batch']}, which "
+                              "fitted in its probe (what dtr evicts follows measured op times, which vary from run "
+                              f"to run): {r['error'].splitlines()[0][:200]}"]
                 elif r["event"] == "check_failed":
-                    lines += ["", f"The bit-exactness check failed at batch {r['batch']}: {r['error']}"]
+                    lines += ["", f"The bit-exactness check{how} failed at batch {r['batch']}: {r['error']}"]
             check = next((r for r in dtr_row["other"] if r["event"] == "check"), None)
             if check:
                 verdict = ("bit-exact" if check["dtr_vs_plain"] else "DIFFERS") if check["plain_vs_plain"] else \
                     ("not comparable: plain differs from plain (nondeterministic kernels)"
                      + ("; dtr equals the first plain run" if check["dtr_vs_plain"] else ""))
-                lines += ["", f"Bit-exactness at batch {check['batch']} (dtr with budget M vs plain uncapped, "
+                lines += ["", f"Bit-exactness at batch {check['batch']}{how} (dtr with budget M vs plain uncapped, "
                           f"one forward+backward, {check['tensors']} tensors: loss, gradients, buffers, RNG "
                           f"state; torch.use_deterministic_algorithms(True"
                           f"{')' if check['strict_determinism'] else ', warn_only=True)'}): "

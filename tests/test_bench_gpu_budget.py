@@ -187,7 +187,7 @@ def test_also_conf_runs_the_dtr_search_again_on_its_settings(monkeypatch):
                                                   "plain-dtralloc"]
     assert list(result["configs"]) == ["plain", "checkpoint", "plain-dtralloc", "dtr", "dtr-forward",
                                        "dtr [arena:on]"]
-    assert "check" not in by_label["dtr-forward"]
+    assert by_label["dtr-forward"]["check"] == 16  # its own bit-exactness check, backward after the block
     assert by_label["dtr [arena:on]"]["config"] == "dtr" and by_label["dtr [arena:on]"]["conf"] == "arena:on"
     assert "check" not in by_label["dtr [arena:on]"] and by_label["dtr"]["check"] == 16
     assert by_label["dtr"]["conf"] == ""
@@ -246,8 +246,12 @@ def test_dtr_forward_runs_the_forward_alone_in_the_session(tmp_path):
     fits = {c: max((r["batch"] for r in res["configs"][c] if r["event"] == "probe" and r["ok"]), default=0)
             for c in res["configs"]}
     assert fits["dtr"] >= res["base"] and fits["dtr-forward"] >= res["base"], fits
+    (check,) = [r for r in res["configs"]["dtr-forward"] if r["event"] == "check"]
+    assert check["plain_vs_plain"] and check["dtr_vs_plain"], check
+    assert check["remats"] > 0 or check["batch"] == res["base"], check  # at 2B the forward alone outgrows M
     report = out.read_text()
     assert "| dtr-forward |" in report and "Goal (>= 3x B at <= 25% overhead), dtr-forward:" in report, report
+    assert "(dtr-forward: the forward in the session, backward after it) (dtr with budget M" in report, report
     assert "dtr-forward's mirror counts its block only" in report
 
 
