@@ -10,8 +10,8 @@ the machine runs.
 
 Per workload (bench_live_overhead.workloads(): the add loop, the chain, the
 two MLPs, the SGD step, ResNet-50's graph, the RNNs) and configuration
-(plain, noop mode, noop mode + hooks, dtr, dtr with an unreached budget, as
-there), one process: the workload runs twice in its context as a warm-up
+(plain, noop mode, noop mode + hooks, dtr, dtr with an unreached budget, dtr
+with the forward alone in the block, as there), one process: the workload runs twice in its context as a warm-up
 (first calls, imports, and the lifetimes a budgeted session learns from the
 step before), then `--steps` times, each in a context of its own as a
 training loop would, and only those steps are counted
@@ -68,8 +68,9 @@ CONFIGS = {
     "hooks": "noop mode + hooks",
     "dtr": "dtr",
     "budget": "dtr, budget",
+    "forward": "dtr, forward in the block",
 }
-DTR_CONFIGS = ("dtr", "budget")
+DTR_CONFIGS = ("dtr", "budget", "forward")
 DEFAULT_WORKLOADS = "chain,mlp,dropout"
 DEFAULT_CONFIGS = "plain,hooks,dtr"
 
@@ -202,24 +203,28 @@ def report(rows, workloads, configs, steps, packages, command, header_fn) -> str
         lines += ["Builds: this build = the installed dtralloc; " +
                   "; ".join(f"[{name}] = {d}" for name, d in packages), ""]
     head = ["workload", "ATen ops"] + [label(c, b) for c, b in columns]
-    diffs = []
+    diffs = []  # (config, base, build)
     for b in builds:
         if "dtr" in configs and "plain" in configs:
-            diffs.append(("plain", b))
+            diffs.append(("dtr", "plain", b))
         if "dtr" in configs and "hooks" in configs:
-            diffs.append(("hooks", b))
-    head += [f"{label('dtr', b)} over {CONFIGS[base]}" for base, b in diffs]
+            diffs.append(("dtr", "hooks", b))
+    if "forward" in configs and "plain" in configs:
+        diffs += [("forward", "plain", b) for b in builds]
+    head += [f"{label(c, b)} over {CONFIGS[base]}" for c, base, b in diffs]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w in workloads:
         ops = next(r["ops"] for r in rows if r["workload"] == w)
         cells = [WORKLOADS[w], str(ops)]
         cells += [f"{by[(w, c, b)]['per_op']:,.0f}" for c, b in columns]
-        cells += [f"{by[(w, 'dtr', b)]['per_op'] - by[(w, base, None)]['per_op']:,.0f}" for base, b in diffs]
+        cells += [f"{by[(w, c, b)]['per_op'] - by[(w, base, None)]['per_op']:,.0f}" for c, base, b in diffs]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Configurations as in bench_live_overhead.py: noop mode, a TorchDispatchMode that only calls "
               "the op (a Python __torch_dispatch__); noop mode + hooks, the same with saved-tensor hooks that "
               "return what they get; dtr, dtralloc.dtr(device='cpu') without a budget; dtr, budget: with a "
-              "budget of 1 TiB, never reached. The dtr session's __torch_dispatch__ is C, so part of what it "
+              "budget of 1 TiB, never reached; dtr, forward in the block: the session around the forward and the "
+              "loss only, backward after the block (per op of the whole step; a workload without a backward runs "
+              "whole inside, as under dtr). The dtr session's __torch_dispatch__ is C, so part of what it "
               "adds over noop mode + hooks replaces that mode's Python frame."]
     return "\n".join(lines) + "\n"
 

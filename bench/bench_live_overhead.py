@@ -15,9 +15,12 @@ and a GRU over a packed batch (their CPU cells write each step's gates in
 place after saving some of them). Each runs plainly, under a
 TorchDispatchMode that does nothing (the floor any dispatch-based runtime
 pays), under that mode with saved-tensor hooks that do nothing (the floor of
-one that owns saved tensors), under dtr(device="cpu") without a budget, and
-with a budget nothing reaches. Rounds alternate the five, and the minimum over rounds is kept (the least disturbed by other
-load). Reported: microseconds per ATen op over plain eager.
+one that owns saved tensors), under dtr(device="cpu") without a budget,
+with a budget nothing reaches, and (for the workloads with a backward) with
+the forward alone in the session and the backward after its block.
+Rounds alternate the six, and the minimum over rounds is kept (the least
+disturbed by other load). Reported: microseconds per ATen op over plain
+eager.
 
     python bench/bench_live_overhead.py [--rounds 7] [--out bench/results/live_overhead-DATE-cpu.md]
 """
@@ -87,16 +90,22 @@ def workloads():
     mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(32)])
     x = torch.randn(4, 16)
 
-    def mlp_step():
+    def mlp_forward():
         mlp.zero_grad(set_to_none=True)
-        mlp(x).sum().backward()
+        return mlp(x).sum()
+
+    def mlp_step():
+        mlp_forward().backward()
 
     drop = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1))
                                  for _ in range(32)])
 
-    def dropout_step():
+    def dropout_forward():
         drop.zero_grad(set_to_none=True)
-        drop(x).sum().backward()
+        return drop(x).sum()
+
+    def dropout_step():
+        dropout_forward().backward()
 
     # An optimizer step: foreach ops over a hundred and sixty parameters,
     # each op reading and writing hundreds of tensors (made before the
@@ -114,6 +123,17 @@ def workloads():
 
     net = resnet.build(batch=2, image=32, base=8, classes=10)
 
+    def net_forward():
+        net.optimizer.zero_grad(set_to_none=True)
+        return net.loss_fn(net.model, *net.batch)
+
+    def net_finish(loss):
+        loss.backward()
+        net.optimizer.step()
+
+    def net_step():  # what net.step() runs
+        net_finish(net_forward())
+
     # An LSTM and a GRU over a packed batch: torch's CPU cells split the
     # gates of a step into views of one storage and activate them in place
     # one after another, so most saved gates sit on a storage written again
@@ -122,18 +142,58 @@ def workloads():
     packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(4, 12, 16), torch.tensor([12, 10, 7, 3]),
                                                      batch_first=True)
 
-    def rnn_step():
+    def rnn_forward():
         lstm.zero_grad(set_to_none=True)
         gru.zero_grad(set_to_none=True)
-        (lstm(packed)[0].data.sum() + gru(packed)[0].data.sum()).backward()
+        return lstm(packed)[0].data.sum() + gru(packed)[0].data.sum()
+
+    def rnn_step():
+        rnn_forward().backward()
+
+    _split(mlp_step, mlp_forward)
+    _split(dropout_step, dropout_forward)
+    _split(net_step, net_forward, net_finish)
+    _split(rnn_step, rnn_forward)
 
     return {"add loop (2000 x torch.add, 8 floats)": adds,
             "add chain (x = x + b, 2000 times, 8 floats)": chain,
             "MLP 32 x Linear(16)+Tanh, fwd+bwd": mlp_step,
             "MLP 32 x Linear(16)+ReLU+Dropout, fwd+bwd": dropout_step,
             "SGD step (foreach, momentum, weight decay), 160 x 64 floats": sgd.step,
-            "ResNet-50 graph at width 8, 32x32, batch 2: training step": net.step,
+            "ResNet-50 graph at width 8, 32x32, batch 2: training step": net_step,
             "LSTM + GRU (16 wide) over a packed batch of 4 x 12 steps, fwd+bwd": rnn_step}
+
+
+def _split(step, forward, finish=lambda loss: loss.backward()):
+    """Marks a workload with a backward: `step()` is `finish(forward())`,
+    forward() returning the loss (for the forward-alone configuration)."""
+    step.forward, step.finish = forward, finish
+
+
+FORWARD = "dtr, forward in the block"
+
+
+class ForwardAlone:
+    """The session around a workload's forward and loss only; backward (and
+    the optimizer's step) run after the block (docs/live.md, "The forward
+    alone in the block"). A workload with no backward runs whole inside it,
+    as under dtr."""
+
+    def __call__(self):
+        return dtr(device="cpu")
+
+
+def run(fn, ctx) -> None:
+    """One step of `fn` in configuration `ctx` (a context factory, or None: plainly)."""
+    if ctx is None:
+        fn()
+    elif isinstance(ctx, ForwardAlone) and hasattr(fn, "forward"):
+        with ctx():
+            loss = fn.forward()
+        fn.finish(loss)
+    else:
+        with ctx():
+            fn()
 
 
 def ops_of(fn) -> int:
@@ -144,11 +204,7 @@ def ops_of(fn) -> int:
 
 def timed(fn, ctx) -> float:
     start = time.perf_counter()
-    if ctx is None:
-        fn()
-    else:
-        with ctx():
-            fn()
+    run(fn, ctx)
     return time.perf_counter() - start
 
 
@@ -163,7 +219,7 @@ def contexts() -> dict:
     """The configurations a workload runs in, by name (None: plainly)."""
     return {"plain": None, "noop mode": NoopMode, "noop mode + hooks": NoopModeAndHooks,
             "dtr": lambda: dtr(device="cpu"),
-            "dtr, budget": lambda: dtr(device="cpu", budget=UNREACHED_BUDGET)}
+            "dtr, budget": lambda: dtr(device="cpu", budget=UNREACHED_BUDGET), FORWARD: ForwardAlone()}
 
 
 def measure(rounds: int):
@@ -180,7 +236,7 @@ def measure(rounds: int):
         us = {k: v / n * 1e6 for k, v in best.items()}
         with dtr(device="cpu") as s:
             fn()
-        rows.append((name, n, us, s.stats()["remats"]))
+        rows.append((name, n, us, s.stats()["remats"], hasattr(fn, "forward")))
     return rows
 
 
@@ -190,19 +246,23 @@ def report(rows, rounds, command) -> str:
              "",
              "| workload | ATen ops | plain µs/op | noop mode µs/op | noop mode + hooks µs/op | dtr µs/op | "
              "dtr over plain, µs/op | dtr over noop mode + hooks, µs/op | dtr with a budget µs/op | "
-             "dtr with a budget over plain, µs/op | recomputes in a dtr step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, n, us, remats in rows:
+             "dtr with a budget over plain, µs/op | dtr, forward in the block µs/op | "
+             "dtr, forward in the block over plain, µs/op | recomputes in a dtr step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, n, us, remats, split in rows:
+        forward = f"{us[FORWARD]:.2f} | {us[FORWARD] - us['plain']:.2f}" if split else "- | -"
         lines.append(f"| {name} | {n} | {us['plain']:.2f} | {us['noop mode']:.2f} | {us['noop mode + hooks']:.2f} | "
                      f"{us['dtr']:.2f} | {us['dtr'] - us['plain']:.2f} | {us['dtr'] - us['noop mode + hooks']:.2f} | "
-                     f"{us['dtr, budget']:.2f} | {us['dtr, budget'] - us['plain']:.2f} | {remats} |")
+                     f"{us['dtr, budget']:.2f} | {us['dtr, budget'] - us['plain']:.2f} | {forward} | {remats} |")
     lines += ["", "noop mode: a TorchDispatchMode whose __torch_dispatch__ only calls the op, the floor "
               "of any runtime built on dispatch; noop mode + hooks: the same with saved-tensor hooks that "
               "return what they get, the floor of a runtime that owns autograd's saved tensors (they cost "
               "only where a backward runs); dtr: dtralloc.dtr(device='cpu') with no budget (registry, "
               "lineage and cost recorded in C++, one call per op); dtr with a budget: the same with a budget "
               "of 1 TiB, which nothing here reaches (no eviction), so the budget's bookkeeping and the lifetimes "
-              "learned from the step before (long_lived, docs/live.md) are in; recomputes: what one dtr "
+              "learned from the step before (long_lived, docs/live.md) are in; dtr, forward in the block: the "
+              "session around the forward and the loss only, backward (and the ResNet step's optimizer step) "
+              "after the block (per op of the whole step; '-' where a workload has no backward); recomputes: what one dtr "
               "session without a budget recomputed (nothing is evicted, so only values no longer on their "
               "storage would be)."]
     return "\n".join(lines) + "\n"

@@ -97,3 +97,43 @@ def test_bad_arguments_are_named(monkeypatch):
     monkeypatch.setattr(bench.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit, match=r"valgrind \(with callgrind_control\) is not on PATH"):
         bench.main([])
+
+
+@needs_operator_call
+def test_the_forward_alone_configuration_records_the_forward_only(capsys):
+    """'forward': the session holds the forward and the loss, backward runs
+    after its block; the step still counts all its ops."""
+    import torch
+
+    import bench_live_overhead as overhead
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench.child("mlp", "forward", 1, None) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ops"] == overhead.ops_of(
+        overhead.workloads()[bench.WORKLOADS["mlp"]])
+    fn = overhead.workloads()[bench.WORKLOADS["resnet"]]
+    sessions = []
+
+    class Spy(overhead.ForwardAlone):
+        def __call__(self):
+            sessions.append(super().__call__())
+            return sessions[-1]
+
+    overhead.run(fn, Spy())
+    forward_ops = sessions[-1].stats()["ops"]
+    overhead.run(fn, lambda: sessions.append(overhead.dtr(device="cpu")) or sessions[-1])
+    assert 0 < forward_ops < sessions[-1].stats()["ops"] / 2, (forward_ops, sessions[-1].stats()["ops"])
+    adds = overhead.workloads()[bench.WORKLOADS["adds"]]  # no backward: whole inside, as under dtr
+    overhead.run(adds, Spy())
+    assert sessions[-1].stats()["ops"] > 0
+
+
+def test_report_gives_the_forward_alone_over_plain():
+    rows = [{"workload": "mlp", "config": c, "package": None, "ops": 513, "per_op": n}
+            for c, n in (("plain", 17_000), ("dtr", 53_000), ("forward", 30_000))]
+    text = bench.report(rows, ["mlp"], ["plain", "dtr", "forward"], 3, [], "cmd", lambda title, command: f"# {title}\n")
+    assert "| dtr over plain | dtr, forward in the block over plain |" in text, text
+    assert "| 513 | 17,000 | 53,000 | 30,000 | 36,000 | 13,000 |" in text, text
