@@ -94,18 +94,12 @@ def workloads():
         mlp.zero_grad(set_to_none=True)
         return mlp(x).sum()
 
-    def mlp_step():
-        mlp_forward().backward()
-
     drop = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1))
                                  for _ in range(32)])
 
     def dropout_forward():
         drop.zero_grad(set_to_none=True)
         return drop(x).sum()
-
-    def dropout_step():
-        dropout_forward().backward()
 
     # An optimizer step: foreach ops over a hundred and sixty parameters,
     # each op reading and writing hundreds of tensors (made before the
@@ -127,12 +121,9 @@ def workloads():
         net.optimizer.zero_grad(set_to_none=True)
         return net.loss_fn(net.model, *net.batch)
 
-    def net_finish(loss):
+    def net_finish(loss):  # with net_forward, what net.step() runs
         loss.backward()
         net.optimizer.step()
-
-    def net_step():  # what net.step() runs
-        net_finish(net_forward())
 
     # An LSTM and a GRU over a packed batch: torch's CPU cells split the
     # gates of a step into views of one storage and activate them in place
@@ -147,27 +138,25 @@ def workloads():
         gru.zero_grad(set_to_none=True)
         return lstm(packed)[0].data.sum() + gru(packed)[0].data.sum()
 
-    def rnn_step():
-        rnn_forward().backward()
-
-    _split(mlp_step, mlp_forward)
-    _split(dropout_step, dropout_forward)
-    _split(net_step, net_forward, net_finish)
-    _split(rnn_step, rnn_forward)
-
     return {"add loop (2000 x torch.add, 8 floats)": adds,
             "add chain (x = x + b, 2000 times, 8 floats)": chain,
-            "MLP 32 x Linear(16)+Tanh, fwd+bwd": mlp_step,
-            "MLP 32 x Linear(16)+ReLU+Dropout, fwd+bwd": dropout_step,
+            "MLP 32 x Linear(16)+Tanh, fwd+bwd": _training(mlp_forward),
+            "MLP 32 x Linear(16)+ReLU+Dropout, fwd+bwd": _training(dropout_forward),
             "SGD step (foreach, momentum, weight decay), 160 x 64 floats": sgd.step,
-            "ResNet-50 graph at width 8, 32x32, batch 2: training step": net_step,
-            "LSTM + GRU (16 wide) over a packed batch of 4 x 12 steps, fwd+bwd": rnn_step}
+            "ResNet-50 graph at width 8, 32x32, batch 2: training step": _training(net_forward, net_finish),
+            "LSTM + GRU (16 wide) over a packed batch of 4 x 12 steps, fwd+bwd": _training(rnn_forward)}
 
 
-def _split(step, forward, finish=lambda loss: loss.backward()):
-    """Marks a workload with a backward: `step()` is `finish(forward())`,
-    forward() returning the loss (for the forward-alone configuration)."""
+def _training(forward, finish=lambda loss: loss.backward()):
+    """A workload with a backward: its step is finish(forward()), forward()
+    returning the loss; both are kept on it for the forward-alone
+    configuration."""
+
+    def step():
+        finish(forward())
+
     step.forward, step.finish = forward, finish
+    return step
 
 
 FORWARD = "dtr, forward in the block"
