@@ -18,9 +18,30 @@ them on CPU, tests/_dtr_gpu_worker.py (scenario hf) on CUDA.
   positional conv under a weight_norm parametrization, time masking (numpy's
   RNG picks the spans; the learned mask embedding written in by index), and
   CTC loss.
+* wav2vec2_pretraining: the Gumbel-softmax quantizer (its noise drawn by
+  `exponential_` into an `empty_like`), negatives gathered by sampled
+  indices, the cosine-similarity contrastive loss.
+* deberta_v2: disentangled attention (relative positions bucketed by log and
+  sign, gathered into the scores by index), and its own dropout, a custom
+  autograd.Function whose mask `bernoulli_` draws into an `empty_like`.
+* fnet: Fourier mixing instead of attention (`fft_fftn` into complex
+  tensors, their real part read through a view).
+* vit_mae: random masking (uniform noise, `argsort` twice, `gather` of the
+  kept patches and of the restored order), an encoder and a decoder.
+* longformer: sliding-window attention by chunks overlapping through
+  `as_strided` views, diagonals padded and re-strided, global attention on
+  the first token.
+* bigbird: block-sparse attention, its random blocks drawn with numpy's RNG
+  in the forward, the blocks gathered and multiplied by einsum.
+* reformer: reversible layers, a custom autograd.Function whose backward
+  runs each layer's forward again (reseeding the RNG with the seed the
+  layer drew at its forward) and a backward inside it; LSH attention (random
+  rotations, argsort into buckets, chunks). The layers draw their seeds with
+  `torch.seed()`, which is not reproducible: the test replaces it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformers
 
@@ -91,7 +112,87 @@ def _wav2vec2():
         input_values=torch.randn(2, 1600, generator=g), labels=torch.randint(1, VOCAB, (2, 5), generator=g))
 
 
-MODELS = {"t5": _t5, "mixtral": _mixtral, "mamba": _mamba, "swin": _swin, "clip": _clip, "wav2vec2": _wav2vec2}
+def _wav2vec2_pretraining():
+    config = transformers.Wav2Vec2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, hidden_dropout=0.1, layerdrop=0.0, codevector_dim=16,
+        proj_codevector_dim=16, num_codevectors_per_group=8, num_codevector_groups=2, num_negatives=4)
+    model = transformers.Wav2Vec2ForPreTraining(config)
+    from transformers.models.wav2vec2.modeling_wav2vec2 import _compute_mask_indices, _sample_negative_indices
+
+    def batch(g):
+        # transformers draws the masked spans and the negatives with numpy's
+        # global RNG: seeded from g, so a batch is the same in every run.
+        np.random.seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+        frames = int(model._get_feat_extract_output_lengths(torch.tensor(1600)))
+        mask = _compute_mask_indices((2, frames), mask_prob=0.3, mask_length=2)
+        negatives = _sample_negative_indices((2, frames), config.num_negatives, mask_time_indices=mask)
+        return dict(input_values=torch.randn(2, 1600, generator=g), mask_time_indices=torch.tensor(mask),
+                    sampled_negative_indices=torch.tensor(negatives))
+
+    return model, batch
+
+
+def _classify(model, length=16):
+    return model, lambda g: dict(input_ids=torch.randint(3, VOCAB, (2, length), generator=g),
+                                 labels=torch.randint(0, 3, (2,), generator=g))
+
+
+_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=3)
+
+
+def _deberta_v2():
+    config = transformers.DebertaV2Config(**_ENCODER, relative_attention=True, position_buckets=8,
+                                          max_relative_positions=16, pos_att_type=["p2c", "c2p"])
+    return _classify(transformers.DebertaV2ForSequenceClassification(config))
+
+
+def _fnet():
+    config = transformers.FNetConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                     hidden_dropout_prob=0.1, num_labels=3, use_tpu_fourier_optimizations=False)
+    return _classify(transformers.FNetForSequenceClassification(config))
+
+
+def _vit_mae():
+    config = transformers.ViTMAEConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+        patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
+        decoder_intermediate_size=64, mask_ratio=0.5, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    return transformers.ViTMAEForPreTraining(config), lambda g: dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g))
+
+
+def _longformer():
+    config = transformers.LongformerConfig(**_ENCODER, attention_window=4, pad_token_id=1, max_position_embeddings=64)
+    return _classify(transformers.LongformerForSequenceClassification(config))
+
+
+def _bigbird():
+    config = transformers.BigBirdConfig(**_ENCODER, attention_type="block_sparse", block_size=2, num_random_blocks=2,
+                                        max_position_embeddings=128)
+    return _classify(transformers.BigBirdForSequenceClassification(config), length=32)
+
+
+def _reformer():
+    config = transformers.ReformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "lsh", "local", "lsh"], feed_forward_size=64, axial_pos_embds=False,
+        max_position_embeddings=64, local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4, num_hashes=2,
+        hidden_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.1, local_attention_probs_dropout_prob=0.1,
+        is_decoder=True, pad_token_id=0, eos_token_id=2)
+    model = transformers.ReformerModelWithLMHead(config)
+
+    def batch(g):
+        ids = torch.randint(3, VOCAB, (2, 32), generator=g)
+        return dict(input_ids=ids, labels=ids)
+
+    return model, batch
+
+
+MODELS = {"t5": _t5, "mixtral": _mixtral, "mamba": _mamba, "swin": _swin, "clip": _clip, "wav2vec2": _wav2vec2,
+          "wav2vec2_pretraining": _wav2vec2_pretraining, "deberta_v2": _deberta_v2, "fnet": _fnet,
+          "vit_mae": _vit_mae, "longformer": _longformer, "bigbird": _bigbird, "reformer": _reformer}
 
 
 def on(batch: dict, device) -> dict:
