@@ -5,7 +5,8 @@
         loss = model(x); loss.backward()
     s.stats()
 
-The rooms: ``session`` (Session: the context manager), ``mode`` (the dispatch
+The rooms: ``session`` (Session: the context manager), ``verify`` (Session.verify:
+a step in the session against the same step plainly, bit for bit), ``mode`` (the dispatch
 mode and the saved-tensor hooks), ``ops`` (what each ATen op writes, draws,
 pins), ``runner`` (what the C++ half asks Python to do: rerun an op, rebuild a
 view). This module imports no torch until dtr() is called, so ``import
@@ -56,7 +57,11 @@ def __getattr__(name):
         from .session import Session
 
         return Session
+    if name == "VerifyResult":
+        from .verify import VerifyResult
+
+        return VerifyResult
     raise AttributeError(f"module 'dtralloc.dtr' has no attribute {name!r}")
 
 
-__all__ = ["HISTORY_EVENTS", "PHASES", "SERIES_OPS", "Session", "dtr"]
+__all__ = ["HISTORY_EVENTS", "PHASES", "SERIES_OPS", "Session", "VerifyResult", "dtr"]

@@ -21,6 +21,7 @@ from ..config import size_in_bytes
 from .recording import HISTORY_EVENTS, SERIES_OPS
 from .mode import Mode, pack, unpack_hook
 from .runner import helpers, probing
+from .verify import VerifyResult, verify
 
 _active = threading.local()      # the session whose `with` block this thread is in
 _sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()  # alive (their saved values may be unpacked)
@@ -264,6 +265,40 @@ class Session:
     def check_invariants(self) -> None:
         """Raise if the engine, the pool or the registry disagree (DESIGN.md §3)."""
         self._core.check_invariants()
+
+    def verify(self, step, *state, pass_session: bool = False, control: bool = True) -> VerifyResult:
+        """Check that ``step()`` gives the same bits in this session as plainly.
+
+        Runs the step plainly twice (a control: a step that is not
+        deterministic by itself cannot be checked), then once in this
+        session, each run from the state it found: the parameters,
+        gradients and buffers of the modules in `state`, the optimizers'
+        (and schedulers', a GradScaler's) state, the tensors', and the
+        random generators (torch's, numpy's, Python's). Then it compares
+        the step's return value and all of that bit for bit, and puts the
+        state back as it was before the call::
+
+            result = dtralloc.dtr(chaos=True).verify(train_step, model, optimizer)
+            print(result)          # bit-exact: 1,204 values equal ... / NOT bit-exact: ...
+            assert result
+
+        pass_session: call ``step(ctx)`` with the context to run in (this
+        session in the checked run, ``contextlib.nullcontext()`` in the
+        plain ones) instead of entering the session around the whole step:
+        for a step that enters it around its forward alone (docs/live.md).
+        control: False skips the second plain run.
+
+        Like ``with``, this enters the session, which can be entered once.
+        Returns a :class:`VerifyResult`, true when bit-exact; an error the
+        step raises (out of memory under a budget) propagates, the state
+        put back first.
+        """
+        if self._entered:
+            raise RuntimeError("dtralloc.dtr: verify() runs the step in this session, which was already entered; "
+                               "make a new one with dtralloc.dtr()")
+        if not callable(step):
+            raise TypeError(f"dtralloc.dtr: verify() takes the step to run first (a callable), not {step!r}")
+        return verify(self, step, state, bool(pass_session), bool(control))
 
     def __repr__(self) -> str:
         s = self.stats()

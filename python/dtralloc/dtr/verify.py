@@ -1,0 +1,294 @@
+"""Session.verify(): does a training step give the same bits in a session as plainly?
+
+`dtr(chaos=True)` exists to answer that for a model before a long run, but
+the answer needs care: the step must start from the same parameters,
+gradients, optimizer state and random generators each time, every result
+must be compared bit for bit (NaN where NaN was), and a step that is not
+deterministic by itself would blame the session for its own noise. verify()
+does all of it: it runs the step plainly twice (a control), then once in the
+session, each time from the state it found, compares everything, and puts
+the state back as it was.
+
+What is compared: the step's return value (tensors and plain numbers in any
+nesting of tuples, lists and dicts), and for each object given: a module's
+parameters, their gradients and its buffers; an optimizer's (or any object
+with state_dict()/load_state_dict(): a scheduler, a GradScaler) state; a
+tensor and its gradient. And the random generators: torch's CPU generator,
+each initialized CUDA device's, numpy's global one and Python's `random`.
+Copies are kept in host memory, so checking a GPU model costs no device
+memory beyond the step's own.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+@dataclass
+class VerifyResult:
+    """What Session.verify() found. True (``bool(result)``) when the step in
+    the session gave the plain run's bits everywhere."""
+
+    exact: bool
+    # Whether two plain runs agreed (None: not checked, control=False). When
+    # they did not, the step is not deterministic by itself, and `exact`
+    # is False: there is nothing to compare the session with.
+    deterministic: Optional[bool]
+    compared: int                                         # values compared per run
+    differences: list = field(default_factory=list)       # session against plain, one line each
+    nondeterminism: list = field(default_factory=list)    # plain against plain, one line each
+    stats: dict = field(default_factory=dict)             # the session's stats() after its run
+
+    def __bool__(self) -> bool:
+        return self.exact
+
+    def __str__(self) -> str:
+        s = self.stats
+        ran = (f"{_count(s.get('evictions', 0), 'eviction')}, {_count(s.get('remats', 0), 'recompute')}, "
+               f"{_count(s.get('rng_replays', 0), 'random op')} replayed")
+        if self.deterministic is False:
+            lines = [f"not checked: the step is not deterministic by itself; two plain runs differ in "
+                     f"{len(self.nondeterminism)} of {self.compared} values:"]
+            lines += [f"  {d}" for d in self.nondeterminism[:_SHOWN]]
+            lines += _more(self.nondeterminism)
+            lines.append("Make it deterministic to check it: seed what it draws (data order, masks), "
+                         "torch.use_deterministic_algorithms(True) on a GPU, torch.set_num_threads(1) on a CPU "
+                         "(multithreaded BLAS may sum in another order from run to run).")
+            return "\n".join(lines)
+        if self.exact:
+            text = f"bit-exact: {self.compared:,} values equal to the plain run's ({ran})"
+            if not s.get("evictions"):
+                text += ("; nothing was evicted, so nothing was recomputed: check with dtr(chaos=True), "
+                         "or a budget the step needs to evict under")
+            return text
+        lines = [f"NOT bit-exact: {len(self.differences)} of {self.compared:,} values differ from the plain run's "
+                 f"({ran}):"]
+        lines += [f"  {d}" for d in self.differences[:_SHOWN]]
+        lines += _more(self.differences)
+        return "\n".join(lines)
+
+
+_SHOWN = 20
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
+
+
+def _more(lines) -> list:
+    return [f"  ... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else []
+
+
+def verify(session, step: Callable, state: tuple, pass_session: bool, control: bool) -> VerifyResult:
+    keeper = _Keeper(state)
+    try:
+        plain = keeper.run(step, contextlib.nullcontext() if pass_session else None, pass_session)
+        again = keeper.run(step, contextlib.nullcontext() if pass_session else None, pass_session) \
+            if control else None
+        nondeterminism = _differences(plain, again) if again is not None else []
+        checked = keeper.run(step, session, pass_session)
+    finally:
+        keeper.restore()
+    differences = _differences(plain, checked)
+    deterministic = None if again is None else not nondeterminism
+    return VerifyResult(exact=not differences and deterministic is not False, deterministic=deterministic,
+                        compared=len(plain), differences=differences, nondeterminism=nondeterminism,
+                        stats=session.stats())
+
+
+class _Keeper:
+    """The state a step starts from: taken once, put back before each run
+    and at the end; and what a run leaves, as named host copies."""
+
+    def __init__(self, objects: tuple):
+        self.objects = []
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.nn.Module):
+                kind = "module"
+            elif isinstance(obj, torch.Tensor):
+                kind = "tensor"
+            elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+                kind = "state"
+            else:
+                raise TypeError(
+                    f"dtralloc.dtr: verify() takes the step's state as modules, optimizers (or anything with "
+                    f"state_dict() and load_state_dict(): schedulers, a GradScaler) and tensors; argument "
+                    f"{i + 1} is a {type(obj).__name__}")
+            label = type(obj).__name__
+            if sum(type(o) is type(obj) for o in objects) > 1:
+                label += f" #{sum(type(o) is type(obj) for o in objects[:i]) + 1}"
+            self.objects.append((kind, obj, label))
+        self.start = self._take()
+        self.rng = _rng_states()
+
+    def _take(self) -> list:
+        taken = []
+        for kind, obj, _ in self.objects:
+            if kind == "module":
+                taken.append(([_host(p) for p in obj.parameters()],
+                              [None if p.grad is None else _host(p.grad) for p in obj.parameters()],
+                              [_host(b) for b in obj.buffers()]))
+            elif kind == "tensor":
+                taken.append((_host(obj), None if obj.grad is None else _host(obj.grad)))
+            else:
+                taken.append(_on_host(obj.state_dict()))
+        return taken
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for (kind, obj, _), saved in zip(self.objects, self.start):
+                if kind == "module":
+                    params, grads, buffers = saved
+                    for p, data, grad in zip(obj.parameters(), params, grads):
+                        p.copy_(data)
+                        p.grad = None if grad is None else grad.to(p.device, copy=True)
+                    for b, data in zip(obj.buffers(), buffers):
+                        b.copy_(data)
+                elif kind == "tensor":
+                    data, grad = saved
+                    obj.copy_(data)
+                    obj.grad = None if grad is None else grad.to(obj.device, copy=True)
+                else:
+                    # A copy each time: load_state_dict may keep the tensors it
+                    # is given (an optimizer's, where no cast is needed), and
+                    # the step would then write into the starting state.
+                    obj.load_state_dict(copy.deepcopy(saved))
+        _set_rng_states(self.rng)
+
+    def run(self, step: Callable, ctx, pass_session: bool) -> list:
+        """One run from the starting state: [(name, value)], all on the host."""
+        self.restore()
+        if pass_session:
+            out = step(ctx)
+        elif ctx is None:
+            out = step()
+        else:
+            with ctx:
+                out = step()
+        return self._results(out)
+
+    def _results(self, out) -> list:
+        results = []
+        _flatten("the step's return value", out, results)
+        for (kind, obj, name), _ in zip(self.objects, self.start):
+            if kind == "module":
+                for pname, p in obj.named_parameters():
+                    results.append((f"{name} parameter {pname}", _host(p)))
+                    results.append((f"{name} gradient of {pname}", None if p.grad is None else _host(p.grad)))
+                for bname, b in obj.named_buffers():
+                    results.append((f"{name} buffer {bname}", _host(b)))
+            elif kind == "tensor":
+                results.append((name, _host(obj)))
+                results.append((f"{name}'s gradient", None if obj.grad is None else _host(obj.grad)))
+            else:
+                _flatten(name, obj.state_dict(), results)
+        for rng_name, value in _rng_states().items():
+            results.append((rng_name, value))
+        return results
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _on_host(tree):
+    if isinstance(tree, torch.Tensor):
+        return _host(tree)
+    if isinstance(tree, dict):
+        return {k: _on_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_on_host(v) for v in tree)
+    return tree
+
+
+def _flatten(name: str, tree, results: list) -> None:
+    """Tensors and plain numbers in nested dicts, lists and tuples, each
+    named by its path; anything else by its repr (compared as text)."""
+    if isinstance(tree, torch.Tensor):
+        results.append((name, _host(tree)))
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _flatten(f"{name}[{k!r}]", v, results)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _flatten(f"{name}[{i}]", v, results)
+    elif isinstance(tree, _SCALARS):
+        results.append((name, tree))
+    else:
+        results.append((name, repr(tree)))
+
+
+def _rng_states() -> dict:
+    states = {"torch's CPU generator": torch.get_rng_state(), "numpy's global generator": np.random.get_state(),
+              "Python's random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            states[f"the CUDA generator of device {i}"] = torch.cuda.get_rng_state(i)
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch's CPU generator"])
+    np.random.set_state(states["numpy's global generator"])
+    random.setstate(states["Python's random"])
+    for name, state in states.items():
+        if name.startswith("the CUDA generator of device "):
+            torch.cuda.set_rng_state(state, int(name.rsplit(" ", 1)[1]))
+
+
+def _differences(want: list, got: list) -> list:
+    if len(want) != len(got) or any(a[0] != b[0] for a, b in zip(want, got)):
+        names = {n for n, _ in want} ^ {n for n, _ in got}
+        return [f"the runs left different things to compare (the step returned or made other values): "
+                f"{', '.join(sorted(names)[:5]) or 'the same names in another order'}"]
+    return [f"{name}: {why}" for (name, a), (_, b) in zip(want, got) if (why := _why_differ(a, b))]
+
+
+def _why_differ(a, b) -> Optional[str]:
+    """None if `a` and `b` are the same bits (NaN where NaN), else what differs."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{_what(a)} in the plain run, {_what(b)} in this one"
+        if a.dtype != b.dtype or a.shape != b.shape or a.layout != b.layout:
+            return f"{_what(a)} in the plain run, {_what(b)} in this one"
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        if torch.equal(a, b):
+            return None
+        if a.is_floating_point() or a.is_complex():
+            both_nan = a.isnan() & b.isnan()
+            differ = (a != b) & ~both_nan
+            if not differ.any():
+                return None
+            gap = (a.to(torch.complex128 if a.is_complex() else torch.float64)
+                   - b.to(torch.complex128 if b.is_complex() else torch.float64)).abs()
+            gap = gap[differ]
+            finite = gap[gap.isfinite()]
+            largest = f"largest difference {finite.max().item():.3g}" if finite.numel() else "NaN or inf in one run"
+            return f"{int(differ.sum())} of {a.numel()} elements differ ({largest})"
+        differ = a != b
+        return f"{int(differ.sum())} of {a.numel()} elements differ"
+    if isinstance(a, tuple) and len(a) > 2 and isinstance(a[1], np.ndarray):  # numpy's generator state
+        same = len(b) == len(a) and a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+        return None if same else "a different state after the run"
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return None
+    if type(a) is not type(b) or a != b:
+        return f"{a!r} in the plain run, {b!r} in this one" if isinstance(a, _SCALARS) else \
+            "a different state after the run"
+    return None
+
+
+def _what(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return "none" if x is None else type(x).__name__
