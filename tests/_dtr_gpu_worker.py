@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | generator | oom | device_thread | device_full | op_costs | long_lived | foreach | hf
+    python _dtr_gpu_worker.py dropout | verify | generator | oom | device_thread | device_full | op_costs | long_lived | foreach | hf
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
     python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP] [SECONDS]
 """
@@ -112,6 +112,38 @@ def dropout() -> dict:
     control, diffs, s = _plain_twice_and_live(torch, build, x, lambda m, b: m(b).square().mean(), 2,
                                               lambda: dtralloc.dtr(chaos=True, check_invariants=True))
     return {"control": control, "diffs": diffs, "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
+
+
+def verify() -> dict:
+    """Session.verify() on CUDA: the dropout model's AdamW step, plain twice
+    and under chaos, each from the state it found (the CUDA generator's
+    included), and that state put back afterwards."""
+    dtralloc, torch = _setup()
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(512, 512), nn.ReLU(inplace=True), nn.Dropout(0.3)]
+    model = nn.Sequential(*layers).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 512, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step()  # optimizer state and gradients exist before the check
+    before = [p.detach().clone() for p in model.parameters()] + [torch.cuda.get_rng_state()]
+    result = dtralloc.dtr(chaos=True).verify(step, model, opt)
+    after = [p.detach().clone() for p in model.parameters()] + [torch.cuda.get_rng_state()]
+    return {"exact": result.exact, "deterministic": result.deterministic, "compared": result.compared,
+            "text": str(result), "stats": result.stats,
+            "put_back": all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(before, after)),
+            "pool_ok": _pool_ok(dtralloc)}
 
 
 def flash_dropout(dtype_name: str) -> dict:
@@ -694,6 +726,7 @@ SCENARIOS = {
     "device_full": device_full,
     "op_costs": op_costs,
     "dropout": dropout,
+    "verify": verify,
     "flash_dropout": flash_dropout,
     "generator": generator,
     "oom": oom,

@@ -36,6 +36,15 @@ def test_cuda_dropout_is_bit_exact_under_chaos():
     assert r["stats"]["device"] == "cuda:0"
 
 
+def test_verify_finds_a_cuda_step_bit_exact_and_puts_its_state_back():
+    r = run("verify")
+    assert r["deterministic"] is True, r["text"]
+    assert r["exact"] is True, r["text"]
+    assert r["text"].startswith("bit-exact: ")
+    assert r["stats"]["evictions"] > 0 and r["stats"]["rng_replays"] > 0
+    assert r["put_back"] and r["pool_ok"]
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_flash_attention_dropout_is_bit_exact_under_chaos(dtype):
     r = run("flash_dropout", dtype)
