@@ -95,21 +95,24 @@ def _plain_twice_and_live(torch, build, batch, loss_fn, steps, session):
     return _identical(torch, again, want), _identical(torch, got, want), s
 
 
+def _dropout_mlp(torch):
+    """Four Linear + ReLU (in place) + Dropout layers on CUDA, seeded."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(512, 512), nn.ReLU(inplace=True), nn.Dropout(0.3)]
+    return nn.Sequential(*layers).cuda()
+
+
 def dropout() -> dict:
     """nn.Dropout (and ReLU in place) on CUDA under chaos: every dropout mask
     recomputed from the Philox seed and offset it first ran with."""
     dtralloc, torch = _setup()
-    from torch import nn
-
-    def build():
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(4):
-            layers += [nn.Linear(512, 512), nn.ReLU(inplace=True), nn.Dropout(0.3)]
-        return nn.Sequential(*layers).cuda()
-
     x = torch.randn(256, 512, device="cuda")
-    control, diffs, s = _plain_twice_and_live(torch, build, x, lambda m, b: m(b).square().mean(), 2,
+    control, diffs, s = _plain_twice_and_live(torch, lambda: _dropout_mlp(torch), x,
+                                              lambda m, b: m(b).square().mean(), 2,
                                               lambda: dtralloc.dtr(chaos=True, check_invariants=True))
     return {"control": control, "diffs": diffs, "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
 
@@ -119,13 +122,7 @@ def verify() -> dict:
     and under chaos, each from the state it found (the CUDA generator's
     included), and that state put back afterwards."""
     dtralloc, torch = _setup()
-    from torch import nn
-
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [nn.Linear(512, 512), nn.ReLU(inplace=True), nn.Dropout(0.3)]
-    model = nn.Sequential(*layers).cuda()
+    model = _dropout_mlp(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(256, 512, device="cuda")
 
