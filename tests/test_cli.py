@@ -41,6 +41,7 @@ def test_demo_replays_every_bundled_trace_under_each_setting():
     assert "losses identical: yes" in live
     steps = [line.split() for line in live.splitlines() if line.strip()[:1].isdigit()]
     assert len(steps) == 3 and all(row[1] == row[2] and int(row[3]) > 0 for row in steps)
+    assert "checked with verify(): bit-exact: " in live
 
 
 def test_demo_takes_a_subset_and_custom_settings():

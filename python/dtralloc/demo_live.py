@@ -1,6 +1,8 @@
 """`dtralloc demo`, live part: a small model trained for a few AdamW steps on
 CPU under dtralloc.dtr() at half its peak, next to the same steps run plainly:
-the evictions and recomputes it took, and losses that are identical."""
+the evictions and recomputes it took, and losses that are identical. Then
+one step checked under chaos with Session.verify(): every parameter,
+gradient, optimizer state and generator after it, bit for bit."""
 from __future__ import annotations
 
 import copy
@@ -42,7 +44,7 @@ def _train(model, x, session_factory=None, steps=STEPS):
 
 def run_live_demo(echo=print) -> dict:
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         echo("(live part skipped: it needs PyTorch; pip install torch)")
         return {}
@@ -77,4 +79,16 @@ def run_live_demo(echo=print) -> dict:
     same = plain == live
     echo(f"  losses identical: {'yes' if same else 'NO'}; step time {t_live / t_plain:.2f}x plain "
          f"({t_live / STEPS:.2f}s vs {t_plain / STEPS:.2f}s per step)")
-    return {"identical": same, "plain": plain, "live": live, "sessions": sessions}
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    verified = dtr(chaos=True, device="cpu").verify(step, model, opt)
+    echo(f"  one step under dtr(chaos=True) (evicting all it can at every op), checked with verify(): {verified}")
+    return {"identical": same, "plain": plain, "live": live, "sessions": sessions, "verified": verified}
