@@ -2,6 +2,7 @@
 from the same state, bit for bit (python/dtralloc/dtr/verify.py)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -212,3 +213,26 @@ def test_a_scheduler_and_the_optimizer_are_state_too():
     assert result, str(result)
     assert scheduler.last_epoch == 0 and opt.param_groups[0]["lr"] == 1e-2  # put back
     assert not opt.state
+
+
+def test_returned_objects_other_than_tensors_and_plain_values():
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        note: str
+
+    class Opaque:  # its repr holds its address, which differs from run to run
+        pass
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def step():
+        loss = torch.tanh(w).sum()
+        loss.backward()
+        return Out(loss, "ok"), Opaque(), torch.nested.nested_tensor([torch.tanh(w)[0].detach(), w[1, :2].detach()])
+
+    result = dtr(device="cpu", chaos=True).verify(step, w)
+    assert result, str(result)
+    assert result.unchecked == ["the step's return value[1] (a Opaque)"]
+    assert result.compared == 2 + 1 + 2 + 3  # the dataclass's fields, the nested tensor, w and its gradient, generators
+    assert "not compared: the step's return value[1] (a Opaque)" in str(result)

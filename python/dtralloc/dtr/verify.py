@@ -9,8 +9,9 @@ does all of it: it runs the step plainly twice (a control), then once in the
 session, each time from the state it found, compares everything, and puts
 the state back as it was.
 
-What is compared: the step's return value (tensors and plain numbers in any
-nesting of tuples, lists and dicts), and for each object given: a module's
+What is compared: the step's return value (tensors and plain values in any
+nesting of tuples, lists, dicts and dataclasses; other objects are listed,
+not compared), and for each object given: a module's
 parameters, their gradients and its buffers; an optimizer's (or any object
 with state_dict()/load_state_dict(): a scheduler, a GradScaler) state; a
 tensor and its gradient. And the random generators: torch's CPU generator,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ class VerifyResult:
     compared: int                                         # values compared per run
     differences: list = field(default_factory=list)       # session against plain, one line each
     nondeterminism: list = field(default_factory=list)    # plain against plain, one line each
+    unchecked: list = field(default_factory=list)         # returned objects neither tensors nor plain values
     stats: dict = field(default_factory=dict)             # the session's stats() after its run
 
     def __bool__(self) -> bool:
@@ -69,6 +72,8 @@ class VerifyResult:
             if not s.get("evictions"):
                 text += ("; nothing was evicted, so nothing was recomputed: check with dtr(chaos=True), "
                          "or a budget the step needs to evict under")
+            if self.unchecked:
+                text += f"; not compared: {', '.join(self.unchecked[:_SHOWN])}"
             return text
         lines = [f"NOT bit-exact: {len(self.differences)} of {self.compared:,} values differ from the plain run's "
                  f"({ran}):"]
@@ -100,9 +105,10 @@ def verify(session, step: Callable, state: tuple, pass_session: bool, control: b
         keeper.restore()
     differences = _differences(plain, checked)
     deterministic = None if again is None else not nondeterminism
+    unchecked = [f"{name} (a {value.type_name})" for name, value in plain if isinstance(value, _Unchecked)]
     return VerifyResult(exact=not differences and deterministic is not False, deterministic=deterministic,
-                        compared=len(plain), differences=differences, nondeterminism=nondeterminism,
-                        stats=session.stats())
+                        compared=len(plain) - len(unchecked), differences=differences,
+                        nondeterminism=nondeterminism, unchecked=unchecked, stats=session.stats())
 
 
 class _Keeper:
@@ -211,8 +217,10 @@ def _on_host(tree):
 
 
 def _flatten(name: str, tree, results: list) -> None:
-    """Tensors and plain numbers in nested dicts, lists and tuples, each
-    named by its path; anything else by its repr (compared as text)."""
+    """Tensors and plain values in nested dicts, lists, tuples and
+    dataclasses, each named by its path. Any other object is named with
+    its type and not compared (its repr may hold an address, which differs
+    from run to run)."""
     if isinstance(tree, torch.Tensor):
         results.append((name, _host(tree)))
     elif isinstance(tree, dict):
@@ -221,10 +229,19 @@ def _flatten(name: str, tree, results: list) -> None:
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
             _flatten(f"{name}[{i}]", v, results)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            _flatten(f"{name}.{f.name}", getattr(tree, f.name), results)
     elif isinstance(tree, _SCALARS):
         results.append((name, tree))
     else:
-        results.append((name, repr(tree)))
+        results.append((name, _Unchecked(type(tree).__name__)))
+
+
+@dataclass(frozen=True)
+class _Unchecked:
+    """A value verify() does not compare (neither a tensor nor a plain value)."""
+    type_name: str
 
 
 def _rng_states() -> dict:
@@ -255,9 +272,17 @@ def _differences(want: list, got: list) -> list:
 
 def _why_differ(a, b) -> Optional[str]:
     """None if `a` and `b` are the same bits (NaN where NaN), else what differs."""
+    if isinstance(a, _Unchecked) or isinstance(b, _Unchecked):
+        return None if a == b else f"{_what(a)} in the plain run, {_what(b)} in this one"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return f"{_what(a)} in the plain run, {_what(b)} in this one"
+        if a.is_nested or b.is_nested:
+            if not (a.is_nested and b.is_nested) or a.size(0) != b.size(0):
+                return f"{_what(a)} in the plain run, {_what(b)} in this one"
+            whys = [_why_differ(x, y) for x, y in zip(a.unbind(), b.unbind())]
+            differ = [f"component {i}: {w}" for i, w in enumerate(whys) if w]
+            return "; ".join(differ) if differ else None
         if a.dtype != b.dtype or a.shape != b.shape or a.layout != b.layout:
             return f"{_what(a)} in the plain run, {_what(b)} in this one"
         if a.layout != torch.strided:
@@ -290,5 +315,7 @@ def _why_differ(a, b) -> Optional[str]:
 
 def _what(x: Any) -> str:
     if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+        return f"a nested {x.dtype} tensor" if x.is_nested else f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, _Unchecked):
+        return f"a {x.type_name} (not compared)"
     return "none" if x is None else type(x).__name__
