@@ -288,6 +288,8 @@ class Session:
         for a step that enters it around its forward alone (docs/live.md).
         control: False skips the second plain run.
 
+        The plain runs run without the session, so the step must fit
+        without it: check with chaos=True at a batch that fits plainly.
         Like ``with``, this enters the session, which can be entered once.
         Returns a :class:`VerifyResult`, true when bit-exact; an error the
         step raises (out of memory under a budget) propagates, the state

@@ -17,7 +17,9 @@ with state_dict()/load_state_dict(): a scheduler, a GradScaler) state; a
 tensor and its gradient. And the random generators: torch's CPU generator,
 each initialized CUDA device's, numpy's global one and Python's `random`.
 Copies are kept in host memory, so checking a GPU model costs no device
-memory beyond the step's own.
+memory beyond the step's own (and host memory for four copies of that
+state). The plain runs run without the session, so the step must fit
+without it: check with chaos=True at a batch that fits plainly.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class VerifyResult:
                f"{_count(s.get('rng_replays', 0), 'random op')} replayed")
         if self.deterministic is False:
             lines = [f"not checked: the step is not deterministic by itself; two plain runs differ in "
-                     f"{len(self.nondeterminism)} of {self.compared} values:"]
+                     f"{len(self.nondeterminism)} of {self.compared:,} values:"]
             lines += [f"  {d}" for d in self.nondeterminism[:_SHOWN]]
             lines += _more(self.nondeterminism)
             lines.append("Make it deterministic to check it: seed what it draws (data order, masks), "
