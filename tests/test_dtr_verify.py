@@ -119,7 +119,29 @@ def test_a_difference_is_found_and_named():
     assert "elements differ (largest difference" in result.differences[0]
     text = str(result)
     assert text.startswith("NOT bit-exact: 1 of ") and "Tensor's gradient" in text
+    # A dispatch mode that only calls each op computes what the session did:
+    # torch's doing, said so.
+    assert result.same_as_any_mode is True
+    assert "under any dispatch mode" in text and "Please report" not in text
     assert w.grad is None  # put back as it was
+
+
+def test_a_difference_of_the_sessions_own_is_told_apart_from_torchs():
+    # A step that computes otherwise inside a session (and only there): what
+    # a bug of the session would look like to verify().
+    from dtralloc.dtr import session as session_module
+
+    w = torch.randn(5, requires_grad=True)
+
+    def step():
+        scale = 2.0 if getattr(session_module._active, "session", None) is not None else 1.0
+        loss = (torch.tanh(w) * scale).sum()
+        loss.backward()
+        return loss
+
+    result = dtr(device="cpu", chaos=True).verify(step, w)
+    assert not result and result.same_as_any_mode is False
+    assert "the difference is the session's" in str(result) and "Please report" in str(result)
 
 
 def test_a_step_that_is_not_deterministic_by_itself_is_not_blamed_on_the_session():
@@ -134,8 +156,11 @@ def test_a_step_that_is_not_deterministic_by_itself_is_not_blamed_on_the_session
     assert not result and result.deterministic is False
     assert result.nondeterminism == ["the step's return value: 1 of 1 elements differ (largest difference 1)"]
     assert "not deterministic by itself" in str(result) and "torch.set_num_threads(1)" in str(result)
+    # Without the control run the step's own noise reads as a difference,
+    # and the run under a dispatch mode alone differs from both.
     unchecked = dtr(device="cpu", chaos=True).verify(step, model, control=False)
-    assert unchecked.deterministic is None and len(runs) == 5
+    assert unchecked.deterministic is None and len(runs) == 6
+    assert unchecked.same_as_any_mode is False
     assert unchecked.differences == ["the step's return value: 1 of 1 elements differ (largest difference 1)"]
 
 

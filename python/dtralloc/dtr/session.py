@@ -286,7 +286,12 @@ class Session:
         session in the checked run, ``contextlib.nullcontext()`` in the
         plain ones) instead of entering the session around the whole step:
         for a step that enters it around its forward alone (docs/live.md).
-        control: False skips the second plain run.
+        control: False skips the second plain run (a step that differs
+        from itself then reads as a difference of the session's).
+        Where the session's run differs, the step runs once more under a
+        dispatch mode that only calls each op: ``same_as_any_mode`` says
+        whether torch itself computes so under any mode (docs/live.md,
+        Known limits) or the difference is the session's.
 
         The plain runs run without the session, so the step must fit
         without it: check with chaos=True at a batch that fits plainly.

@@ -52,6 +52,13 @@ class VerifyResult:
     nondeterminism: list = field(default_factory=list)    # plain against plain, one line each
     unchecked: list = field(default_factory=list)         # returned objects neither tensors nor plain values
     stats: dict = field(default_factory=dict)             # the session's stats() after its run
+    # Where the session's run differs from the plain one: whether a run under
+    # a dispatch mode that only calls each op (and saved-tensor hooks that
+    # return what they get) gives the session's bits. True: torch computes
+    # so under any dispatch mode, and the session adds nothing to it
+    # (docs/live.md, Known limits). False: the session differs from that
+    # too. None: not run (nothing differed, or the step is not deterministic).
+    same_as_any_mode: Optional[bool] = None
 
     def __bool__(self) -> bool:
         return self.exact
@@ -81,6 +88,14 @@ class VerifyResult:
                  f"({ran}):"]
         lines += [f"  {d}" for d in self.differences[:_SHOWN]]
         lines += _more(self.differences)
+        if self.same_as_any_mode:
+            lines.append("The same bits come out under a dispatch mode that only calls each op: torch computes them "
+                         "so under any dispatch mode (a few derivative formulas round differently there: "
+                         "docs/live.md, Known limits); the session's recomputes add no difference of their own.")
+        elif self.same_as_any_mode is False:
+            lines.append("A dispatch mode that only calls each op gives the plain run's bits where the session "
+                         "does not: the difference is the session's. Please report it with this output and the "
+                         "step (dtralloc's issues).")
         return "\n".join(lines)
 
 
@@ -107,10 +122,47 @@ def verify(session, step: Callable, state: tuple, pass_session: bool, control: b
         keeper.restore()
     differences = _differences(plain, checked)
     deterministic = None if again is None else not nondeterminism
+    same_as_any_mode = None
+    if differences and deterministic is not False:
+        try:
+            floor = keeper.run(step, _AnyMode(), pass_session)
+        finally:
+            keeper.restore()
+        same_as_any_mode = not _differences(floor, checked)
     unchecked = [f"{name} (a {value.type_name})" for name, value in plain if isinstance(value, _Unchecked)]
     return VerifyResult(exact=not differences and deterministic is not False, deterministic=deterministic,
                         compared=len(plain) - len(unchecked), differences=differences,
-                        nondeterminism=nondeterminism, unchecked=unchecked, stats=session.stats())
+                        nondeterminism=nondeterminism, unchecked=unchecked, stats=session.stats(),
+                        same_as_any_mode=same_as_any_mode)
+
+
+class _AnyMode:
+    """What any runtime built on a dispatch mode and saved-tensor hooks does
+    to a step: a TorchDispatchMode that only calls each op, and hooks that
+    return what they get. Entered where the session would be."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _CallOnly(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        self._mode = _CallOnly()
+        self._hooks.__enter__()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._hooks.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._hooks.__exit__(*exc)
 
 
 class _Keeper:
