@@ -17,8 +17,9 @@ with state_dict()/load_state_dict(): a scheduler, a GradScaler) state; a
 tensor and its gradient. And the random generators: torch's CPU generator,
 each initialized CUDA device's, numpy's global one and Python's `random`.
 Copies are kept in host memory, so checking a GPU model costs no device
-memory beyond the step's own (and host memory for four copies of that
-state). The plain runs run without the session, so the step must fit
+memory beyond the step's own (and host memory for two copies of that
+state: the start and the plain run's; the other runs are compared
+value by value). The plain runs run without the session, so the step must fit
 without it: check with chaos=True at a batch that fits plainly.
 """
 from __future__ import annotations
@@ -112,23 +113,23 @@ def _more(lines) -> list:
 
 def verify(session, step: Callable, state: tuple, pass_session: bool, control: bool) -> VerifyResult:
     keeper = _Keeper(state)
+    plain_ctx = contextlib.nullcontext if pass_session else lambda: None
     try:
-        plain = keeper.run(step, contextlib.nullcontext() if pass_session else None, pass_session)
-        again = keeper.run(step, contextlib.nullcontext() if pass_session else None, pass_session) \
-            if control else None
-        nondeterminism = _differences(plain, again) if again is not None else []
-        checked = keeper.run(step, session, pass_session)
+        # Only the plain run is kept whole; the others are compared with it
+        # value by value as they are copied out, so the host holds two
+        # copies of the state (the start and the plain run's), not four.
+        plain = list(keeper.run(step, plain_ctx(), pass_session))
+        nondeterminism = _differences(plain, keeper.run(step, plain_ctx(), pass_session)) if control else []
+        kept = {}  # the session's values where they differ from the plain run's
+        differences = _differences(plain, keeper.run(step, session, pass_session), kept)
+        deterministic = None if not control else not nondeterminism
+        same_as_any_mode = None
+        if differences and deterministic is not False:
+            # The session's bits are those of plain where they agree, and the kept ones elsewhere.
+            session_bits = [(name, kept.get(i, value)) for i, (name, value) in enumerate(plain)]
+            same_as_any_mode = not _differences(session_bits, keeper.run(step, _AnyMode(), pass_session))
     finally:
         keeper.restore()
-    differences = _differences(plain, checked)
-    deterministic = None if again is None else not nondeterminism
-    same_as_any_mode = None
-    if differences and deterministic is not False:
-        try:
-            floor = keeper.run(step, _AnyMode(), pass_session)
-        finally:
-            keeper.restore()
-        same_as_any_mode = not _differences(floor, checked)
     unchecked = [f"{name} (a {value.type_name})" for name, value in plain if isinstance(value, _Unchecked)]
     return VerifyResult(exact=not differences and deterministic is not False, deterministic=deterministic,
                         compared=len(plain) - len(unchecked), differences=differences,
@@ -224,8 +225,9 @@ class _Keeper:
                     obj.load_state_dict(copy.deepcopy(saved))
         _set_rng_states(self.rng)
 
-    def run(self, step: Callable, ctx, pass_session: bool) -> list:
-        """One run from the starting state: [(name, value)], all on the host."""
+    def run(self, step: Callable, ctx, pass_session: bool):
+        """One run from the starting state. Yields what it left, (name,
+        value) with tensors copied to the host one at a time."""
         self.restore()
         if pass_session:
             out = step(ctx)
@@ -236,24 +238,21 @@ class _Keeper:
                 out = step()
         return self._results(out)
 
-    def _results(self, out) -> list:
-        results = []
-        _flatten("the step's return value", out, results)
-        for (kind, obj, name), _ in zip(self.objects, self.start):
+    def _results(self, out):
+        yield from _flatten("the step's return value", out)
+        for kind, obj, name in self.objects:
             if kind == "module":
                 for pname, p in obj.named_parameters():
-                    results.append((f"{name} parameter {pname}", _host(p)))
-                    results.append((f"{name} gradient of {pname}", None if p.grad is None else _host(p.grad)))
+                    yield f"{name} parameter {pname}", _host(p)
+                    yield f"{name} gradient of {pname}", None if p.grad is None else _host(p.grad)
                 for bname, b in obj.named_buffers():
-                    results.append((f"{name} buffer {bname}", _host(b)))
+                    yield f"{name} buffer {bname}", _host(b)
             elif kind == "tensor":
-                results.append((name, _host(obj)))
-                results.append((f"{name}'s gradient", None if obj.grad is None else _host(obj.grad)))
+                yield name, _host(obj)
+                yield f"{name}'s gradient", None if obj.grad is None else _host(obj.grad)
             else:
-                _flatten(name, obj.state_dict(), results)
-        for rng_name, value in _rng_states().items():
-            results.append((rng_name, value))
-        return results
+                yield from _flatten(name, obj.state_dict())
+        yield from _rng_states().items()
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -270,26 +269,26 @@ def _on_host(tree):
     return tree
 
 
-def _flatten(name: str, tree, results: list) -> None:
+def _flatten(name: str, tree):
     """Tensors and plain values in nested dicts, lists, tuples and
     dataclasses, each named by its path. Any other object is named with
     its type and not compared (its repr may hold an address, which differs
     from run to run)."""
     if isinstance(tree, torch.Tensor):
-        results.append((name, _host(tree)))
+        yield name, _host(tree)
     elif isinstance(tree, dict):
         for k, v in tree.items():
-            _flatten(f"{name}[{k!r}]", v, results)
+            yield from _flatten(f"{name}[{k!r}]", v)
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            _flatten(f"{name}[{i}]", v, results)
+            yield from _flatten(f"{name}[{i}]", v)
     elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         for f in dataclasses.fields(tree):
-            _flatten(f"{name}.{f.name}", getattr(tree, f.name), results)
+            yield from _flatten(f"{name}.{f.name}", getattr(tree, f.name))
     elif isinstance(tree, _SCALARS):
-        results.append((name, tree))
+        yield name, tree
     else:
-        results.append((name, _Unchecked(type(tree).__name__)))
+        yield name, _Unchecked(type(tree).__name__)
 
 
 @dataclass(frozen=True)
@@ -316,12 +315,24 @@ def _set_rng_states(states: dict) -> None:
             torch.cuda.set_rng_state(state, int(name.rsplit(" ", 1)[1]))
 
 
-def _differences(want: list, got: list) -> list:
-    if len(want) != len(got) or any(a[0] != b[0] for a, b in zip(want, got)):
-        names = {n for n, _ in want} ^ {n for n, _ in got}
+def _differences(want: list, got, kept: Optional[dict] = None) -> list:
+    """What differs between `want` (a run's values) and the run `got`
+    yields, one line each; `kept` gets got's value at each index that
+    differs."""
+    lines, names, aligned = [], [], True
+    for i, (name, value) in enumerate(got):
+        names.append(name)
+        if i >= len(want) or want[i][0] != name:
+            aligned = False
+        elif aligned and (why := _why_differ(want[i][1], value)):
+            lines.append(f"{name}: {why}")
+            if kept is not None:
+                kept[i] = value
+    if not aligned or len(names) != len(want):
+        odd = {n for n, _ in want} ^ set(names)
         return [f"the runs left different things to compare (the step returned or made other values): "
-                f"{', '.join(sorted(names)[:5]) or 'the same names in another order'}"]
-    return [f"{name}: {why}" for (name, a), (_, b) in zip(want, got) if (why := _why_differ(a, b))]
+                f"{', '.join(sorted(odd)[:5]) or 'the same names in another order'}"]
+    return lines
 
 
 def _why_differ(a, b) -> Optional[str]:
