@@ -18,8 +18,8 @@ tensor and its gradient. And the random generators: torch's CPU generator,
 each initialized CUDA device's, numpy's global one and Python's `random`.
 Copies are kept in host memory, so checking a GPU model costs no device
 memory beyond the step's own (and host memory for two copies of that
-state: the start and the plain run's; the other runs are compared
-value by value). The plain runs run without the session, so the step must fit
+state: the start and the plain run's; the other runs are compared value
+by value). The plain runs run without the session, so the step must fit
 without it: check with chaos=True at a batch that fits plainly.
 """
 from __future__ import annotations
