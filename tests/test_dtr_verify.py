@@ -261,3 +261,21 @@ def test_returned_objects_other_than_tensors_and_plain_values():
     assert result.unchecked == ["the step's return value[1] (a Opaque)"]
     assert result.compared == 2 + 1 + 2 + 3  # the dataclass's fields, the nested tensor, w and its gradient, generators
     assert "not compared: the step's return value[1] (a Opaque)" in str(result)
+
+
+def test_a_run_that_leaves_other_values_is_named():
+    from dtralloc.dtr import session as session_module
+
+    w = torch.randn(3, requires_grad=True)
+
+    def step():
+        loss = torch.tanh(w).sum()
+        loss.backward()
+        if getattr(session_module._active, "session", None) is not None:
+            return loss, loss * 2  # one more value, in the session only
+        return (loss,)
+
+    result = dtr(device="cpu", chaos=True).verify(step, w)
+    assert not result and result.same_as_any_mode is None
+    assert result.differences == ["the runs left different things to compare (the step returned or made other "
+                                  "values): the step's return value[1]"]
