@@ -1,6 +1,7 @@
 """Small transformers models outside the zoo, each bringing ops the zoo's
 models do not use, with random weights (no hub): tests/test_dtr_hf.py trains
-them on CPU, tests/_dtr_gpu_worker.py (scenario hf) on CUDA.
+them on CPU, tests/_dtr_gpu_worker.py (scenario hf) the first five on CUDA
+(its HF_MODELS).
 
 * t5: relative position buckets (log, min, where) and their bias, T5's
   RMS layer norm, cross attention, the decoder's shifted labels.
@@ -181,13 +182,7 @@ def _reformer():
         max_position_embeddings=64, local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4, num_hashes=2,
         hidden_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.1, local_attention_probs_dropout_prob=0.1,
         is_decoder=True, pad_token_id=0, eos_token_id=2)
-    model = transformers.ReformerModelWithLMHead(config)
-
-    def batch(g):
-        ids = torch.randint(3, VOCAB, (2, 32), generator=g)
-        return dict(input_ids=ids, labels=ids)
-
-    return model, batch
+    return _causal_lm(transformers.ReformerModelWithLMHead(config))
 
 
 MODELS = {"t5": _t5, "mixtral": _mixtral, "mamba": _mamba, "swin": _swin, "clip": _clip, "wav2vec2": _wav2vec2,
