@@ -264,6 +264,8 @@ def _on_host(tree):
         return _host(tree)
     if isinstance(tree, dict):
         return {k: _on_host(v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(_on_host(v) for v in tree))
     if isinstance(tree, (list, tuple)):
         return type(tree)(_on_host(v) for v in tree)
     return tree
