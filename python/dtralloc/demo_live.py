@@ -5,6 +5,7 @@ one step checked under chaos with Session.verify(): every parameter,
 gradient, optimizer state and generator after it, bit for bit."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -21,6 +22,16 @@ def _model():
     return torch.nn.Sequential(*layers), torch.randn(1024, 512)
 
 
+def _step(model, opt, x, ctx):
+    """One AdamW step, its forward and backward inside `ctx`; returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(x).square().mean()
+        loss.backward()
+    opt.step()
+    return loss
+
+
 def _train(model, x, session_factory=None, steps=STEPS):
     import torch
 
@@ -28,17 +39,10 @@ def _train(model, x, session_factory=None, steps=STEPS):
     losses, sessions = [], []
     torch.manual_seed(1)
     for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        if session_factory is None:
-            loss = model(x).square().mean()
-            loss.backward()
-        else:
-            with session_factory() as s:
-                loss = model(x).square().mean()
-                loss.backward()
-            sessions.append(s)
-        losses.append(loss.item())
-        opt.step()
+        ctx = contextlib.nullcontext() if session_factory is None else session_factory()
+        losses.append(_step(model, opt, x, ctx).item())
+        if session_factory is not None:
+            sessions.append(ctx)
     return losses, sessions
 
 
@@ -81,14 +85,7 @@ def run_live_demo(echo=print) -> dict:
          f"({t_live / STEPS:.2f}s vs {t_plain / STEPS:.2f}s per step)")
     model.load_state_dict(init)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    verified = dtr(chaos=True, device="cpu").verify(step, model, opt)
+    verified = dtr(chaos=True, device="cpu").verify(lambda: _step(model, opt, x, contextlib.nullcontext()),
+                                                     model, opt)
     echo(f"  one step under dtr(chaos=True) (evicting all it can at every op), checked with verify(): {verified}")
     return {"identical": same, "plain": plain, "live": live, "sessions": sessions, "verified": verified}
