@@ -114,3 +114,16 @@ def make_pool():
     factory = _PoolFactory()
     yield factory
     factory.close()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: MKL promises the same bits from run
+    to run only so (docs/live.md, Known limits), which bit-exactness against
+    a plain run needs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

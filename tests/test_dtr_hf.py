@@ -43,16 +43,6 @@ def _torch_seed(monkeypatch):
     monkeypatch.setattr(torch, "seed", _seed)
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: MKL promises the same bits from run to run only
-    so (docs/live.md, Known limits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("where", ["step", "forward"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_transformers_model_is_bit_exact_under_chaos(name, where, one_thread):

@@ -12,13 +12,7 @@ import torch
 import dtralloc
 from dtralloc.dtr import VerifyResult, dtr
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup():
@@ -240,6 +234,9 @@ def test_a_scheduler_and_the_optimizer_are_state_too():
     assert not opt.state
 
 
+# torch warns once a process at its first strided nested tensor: in a run of
+# this file alone, here.
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_returned_objects_other_than_tensors_and_plain_values():
     @dataclasses.dataclass
     class Out:
