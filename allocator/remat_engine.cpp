@@ -362,7 +362,8 @@ void RematEngine::step_remat(std::vector<Frame>& stack) {
   const std::size_t nbytes = values_[v].nbytes;
   if (attempt_ > 0 && static_cast<double>(counters_.remats - restart_remats_) >
                           kRestartRematsPerValue * static_cast<double>(values_.size()))
-    throw OutOfMemoryError("dtralloc: out of memory: bringing back what an op needs took more than " +
+    throw OutOfMemoryError(std::string(driver_.out_of_memory_text()) +
+                           " Bringing back what an op needs took more than " +
                            std::to_string(static_cast<int>(kRestartRematsPerValue)) +
                            " recomputes per value even after every evictable value was evicted "
                            "(thrashing): raise the budget, or try another eviction policy");

@@ -109,6 +109,10 @@ class RematDriver {
   // The bytes the engine's values may take (0: no budget binds). What
   // prepare_write weighs the values it would pin against.
   virtual std::size_t budget_bytes() { return 0; }
+  // The words an OOM the engine raises itself starts with: torch's " out of
+  // memory.", which batch-size finders look for (a live CUDA session's has
+  // "CUDA", as torch's own does).
+  virtual const char* out_of_memory_text() const { return "dtralloc: out of memory."; }
 };
 
 enum class ValueState : std::uint8_t { kResident, kEvicted, kDeadNeeded, kReleased };

@@ -148,7 +148,8 @@ void bind_live(py::module_& m) {
       .def("flush_deaths", &LiveSession::flush_deaths)
       .def("evict_all", &LiveSession::evict_all)
       .def("stats", &LiveSession::stats)
-      .def("oom_report", &LiveSession::oom_report, py::arg("request_bytes") = 0)
+      .def("oom_report", [](LiveSession& s, std::size_t request_bytes) { return s.oom_report(request_bytes); },
+           py::arg("request_bytes") = 0)
       .def("check_invariants", &LiveSession::check_invariants)
       .def("series", [](const LiveSession& s) {
         py::dict d = series_columns(s.series(), py::handle());

@@ -28,6 +28,9 @@ const char* pin_doc(PinReason r) {
 
 }  // namespace
 
+// A CPU session's OOM (the mirror's), worded as torch's: " out of memory.".
+constexpr char kSessionOutOfMemoryText[] = "dtralloc.dtr: out of memory.";
+
 // The engine's driver: memory, recompute and release go to the session.
 class LiveSession::Driver : public RematDriver {
  public:
@@ -41,6 +44,9 @@ class LiveSession::Driver : public RematDriver {
   // CUDA the device pool, shared with the rest of the process, for the hold.
   void tight_placement(bool on) override { s_.pool_->set_tight_segments(on); }
   std::size_t budget_bytes() override { return s_.pool_->budget_bytes(); }
+  const char* out_of_memory_text() const override {
+    return s_.options_.cuda ? kOutOfMemoryText : kSessionOutOfMemoryText;
+  }
   // Homes as in the replay (PoolPort); the session tells its own apart.
   bool keep_home(int value, std::uintptr_t addr, std::size_t bytes) override {
     return s_.pool_->keep_home(&s_, value, addr, bytes);
@@ -440,9 +446,11 @@ std::uintptr_t LiveSession::allocate_mirror(std::size_t bytes, int value) {
     return reinterpret_cast<std::uintptr_t>(mirror_->malloc(bytes, 0, value));
   } catch (const OutOfMemoryError&) {
     const bool recompute = static_cast<std::size_t>(value) < engine_->num_values();
-    throw OutOfMemoryError(std::string("dtralloc.dtr: out of memory (") +
-                           (recompute ? "bringing back an evicted value" : "an op's output") + "). " +
-                           oom_report(bytes));
+    // " out of memory." as torch words it, which batch-size finders look for
+    // (accelerate's should_reduce_batch_size, behind transformers' Trainer
+    // auto_find_batch_size).
+    throw OutOfMemoryError(std::string(kSessionOutOfMemoryText) + " " +
+                           oom_report(bytes, recompute ? "to bring back an evicted value" : "for an op's output"));
   }
 }
 
@@ -1386,7 +1394,7 @@ std::size_t LiveSession::evict_all() {
   return engine_->counters().evictions - before;
 }
 
-std::string LiveSession::oom_report(std::size_t request_bytes) {
+std::string LiveSession::oom_report(std::size_t request_bytes, const char* what) {
   // Resident bytes nothing can evict now, by why.
   std::size_t locked = 0, held = 0, dependents = 0, values = 0;
   std::vector<std::size_t> pinned(static_cast<std::size_t>(PinReason::kResizedCopy) + 1, 0);
@@ -1410,7 +1418,11 @@ std::string LiveSession::oom_report(std::size_t request_bytes) {
   const std::size_t allocated = static_cast<std::size_t>(r.stats.allocated_bytes[kStatAll].current);
   const std::size_t budget = pool_->budget_bytes();
   std::ostringstream m;
-  if (request_bytes) m << "Tried to allocate " << format_bytes(request_bytes) << ". ";
+  if (request_bytes) {
+    m << "Tried to allocate " << format_bytes(request_bytes);
+    if (what) m << ' ' << what;
+    m << ". ";
+  }
   m << "Under the dtr budget of " << format_bytes(budget) << " ("
     << (options_.cuda ? "the pool's reserved bytes" : "a virtual pool mirroring the session's storages")
     << ", policy " << policy_name(options_.policy) << "), nothing more could be evicted. Reserved "

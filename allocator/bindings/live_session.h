@@ -259,7 +259,8 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // Every evictable value evicted now (chaos mode, and tests).
   std::size_t evict_all();
   py::dict stats();
-  std::string oom_report(std::size_t request_bytes);
+  // `what` ("for an op's output") follows the request's size.
+  std::string oom_report(std::size_t request_bytes, const char* what = nullptr);
   void check_invariants();
   bool use_raw_refcount(bool on);
   const Options& options() const { return options_; }
