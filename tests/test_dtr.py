@@ -332,6 +332,9 @@ def test_a_session_is_refused_inside_saved_tensor_hooks_or_where_they_are_disabl
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(budget="abc"), ValueError, "bad budget 'abc': expected a size with a unit"),
     (dict(budget=-5), ValueError, "budget must be positive, got -5"),
+    # A bare number is bytes: "0.5" was a 1-byte budget, "0" none at all.
+    (dict(budget="0.5"), ValueError, "bad budget '0.5': a number without a unit is a count of bytes"),
+    (dict(budget="0"), ValueError, "budget must be positive, got '0'"),
     (dict(budget=1.5), TypeError, r"budget must be bytes \(an int\) or a size"),
     (dict(budget=True), TypeError, r"budget must be bytes \(an int\) or a size"),
     (dict(policy="nope"), ValueError, "unknown policy 'nope'; available: .*dtralloc"),

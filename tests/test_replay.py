@@ -179,6 +179,8 @@ def test_byte_budgets_and_size_strings(mlp_trace):
     (True, TypeError, "bool"),
     ([1], TypeError, "list"),
     ("lots", ValueError, "size"),
+    ("0.5", ValueError, r"not a whole one; .* \(a share of the peak is a float: budget=0.5\)"),
+    ("0", ValueError, "positive"),
 ])
 def test_invalid_budgets_raise(budget, error, match):
     with pytest.raises(error, match=match):

@@ -26,15 +26,33 @@ def conf_text(conf: ConfLike) -> str:
     )
 
 
-def size_in_bytes(value, who: str, accepts: str = "bytes (an int) or a size such as '512M' or '20G'") -> int:
+def size_in_bytes(value, who: str, accepts: str = "bytes (an int) or a size such as '512M' or '20G'",
+                  fraction: str = "") -> int:
     """A positive size given as an int (bytes) or a string with a unit
-    ("512M", "20G"); `who` names the caller in the error, `accepts` what it takes."""
+    ("512M", "20G"); `who` names the caller in the error, `accepts` what it
+    takes, `fraction` what to write for a share instead (a caller that takes
+    one)."""
     if isinstance(value, str):
         try:
-            return _core.parse_size(value)
+            size = _core.parse_size(value)
         except _core.ConfigError:
             raise _core.ConfigError(f"{who}: bad budget {value!r}: expected a size with a unit such as "
                                     f"'512M' or '20G', or bytes as an int") from None
+        try:
+            bare = float(value)
+        except ValueError:
+            bare = None
+        if bare is not None and not bare.is_integer():
+            # parse_size reads a bare number as bytes, rounded up: "0.5" would
+            # be a 1-byte budget, where DTRALLOC_CONF's budget:0.5 is half the
+            # device's memory.
+            raise _core.ConfigError(
+                f"{who}: bad budget {value!r}: a number without a unit is a count of bytes, and this is "
+                f"not a whole one; write a size with a unit such as '512M' or '20G'"
+                + (f" ({fraction})" if fraction else ""))
+        if size <= 0:
+            raise ValueError(f"{who}: budget must be positive, got {value!r}")
+        return size
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
             raise ValueError(f"{who}: budget must be positive, got {value}")

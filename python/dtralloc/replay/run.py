@@ -117,7 +117,8 @@ def _resolve_budget(budget, reference: int) -> int:
                 f"no-eviction peak reserved); got {budget}. Pass an int for bytes."
             )
         return max(1, int(budget * reference))
-    return size_in_bytes(budget, "dtralloc.replay", "None, bytes (an int), a size such as '20G' or a fraction")
+    return size_in_bytes(budget, "dtralloc.replay", "None, bytes (an int), a size such as '20G' or a fraction",
+                         fraction="a share of the peak is a float: budget=0.5")
 
 
 def replay_columns(trace: Trace, pin_outliving: bool = True) -> _core.ReplayTrace:
