@@ -963,6 +963,12 @@ def test_stats_and_arguments():
         assert key in stats
     assert stats["budget_bytes"] == 64 * MiB and stats["policy"] == "dtr" and stats["device"] == "cpu"
     assert stats["ops"] > 0
+    assert repr(s).startswith("<dtralloc.dtr session device=cpu policy=dtr budget=64 MiB evictions=")
+    # Without a budget a CPU session has none (its mirror's capacity is no one's budget).
+    with dtr(device="cpu") as free:
+        torch.randn(32, 32, requires_grad=True).exp().sum().backward()
+    assert free.stats()["budget_bytes"] == 0 and " budget=none " in repr(free)
+    assert free.stats()["peak_bytes"] > 0
     # On a CPU the ops ran when called: the clock prices them, no GPU does.
     assert stats["op_seconds"] > 0 and stats["gpu_timed_ops"] == 0
     # The mirror made its segments in the session (the first of each pool).

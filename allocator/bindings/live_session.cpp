@@ -1506,7 +1506,9 @@ py::dict LiveSession::stats() {
   d["gpu_timed_ops"] = stats_.gpu_timed_ops;
   d["compute_overhead"] = c.base_cost > 0 ? c.remat_cost / c.base_cost : 0.0;
   d["op_seconds"] = c.base_cost * 1e-9;  // every recorded op once, as the engine prices them
-  d["budget_bytes"] = pool_->budget_bytes();
+  // A CPU session without a budget has none: its mirror's budget is the
+  // mirror's capacity (16 TiB), which no one set. On CUDA it is the pool's.
+  d["budget_bytes"] = mirror_ && pool_->budget_bytes() >= pool_->capacity_bytes() ? 0 : pool_->budget_bytes();
   d["reserved_bytes"] = r.stats.reserved_bytes[kStatAll].current;
   d["allocated_bytes"] = r.stats.allocated_bytes[kStatAll].current;
   d["peak_bytes"] = mirror_ ? static_cast<std::size_t>(r.stats.reserved_bytes[kStatAll].peak) : peak_reserved_bytes_;

@@ -228,7 +228,8 @@ class Session:
         resize_copies (storages resized outside the dispatcher whose contents
         were copied for the recomputes that read them: docs/live.md),
         split_foreach_ops (foreach calls recorded with a recipe per element:
-        docs/live.md), peak_bytes, budget_bytes, recompute_seconds, ..."""
+        docs/live.md), peak_bytes, budget_bytes (0 for a CPU session without
+        a budget), recompute_seconds, ..."""
         return self._core.stats()
 
     def series(self) -> dict:
@@ -310,7 +311,8 @@ class Session:
     def __repr__(self) -> str:
         s = self.stats()
         return (f"<dtralloc.dtr session device={self.device} policy={self.policy} "
-                f"budget={_core.format_bytes(s['budget_bytes'])} evictions={s['evictions']} remats={s['remats']}>")
+                f"budget={_core.format_bytes(s['budget_bytes']) if s['budget_bytes'] else 'none'} "
+                f"evictions={s['evictions']} remats={s['remats']}>")
 
 
 class _Exports:
