@@ -10,6 +10,7 @@ step fits a session's budget (README, "Training under a memory budget";
 tests/test_oom_message.py checks the finders' own predicates)."""
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 
@@ -51,22 +52,20 @@ def _session_trainer(where: str = "step", **session):
 
     class SessionTrainer(transformers.Trainer):
         def training_step(self, model, inputs, *args, **kwargs):
-            if where != "step":
-                return super().training_step(model, inputs, *args, **kwargs)
+            run = functools.partial(super().training_step, model, inputs, *args, **kwargs)
+            return self._in_session(inputs, run) if where == "step" else run()
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            run = functools.partial(super().compute_loss, model, inputs, *args, **kwargs)
+            return self._in_session(inputs, run) if where == "forward" else run()
+
+        def _in_session(self, inputs, run):
             s = dtr(device="cpu", **session)
             self.sessions.append((inputs["input_ids"].shape[0], s))  # those that run out too
             with s:
-                return super().training_step(model, inputs, *args, **kwargs)
-
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            if where != "forward":
-                return super().compute_loss(model, inputs, *args, **kwargs)
-            s = dtr(device="cpu", **session)
-            self.sessions.append((inputs["input_ids"].shape[0], s))
-            with s:
-                loss = super().compute_loss(model, inputs, *args, **kwargs)
+                out = run()
             self.remats_in_block.append(s.stats()["remats"])
-            return loss
+            return out
 
     SessionTrainer.sessions = []
     SessionTrainer.remats_in_block = []
