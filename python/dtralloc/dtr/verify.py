@@ -343,18 +343,18 @@ def _differences(want: list, got, kept: Optional[dict] = None) -> list:
 def _why_differ(a, b) -> Optional[str]:
     """None if `a` and `b` are the same bits (NaN where NaN), else what differs."""
     if isinstance(a, _Unchecked) or isinstance(b, _Unchecked):
-        return None if a == b else f"{_what(a)} in the plain run, {_what(b)} in this one"
+        return None if a == b else _kinds(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{_what(a)} in the plain run, {_what(b)} in this one"
+            return _kinds(a, b)
         if a.is_nested or b.is_nested:
             if not (a.is_nested and b.is_nested) or a.size(0) != b.size(0):
-                return f"{_what(a)} in the plain run, {_what(b)} in this one"
+                return _kinds(a, b)
             whys = [_why_differ(x, y) for x, y in zip(a.unbind(), b.unbind())]
             differ = [f"component {i}: {w}" for i, w in enumerate(whys) if w]
             return "; ".join(differ) if differ else None
         if a.dtype != b.dtype or a.shape != b.shape or a.layout != b.layout:
-            return f"{_what(a)} in the plain run, {_what(b)} in this one"
+            return _kinds(a, b)
         if a.layout != torch.strided:
             a, b = a.to_dense(), b.to_dense()
         if torch.equal(a, b):
@@ -381,6 +381,11 @@ def _why_differ(a, b) -> Optional[str]:
         return f"{a!r} in the plain run, {b!r} in this one" if isinstance(a, _SCALARS) else \
             "a different state after the run"
     return None
+
+
+def _kinds(a, b) -> str:
+    """What each run left, where they are not the same kind of value."""
+    return f"{_what(a)} in the plain run, {_what(b)} in this one"
 
 
 def _what(x: Any) -> str:
