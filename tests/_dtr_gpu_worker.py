@@ -6,6 +6,7 @@ the test asserts on it.
 
     python _dtr_gpu_worker.py dropout | verify | generator | oom | device_thread | device_full | op_costs | long_lived | foreach | hf
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
+    python _dtr_gpu_worker.py amp whole|forward
     python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP] [SECONDS]
 """
 from __future__ import annotations
@@ -140,6 +141,54 @@ def verify() -> dict:
     return {"exact": result.exact, "deterministic": result.deterministic, "compared": result.compared,
             "text": str(result), "stats": result.stats,
             "put_back": all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(before, after)),
+            "pool_ok": _pool_ok(dtralloc)}
+
+
+def amp(recipe: str = "whole") -> dict:
+    """float16 autocast with a GradScaler on CUDA, the usual mixed-precision
+    recipe, under chaos: the dropout model's eight AdamW steps, the whole step
+    in the session or (`recipe` "forward") the forward alone, the scaled
+    backward, the scaler's step and update after it. The first scale
+    overflows float16's gradients (on CPU the first four steps skip, then
+    steps apply): the scaler's CUDA kernels unscale and check them in place,
+    its step reads found_inf on the host and skips, and its scale (a tensor
+    the first session made) is rewritten in place."""
+    dtralloc, torch = _setup()
+    x = torch.randn(256, 512, device="cuda")
+    init_scale = 2.0 ** 30
+
+    def run(session):
+        model = _dropout_mlp(torch)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cuda", init_scale=init_scale, growth_interval=2)
+        torch.manual_seed(7)
+        losses, scales, last = [], [], None
+
+        def finish(loss):
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        for _ in range(8):
+            opt.zero_grad(set_to_none=True)
+            with session() if session else contextlib.nullcontext() as s:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().square().mean()
+                if recipe == "whole":
+                    finish(loss)
+            if recipe == "forward":
+                finish(loss)
+            last = s or last
+            losses.append(loss.detach())
+            scales.append(scaler.get_scale())
+        torch.cuda.synchronize()
+        return (losses, [p.detach().clone() for p in model.parameters()], torch.cuda.get_rng_state()), scales, last
+
+    want, want_scales, _ = run(None)
+    again, _, _ = run(None)
+    got, got_scales, s = run(lambda: dtralloc.dtr(chaos=True))
+    return {"control": _identical(torch, again, want), "diffs": _identical(torch, got, want),
+            "init_scale": init_scale, "scales": want_scales, "same_scales": got_scales == want_scales, "stats": s.stats(),
             "pool_ok": _pool_ok(dtralloc)}
 
 
@@ -724,6 +773,7 @@ SCENARIOS = {
     "op_costs": op_costs,
     "dropout": dropout,
     "verify": verify,
+    "amp": amp,
     "flash_dropout": flash_dropout,
     "generator": generator,
     "oom": oom,

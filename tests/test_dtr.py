@@ -1324,6 +1324,81 @@ def test_compiled_code_runs_eagerly_inside_a_session():
     assert len(inside.series()["op"]) == len(reference.series()["op"])
 
 
+AMP_INIT_SCALE = 2.0 ** 32
+
+
+def _skipped_and_applied(scales, init) -> tuple:
+    """Whether a GradScaler skipped a step (its scale halved) and applied one
+    (kept or grew it), from its scale after each step."""
+    pairs = list(zip([init] + scales, scales))
+    return any(b < a for a, b in pairs), any(b >= a for a, b in pairs)
+
+
+def _amp_run(recipe, session=None):
+    """Five steps of float16 autocast with a GradScaler (the usual GPU recipe,
+    on CPU): the whole step in `session()`, or (`recipe` "forward") the
+    forward alone, with the scaled backward, the scaler's step and update
+    after it. The first scale overflows float16's gradients, so the first
+    steps are skipped (three) and the scale comes down before steps apply.
+    Returns (losses, parameters, scales, growth trackers) and the sessions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=2)
+    x = torch.randn(1024, 512)
+    torch.manual_seed(7)
+    losses, scales, trackers, sessions = [], [], [], []
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(x).float().square().mean()
+
+    def finish(loss):
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        with session() if session else contextlib.nullcontext() as s:
+            loss = forward()
+            if recipe == "whole":
+                finish(loss)
+        if recipe == "forward":
+            finish(loss)
+        sessions.append(s)
+        losses.append(loss.detach())
+        scales.append(scaler.get_scale())
+        trackers.append(int(scaler._growth_tracker))
+    return (losses, [p.detach().clone() for p in model.parameters()], scales, trackers), sessions
+
+
+@pytest.mark.parametrize("recipe", ["whole", "forward"])
+@pytest.mark.parametrize("pressure", ["chaos", "budget"])
+def test_float16_autocast_with_a_grad_scaler_trains_as_plain(recipe, pressure):
+    # The scaler unscales and checks the gradients for inf in place
+    # (_amp_foreach_non_finite_check_and_unscale_), reads found_inf with
+    # .item() to skip the step, and rewrites its scale in place
+    # (_amp_update_scale_), the scale being a tensor the first session made.
+    want, _ = _amp_run(recipe)
+    losses, params, scales, trackers = want
+    assert _skipped_and_applied(scales, AMP_INIT_SCALE) == (True, True), f"a step must skip and one apply: {scales}"
+    if pressure == "chaos":
+        session = lambda: dtr(device="cpu", chaos=True)  # noqa: E731
+    else:
+        _, unbounded = _amp_run(recipe, lambda: dtr(device="cpu"))
+        peak = max(s.stats()["peak_bytes"] for s in unbounded)
+        session = lambda: dtr(device="cpu", budget=peak // 2)  # noqa: E731
+    got, sessions = _amp_run(recipe, session)
+    for kind, a, b in zip(("loss", "parameter"), got[:2], want[:2]):
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), f"{kind} {i} differs"
+    assert got[2:] == want[2:], "the scaler's scale or growth tracker differs"
+    assert all(s.stats()["evictions"] > 0 and s.stats()["remats"] > 0 for s in sessions)
+    if pressure == "chaos":
+        assert all(s.stats()["rng_replays"] > 0 for s in sessions), "no dropout mask was recomputed"
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_torch_func_grad_inside_a_session_says_the_sessions_hooks_are_why_it_refuses():
     x = torch.randn(4)

@@ -13,6 +13,7 @@ import os
 import pytest
 
 from _dtr_gpu_worker import HF_MODELS
+from test_dtr import _skipped_and_applied
 from test_gpu import _cuda_available, run_gpu_worker
 
 pytestmark = [
@@ -43,6 +44,18 @@ def test_verify_finds_a_cuda_step_bit_exact_and_puts_its_state_back():
     assert r["text"].startswith("bit-exact: ")
     assert r["stats"]["evictions"] > 0 and r["stats"]["rng_replays"] > 0
     assert r["put_back"] and r["pool_ok"]
+
+
+@pytest.mark.parametrize("recipe", ["whole", "forward"])
+def test_float16_autocast_with_a_grad_scaler_is_bit_exact_under_chaos(recipe):
+    r = run("amp", recipe)
+    assert r["control"] == [], f"plain differs from plain on this GPU: {r['control']}"
+    assert r["diffs"] == [], r
+    assert r["same_scales"], r
+    assert _skipped_and_applied(r["scales"], r["init_scale"]) == (True, True), \
+        f"a step must skip and one apply: {r['scales']}"
+    assert r["stats"]["evictions"] > 0 and r["stats"]["rng_replays"] > 0
+    assert r["pool_ok"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
