@@ -367,6 +367,57 @@ def test_backward_after_the_block():
     assert s.stats()["remats"] > 0
 
 
+def test_a_session_decorates_a_function_each_call_in_a_session_of_its_own():
+    model, loss_fn = build("mlp_inplace_dropout", SWEEP_BATCH["mlp_inplace_dropout"])
+    init = copy.deepcopy(model.state_dict())
+    torch.manual_seed(3)
+    want = train(model, loss_fn, 3)
+
+    @dtr(device="cpu", chaos=True)
+    def step(model):
+        """The whole step."""
+        loss = loss_fn(model)
+        loss.backward()
+        return loss
+
+    @dtr(device="cpu", chaos=True)
+    def forward(model):
+        return loss_fn(model)
+
+    assert (step.__name__, step.__doc__, step.last_session) == ("step", "The whole step.", None)
+    for run, backward_after in ((step, False), (forward, True)):
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(3)
+        losses, sessions = [], []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = run(model)
+            sessions.append(run.last_session)
+            in_call = sessions[-1].stats()["remats"]
+            if backward_after:
+                loss.backward()
+                assert sessions[-1].stats()["remats"] > in_call  # the backward after the call recomputed
+            losses.append(loss.detach())
+            opt.step()
+        got = losses, [p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
+        assert_identical(got, want)
+        assert len({id(s) for s in sessions}) == 3, "each call runs in a session of its own"
+        assert all(s.chaos and s.device == "cpu" and s.stats()["evictions"] > 0 for s in sessions)
+
+    def steps():
+        yield
+
+    with pytest.raises(TypeError, match="a generator or coroutine function: its body runs after the call"):
+        dtr(device="cpu")(steps)
+    with pytest.raises(TypeError, match="a session decorates a function, not 3"):
+        dtr(device="cpu")(3)
+    with dtr(device="cpu") as s:
+        pass
+    with pytest.raises(RuntimeError, match="already entered; decorate with a new one"):
+        s(forward)
+
+
 def _forward_alone(model, loss_fn, steps, **session):
     """`steps` AdamW steps with the forward alone in a dtr(**session) block;
     backward and the step after it. Returns (losses, parameters, buffers),

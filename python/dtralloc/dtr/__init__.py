@@ -45,7 +45,10 @@ def dtr(budget: Union[None, int, str] = None, policy: Optional[str] = None, devi
 
     Returns a :class:`~dtralloc.dtr.session.Session`, a context manager whose
     ``stats()`` report evictions, remats, rng_replays, peak_bytes,
-    budget_bytes, recompute_seconds, ...
+    budget_bytes, recompute_seconds, ... It also decorates a function
+    (``@dtralloc.dtr(budget="16G")``): each call then runs in a session of
+    its own, made with these arguments, the latest being the wrapper's
+    ``last_session``.
     """
     from .session import Session
 

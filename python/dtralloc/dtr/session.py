@@ -9,6 +9,8 @@ evicted value back by rerunning the ops that made it, bit for bit.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import weakref
 from typing import Optional
@@ -133,9 +135,10 @@ def _fused_foreach(cuda: bool) -> bool:
 
 
 class Session:
-    """A dtr() session; use it as a context manager. ``stats()`` works during
-    and after the block; backward may run after the block (the session lives
-    as long as a saved value needs it)."""
+    """A dtr() session; use it as a context manager, or as a decorator (each
+    call in a session of its own). ``stats()`` works during and after the
+    block; backward may run after the block (the session lives as long as a
+    saved value needs it)."""
 
     def __init__(self, budget=None, policy: Optional[str] = None, device=None, chaos: bool = False,
                  check_invariants: bool = False, series: int = SERIES_OPS, history=False):
@@ -150,6 +153,8 @@ class Session:
         if history_events < 0:
             raise ValueError(f"dtralloc.dtr: history is True, False or a number of events, not {history!r}")
         self.device = name
+        # As given: a function this session decorates runs each call in a new one made so (__call__).
+        self._arguments = (budget, policy, device, chaos, check_invariants, series, history)
         self.budget_bytes = _budget_bytes(budget)
         self.policy = _policy(policy)
         self.chaos = chaos
@@ -307,6 +312,33 @@ class Session:
         if not callable(step):
             raise TypeError(f"dtralloc.dtr: verify() takes the step to run first (a callable), not {step!r}")
         return verify(self, step, state, bool(pass_session), bool(control))
+
+    def __call__(self, fn):
+        """``@dtralloc.dtr(...)`` on a function: each call runs in a session
+        of its own, made with these arguments (a session is entered once), as
+        ``with dtralloc.dtr(...):`` around the call would. The wrapper's
+        ``last_session`` is the latest call's session, for its stats()."""
+        if not callable(fn):
+            raise TypeError(f"dtralloc.dtr: a session decorates a function, not {fn!r}; "
+                            "around a block of code, use `with dtralloc.dtr(...):`")
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(f"dtralloc.dtr: cannot decorate {fn.__qualname__}, a generator or coroutine function: "
+                            "its body runs after the call returns, outside the session. Decorate the function "
+                            "that runs the step, or use `with dtralloc.dtr(...):` inside it")
+        if self._entered:
+            raise RuntimeError("dtralloc.dtr: this session was already entered; decorate with a new one "
+                               "(@dtralloc.dtr(...))")
+        arguments = self._arguments
+
+        @functools.wraps(fn)
+        def in_a_session(*args, **kwargs):
+            session = Session(*arguments)
+            in_a_session.last_session = session
+            with session:
+                return fn(*args, **kwargs)
+
+        in_a_session.last_session = None
+        return in_a_session
 
     def __repr__(self) -> str:
         s = self.stats()
