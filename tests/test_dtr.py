@@ -412,6 +412,8 @@ def test_a_session_decorates_a_function_each_call_in_a_session_of_its_own():
         dtr(device="cpu")(steps)
     with pytest.raises(TypeError, match="a session decorates a function, not 3"):
         dtr(device="cpu")(3)
+    with pytest.raises(TypeError, match=r"to decorate '.*steps', call dtr first: @dtralloc.dtr\(\) or"):
+        dtr(steps)
     with dtr(device="cpu") as s:
         pass
     with pytest.raises(RuntimeError, match="already entered; decorate with a new one"):

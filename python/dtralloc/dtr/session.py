@@ -51,6 +51,9 @@ def _check_raw_refcount() -> bool:
 def _budget_bytes(budget) -> int:
     if budget is None:
         return 0
+    if callable(budget):
+        raise TypeError(f"dtralloc.dtr: to decorate {getattr(budget, '__qualname__', budget)!r}, call dtr first: "
+                        "@dtralloc.dtr() or @dtralloc.dtr(budget=...), not @dtralloc.dtr")
     return size_in_bytes(budget, "dtralloc.dtr")
 
 
