@@ -404,6 +404,11 @@ def test_a_session_decorates_a_function_each_call_in_a_session_of_its_own():
         assert_identical(got, want)
         assert len({id(s) for s in sessions}) == 3, "each call runs in a session of its own"
         assert all(s.chaos and s.device == "cpu" and s.stats()["evictions"] > 0 for s in sessions)
+        last = weakref.ref(run.last_session)
+        del sessions, loss
+        run.last_session = None
+        gc.collect()
+        assert last() is None, "the wrapper drops its last session when told to"
 
     def steps():
         yield
