@@ -325,7 +325,7 @@ class Session:
             raise TypeError(f"dtralloc.dtr: a session decorates a function, not {fn!r}; "
                             "around a block of code, use `with dtralloc.dtr(...):`")
         if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-            raise TypeError(f"dtralloc.dtr: cannot decorate {fn.__qualname__}, a generator or coroutine function: "
+            raise TypeError(f"dtralloc.dtr: cannot decorate {getattr(fn, '__qualname__', fn)}, a generator or coroutine function: "
                             "its body runs after the call returns, outside the session. Decorate the function "
                             "that runs the step, or use `with dtralloc.dtr(...):` inside it")
         if self._entered:
