@@ -242,6 +242,7 @@ void LiveSession::start() {
     auto it = by_device.find(lifetimes_key());
     if (it != by_device.end()) lifetimes_in_ = it->second;
   }
+  take_carried_costs();
   mark_op(-1);  // the first op's interval starts here
 }
 
@@ -332,6 +333,7 @@ std::size_t LiveSession::live_sessions_on(Allocator* pool) {
 
 void LiveSession::end_block() {
   end_lifetimes();
+  give_carried_costs();
   publish_counts();
   pool_->set_op_stamp(-1);  // nothing after the block is recorded
   if (mirror_ && publishing_) mirror_->publish(0, "");
@@ -378,6 +380,103 @@ void LiveSession::end_lifetimes() {
   // here: lifetimes that keep most of what it made tell nothing apart.
   if (2 * kept > made || out->funcs.size() >= kLifetimeOps) out->kept.clear();
   lifetimes_by_device()[lifetimes_key()] = std::move(out);
+}
+
+// ---- op costs carried from the step before (CUDA) ----------------------------
+//
+// Note [carried costs]
+// ~~~~~~~~~~~~~~~~~~~~
+// On a GPU an op's cost arrives when the GPU has run it (op_timer.h); until
+// then the engine prices it by the host's clock, a few microseconds of
+// launch for a matmul and a ReLU alike. Where the kernels are the slower
+// side (a large batch: the regime a budget is for), the host runs ahead of
+// the GPU by up to its launch queue, hundreds of ops: when the budget fills
+// late in the forward, the last layers' outputs are all priced at their
+// launch, tens to hundreds of times below their recompute, so the evictor
+// takes them first, and among them cannot tell a matmul's output from an
+// activation's. A training step runs the same ops in the same order every
+// time, so the session prices each op, until the GPU's own time arrives, at
+// what the GPU measured for the same op (the same OpOverload at the same
+// engine op index) in the step before on the device; from the first op
+// that differs (another model, a step that took another path) it falls back
+// to the clock. Only ops the GPU measured are carried, and a wrong guess
+// only misprices an op until its own time arrives. The previous session
+// hands over what it measured when its block ends, and again when the next
+// session starts while it still lives (the usual loop: `s` holds it), so
+// that the ops whose time arrived after its block (all of the forward, with
+// the backward after the block) are carried too. stats()["carried_costs"]
+// counts the ops priced so.
+
+// What a session measured, by engine op.
+struct CarriedCosts {
+  std::vector<PyObject*> funcs;  // identity only: OpOverloads live as long as torch
+  std::vector<double> ns;        // the GPU's time, or -1
+};
+
+namespace {
+// Per CUDA device, under the GIL: the latest session with a timer, and what
+// it measured when it last handed its costs over. Never destroyed: sessions
+// may end during interpreter shutdown.
+struct CostsOnDevice {
+  std::weak_ptr<LiveSession> last;
+  const LiveSession* last_raw = nullptr;  // identity only: `last` has expired in its destructor
+  std::shared_ptr<const CarriedCosts> costs;
+};
+std::map<int, CostsOnDevice>& costs_by_device() {
+  static auto* by_device = new std::map<int, CostsOnDevice>();
+  return *by_device;
+}
+}  // namespace
+
+double LiveSession::provisional_cost(int op, PyObject* func, double clock) {
+  // A session longer than a step notes no more (see kLifetimeOps).
+  if (static_cast<std::size_t>(op) != cost_funcs_.size() || cost_funcs_.size() >= kLifetimeOps) return clock;
+  cost_funcs_.push_back(func);
+  gpu_ns_.push_back(-1);
+  if (!costs_in_ || costs_diverged_) return clock;
+  const auto i = static_cast<std::size_t>(op);
+  if (i >= costs_in_->funcs.size() || costs_in_->funcs[i] != func) {
+    costs_diverged_ = true;
+    return clock;
+  }
+  if (costs_in_->ns[i] < 0) return clock;
+  ++stats_.carried_costs;
+  return costs_in_->ns[i];
+}
+
+void LiveSession::collect_gpu_costs() {
+  stats_.gpu_timed_ops += timer_->collect([&](int o, double ns) {
+    engine_->set_cost(o, ns);
+    if (static_cast<std::size_t>(o) < gpu_ns_.size()) gpu_ns_[o] = ns;
+  });
+}
+
+std::shared_ptr<const CarriedCosts> LiveSession::measured_costs() {
+  if (timer_->active()) collect_gpu_costs();
+  auto out = std::make_shared<CarriedCosts>();
+  out->funcs = cost_funcs_;
+  out->ns = gpu_ns_;
+  return out;
+}
+
+void LiveSession::take_carried_costs() {
+  if (!timer_ || !timer_->active()) return;
+  CostsOnDevice& on_device = costs_by_device()[options_.device];
+  if (auto previous = on_device.last.lock())  // still alive: what arrived since its block ended too
+    if (previous.get() != this) on_device.costs = previous->measured_costs();
+  costs_in_ = on_device.costs;
+  on_device.last = weak_from_this();
+  on_device.last_raw = this;
+}
+
+// From end_block(): at the block's end, and when the session is torn down
+// (stop()) before a next one took its costs.
+void LiveSession::give_carried_costs() {
+  if (!timer_ || !timer_->active()) return;
+  CostsOnDevice& on_device = costs_by_device()[options_.device];
+  if (on_device.last_raw != this) return;  // a newer session took over
+  on_device.costs = measured_costs();
+  if (on_device.last.expired()) on_device.last_raw = nullptr;  // torn down: no later hand-over
 }
 
 Slot& LiveSession::slot(int value) {
@@ -1144,6 +1243,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     }
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
+  if (timer_) cost = provisional_cost(op, func.ptr(), cost);
   const auto reason = reads_opaque && pin == 0 ? PinReason::kOpaque : static_cast<PinReason>(pin);
   // What the op writes in place is pinned as what it makes is, except for an
   // op pinned only for writing (kSideEffects: its writes are its recipe;
@@ -1314,8 +1414,7 @@ void LiveSession::mark_op(int op) {
   void* stream = PyLong_AsVoidPtr(raw);
   Py_DECREF(raw);
   if (!stream && PyErr_Occurred()) throw py::error_already_set();
-  if (timer_->mark(op, reinterpret_cast<Stream>(stream), clean))
-    stats_.gpu_timed_ops += timer_->collect([&](int o, double ns) { engine_->set_cost(o, ns); });
+  if (timer_->mark(op, reinterpret_cast<Stream>(stream), clean)) collect_gpu_costs();
 }
 
 // ---- eviction and reports ---------------------------------------------------------
@@ -1504,6 +1603,7 @@ py::dict LiveSession::stats() {
   d["unpacked"] = stats_.unpacked;
   d["recompute_seconds"] = stats_.recompute_seconds;
   d["gpu_timed_ops"] = stats_.gpu_timed_ops;
+  d["carried_costs"] = stats_.carried_costs;
   d["compute_overhead"] = c.base_cost > 0 ? c.remat_cost / c.base_cost : 0.0;
   d["op_seconds"] = c.base_cost * 1e-9;  // every recorded op once, as the engine prices them
   // A CPU session without a budget has none: its mirror's budget is the

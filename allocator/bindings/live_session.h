@@ -173,12 +173,14 @@ struct LiveStats {
   std::size_t unpacked = 0;
   double recompute_seconds = 0;     // wall time in the runner
   std::size_t gpu_timed_ops = 0;    // ops whose cost the GPU measured (OpTimer)
+  std::size_t carried_costs = 0;    // ops first priced by the step before's GPU time (Note [carried costs])
   std::size_t series_dropped = 0;   // engine ops past Options::series_ops, not sampled
   std::size_t resize_copies = 0;    // storages copied before a resize for their readers (keep_for_readers)
   std::size_t split_foreach_ops = 0;  // foreach calls recorded one recipe per element (split_elements)
 };
 
 struct Lifetimes;  // live_session.cpp, "what outlives the step"
+struct CarriedCosts;  // live_session.cpp, Note [carried costs]
 
 class LiveSession : public std::enable_shared_from_this<LiveSession> {
  public:
@@ -344,6 +346,22 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unique_ptr<OpTimer> timer_;
   py::object current_stream_, device_index_;
   std::size_t remats_at_mark_ = 0;
+  // Note [carried costs]: with a timer, each engine op's OpOverload and its
+  // cost as the GPU measured it (-1: not yet), the step before's, and
+  // whether this step's ops stopped matching its.
+  std::vector<PyObject*> cost_funcs_;  // identity only, never dereferenced
+  std::vector<double> gpu_ns_;
+  std::shared_ptr<const CarriedCosts> costs_in_;
+  bool costs_diverged_ = false;
+  // The op's cost until the GPU's arrives: the step before's for the same
+  // op, else the host's clock (`clock`). Notes the op (record()).
+  double provisional_cost(int op, PyObject* func, double clock);
+  // Hands the engine the costs the GPU has measured since the last call.
+  void collect_gpu_costs();
+  // This session's GPU costs so far, for the next session on the device.
+  std::shared_ptr<const CarriedCosts> measured_costs();
+  void take_carried_costs();  // start(): the step before's
+  void give_carried_costs();  // end_block(): this step's, so far
   void apply_budget(struct OnPool& on_pool);
   std::shared_ptr<OnPool> on_pool_;  // while started
   bool started_ = false;

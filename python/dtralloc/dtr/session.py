@@ -236,7 +236,9 @@ class Session:
         resize_copies (storages resized outside the dispatcher whose contents
         were copied for the recomputes that read them: docs/live.md),
         split_foreach_ops (foreach calls recorded with a recipe per element:
-        docs/live.md), peak_bytes, budget_bytes (0 for a CPU session without
+        docs/live.md), gpu_timed_ops and carried_costs (CUDA: ops the GPU
+        priced, and ops first priced at the step before's GPU time for the
+        same op: docs/live.md, "On a GPU"), peak_bytes, budget_bytes (0 for a CPU session without
         a budget), recompute_seconds, ..."""
         return self._core.stats()
 
@@ -336,8 +338,11 @@ class Session:
         @functools.wraps(fn)
         def in_a_session(*args, **kwargs):
             session = Session(*arguments)
-            in_a_session.last_session = session
             with session:
+                # Only now: the previous call's session lives until this one
+                # started, as `s` of `with dtr() as s` does in a loop (on CUDA
+                # it hands its op costs over then: docs/live.md).
+                in_a_session.last_session = session
                 return fn(*args, **kwargs)
 
         in_a_session.last_session = None
