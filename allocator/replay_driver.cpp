@@ -2,7 +2,9 @@
 #include "replay_driver.h"
 
 #include <algorithm>
+#include <deque>
 #include <memory>
+#include <utility>
 #include <stdexcept>
 
 #include "backend.h"
@@ -151,6 +153,15 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
   std::size_t evictions_before = 0;
   double base_before = 0, remat_before = 0;
   OpCall call;
+  // ReplayOptions::cost_lag_ops: ops priced at lag_cost, and their own costs,
+  // oldest first; each handed to the engine once cost_lag_ops ops followed.
+  std::deque<std::pair<int, double>> lagged;
+  auto settle = [&](std::size_t keep) {
+    while (lagged.size() > keep) {
+      engine.set_cost(lagged.front().first, lagged.front().second);
+      lagged.pop_front();
+    }
+  };
   try {
     out.oom_op = -1;
     for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
@@ -159,6 +170,8 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
     check();
     for (out.steps = 1; out.steps <= steps; ++out.steps) {
       const bool last = out.steps == steps;
+      settle(0);  // the GPU has caught up between steps: nothing of the step before is left to price
+      const bool lag = options.cost_lag_ops > 0 && (out.steps == 1 || !options.lag_carried);
       if (out.steps > 1) {
         // What the step before made and kept dies as this one begins.
         for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
@@ -177,7 +190,7 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
         out.oom_op = static_cast<int>(i);
         allocator.set_op_stamp(static_cast<std::int32_t>(i));
         engine.tick();
-        call.cost = t.cost[i];
+        call.cost = lag ? options.lag_cost : t.cost[i];
         call.random = t.random[i] != 0;
         current_values(t.inputs_offsets, t.inputs, i, current, &call.reads);
         current_values(t.mutated_offsets, t.mutated, i, current, &call.writes);
@@ -207,6 +220,10 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
         if (!evicting && options.measure_floor)
           out.resident_floor_bytes = std::max(out.resident_floor_bytes, engine.unevictable_resident_bytes());
         engine.end_op(op);
+        if (lag) {
+          lagged.emplace_back(op, t.cost[i]);
+          settle(options.cost_lag_ops);
+        }
         for (int k = t.frees_offsets[i]; k < t.frees_offsets[i + 1]; ++k) kill(t.frees[k]);
         check();
         if (engine.counters().remats > max_remats)
@@ -217,11 +234,13 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
           options.progress(done, steps * t.num_ops());
       }
     }
+    settle(0);
     out.steps = steps;
     out.oom_op = -2;
   } catch (const OutOfMemoryError& e) {
     out.feasible = false;
     out.oom_message = e.what();
+    settle(0);  // every op in it ended (the one that ran out never entered it)
   }
   allocator.set_eviction_hook(nullptr);
   if (options.history_entries) {

@@ -69,6 +69,17 @@ struct ReplayOptions {
   // step (parameters, optimizer state) stay. The last_step_* figures are the
   // last step's; the series samples the last step only.
   std::size_t steps = 1;
+  // > 0: a GPU's op timing, as a live CUDA session sees it (op_timer.h): each
+  // op is priced at `lag_cost` (its launch) when it runs, and at its own cost
+  // only `cost_lag_ops` ops later, when its timing event would have
+  // completed while the host ran ahead (and at each step's end, when the
+  // GPU has caught up). With `lag_carried`, from the second step on an op is
+  // priced at its own cost from the start, as the step before measured it
+  // (Note [carried costs], bindings/live_session.cpp). The figures charge
+  // every recompute at the op's own cost either way (RematEngine::set_cost).
+  std::size_t cost_lag_ops = 0;
+  double lag_cost = 0;
+  bool lag_carried = true;
 };
 
 // The replay's scalar figures, declared once: the struct below and the

@@ -269,6 +269,40 @@ def test_steps_must_be_a_whole_number(mlp_trace, steps):
         dtralloc.replay(mlp_trace, steps=steps)
 
 
+def test_late_op_costs_mislead_the_evictor_and_carried_ones_do_not():
+    """cost_lag models a GPU's timing events: an op is priced at a launch
+    until its own cost arrives ops later, and the evictor decides with what
+    it knows then (docs/live.md, "On a GPU"; bench/replay_cost_lag.py)."""
+    kw = dict(budget=0.5, policy="dtralloc", steps=2)
+    exact = dtralloc.replay("convbn", **kw)
+    late = dtralloc.replay("convbn", cost_lag=300, carried_costs=False, check_invariants=True, **kw)
+    carried = dtralloc.replay("convbn", cost_lag=300, **kw)
+    assert exact.feasible and late.feasible and carried.feasible
+    # Every op is charged its own cost in the end: the step's cost is the same.
+    assert late.base_cost == pytest.approx(exact.base_cost, rel=1e-9)
+    assert late.last_step_compute_overhead > 2 * exact.last_step_compute_overhead
+    # From the second step on, the step before's costs: decided as if known.
+    assert carried.last_step_compute_overhead == pytest.approx(exact.last_step_compute_overhead, rel=0.05)
+    assert carried.compute_overhead > exact.compute_overhead  # the first step still decided late
+    # A lag of 0 is the replay as it was; lag_cost prices the wait.
+    assert dtralloc.replay("convbn", cost_lag=0, **kw) == exact
+    free = dtralloc.replay("convbn", cost_lag=300, lag_cost=0.0, carried_costs=False, **kw)
+    assert free.feasible and free.last_step_compute_overhead > exact.last_step_compute_overhead
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cost_lag": -1}, "cost_lag is a number of ops >= 0"),
+    ({"cost_lag": True}, "cost_lag is a number of ops >= 0"),
+    ({"cost_lag": 2.5}, "cost_lag is a number of ops >= 0"),
+    ({"cost_lag": 10, "lag_cost": -1.0}, "lag_cost is a cost >= 0"),
+    ({"cost_lag": 10, "lag_cost": float("nan")}, "lag_cost is a cost >= 0"),
+    ({"cost_lag": 10, "lag_cost": "1"}, "lag_cost is a cost >= 0"),
+])
+def test_cost_lag_arguments_are_checked(mlp_trace, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dtralloc.replay(mlp_trace, budget=0.5, policy="dtralloc", **kwargs)
+
+
 def test_a_step_that_reads_what_it_frees_from_before_cannot_repeat():
     """An op reads a storage alive before the step, which a later op frees:
     the step after has nothing to read there."""

@@ -23,6 +23,9 @@ def replay(
     history: bool = False,
     pin_outliving: bool = True,
     steps: int = 1,
+    cost_lag: int = 0,
+    lag_cost: Optional[float] = None,
+    carried_costs: bool = True,
 ) -> ReplayResult:
     """Run `trace` through a fresh pool and measure it.
 
@@ -57,9 +60,27 @@ def replay(
             state: the pool no longer starts empty) and ``series`` samples
             it; the other figures count every step. A fractional budget is
             a share of the peak of the same number of steps without a budget.
+        cost_lag: > 0 models a GPU's op timing, as a live CUDA session sees
+            it (docs/live.md, "On a GPU"): each op is priced at `lag_cost`
+            when it runs and at its own cost only `cost_lag` ops later, as
+            its timing event completes while the host runs ahead of the
+            kernels (and all of them by the step's end). The evictor decides
+            with what it knows then; every figure charges the op's own cost.
+        lag_cost: what an op is priced at until then, in the trace's cost
+            units (None: 5% of the trace's mean op cost, a launch against a
+            kernel).
+        carried_costs: with cost_lag, from the second step on each op is
+            priced at its own cost from the start, as a live session prices
+            it at the step before's (Note [carried costs]); False: every
+            step as the first.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"dtralloc.replay: steps must be a whole number >= 1; got {steps!r}")
+    if isinstance(cost_lag, bool) or not isinstance(cost_lag, int) or cost_lag < 0:
+        raise ValueError(f"dtralloc.replay: cost_lag is a number of ops >= 0 (0: none); got {cost_lag!r}")
+    if lag_cost is not None and (isinstance(lag_cost, bool) or not isinstance(lag_cost, (int, float))
+                                 or not lag_cost >= 0 or math.isinf(lag_cost)):
+        raise ValueError(f"dtralloc.replay: lag_cost is a cost >= 0 in the trace's units, or None; got {lag_cost!r}")
     trace = _as_trace(trace)
     if policy not in POLICIES:
         raise ValueError(f"dtralloc.replay: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
@@ -68,6 +89,11 @@ def replay(
         policy = _core.describe_config(text)[_POLICY_ROW]["value"]
     columns = replay_columns(trace, pin_outliving)
     entries = _history_entries(trace, steps) if history else 0
+    lag = {}
+    if cost_lag:
+        if lag_cost is None:
+            lag_cost = 0.05 * float(sum(columns.cost)) / max(1, columns.num_ops)
+        lag = {"cost_lag_ops": cost_lag, "lag_cost": float(lag_cost), "lag_carried": bool(carried_costs)}
     if budget is None and policy == "none":  # the replay is its own no-eviction reference
         result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries, steps=steps)
         result.no_eviction_peak_reserved_bytes = result.peak_reserved_bytes
@@ -75,7 +101,7 @@ def replay(
         reference = _run(columns, 0, "none", text, False, None, steps=steps).peak_reserved_bytes
         budget_bytes = 0 if budget is None else _resolve_budget(budget, reference)
         result = _run(columns, budget_bytes, policy, text, check_invariants, progress, history_entries=entries,
-                      steps=steps)
+                      steps=steps, **lag)
         result.no_eviction_peak_reserved_bytes = reference
     result.name = str(trace.meta.get("name", ""))
     result.conf = text
@@ -183,9 +209,9 @@ def _history_entries(trace: Trace, steps: int = 1) -> int:
 
 
 def _run(columns, budget_bytes: int, policy: str, conf: str, check: bool, progress,
-         measure_floor: bool = False, history_entries: int = 0, steps: int = 1) -> ReplayResult:
+         measure_floor: bool = False, history_entries: int = 0, steps: int = 1, **lag) -> ReplayResult:
     return _core.replay(columns, budget_bytes, policy, conf, check, True, measure_floor, history_entries, progress,
-                        steps)
+                        steps, **lag)
 
 
 def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outliving: bool = True) -> float:
