@@ -325,10 +325,13 @@ class Worker:
                 peak = max(peak, stats["peak_bytes"])
                 evictions += stats["evictions"]
                 remats += stats["remats"]
-                del s
             else:
                 self.m.step(batch)
             self._sync()
+            # The session ends after the GPU caught up: it hands the next
+            # step every op cost the GPU measured (Note [carried costs]), as
+            # a loop's `s` does when it lives until the next session started.
+            s = None
             times.append(time.perf_counter() - start)
             if before is not None:
                 calls.append(tuple(a - b for a, b in zip(self._device_calls(), before)))

@@ -214,7 +214,7 @@ class Bench:
         return {"host": host, "wall": wall, "mallocs": after[0] - calls[0], "frees": after[1] - calls[1],
                 "device_ms": (after[2] - calls[2]) / 1e6,
                 "evictions": stats.get("evictions", 0), "remats": stats.get("remats", 0),
-                "gpu_timed_ops": stats.get("gpu_timed_ops", 0)}
+                "gpu_timed_ops": stats.get("gpu_timed_ops", 0), "carried": stats.get("carried_costs", 0)}
 
     def profile(self, config: str) -> dict:
         """One step of `config` (after a warm one) under torch.profiler: the
@@ -368,7 +368,7 @@ def report(results: list, rounds: int, command: str, device_line: str, cuda: boo
             plain = rows["plain"]
             lines += [f"### batch {run_['batch']} ({run_['multiple']:g} B)", "",
                       "| config | host ms | wall ms | wall / plain | host over plain, µs/op | host + plain wall, ms | "
-                      "cudaMalloc | cudaFree | in them, ms | evictions | remats | GPU-timed ops |",
+                      "cudaMalloc | cudaFree | in them, ms | evictions | remats | GPU-timed / carried ops |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for c, r in rows.items():
                 calls = f"{r.get('mallocs', '')} | {r.get('frees', '')} | " + (
@@ -376,12 +376,12 @@ def report(results: list, rounds: int, command: str, device_line: str, cuda: boo
                 if "oom" in r or "oom" in plain:
                     lines.append(f"| {c} | OOM | | | | | | | | | | |" if "oom" in r else
                                  f"| {c} | {r['host'] * 1e3:.2f} | {r['wall'] * 1e3:.2f} | | | | {calls} | "
-                                 f"{r['evictions']} | {r['remats']} | {r['gpu_timed_ops']} |")
+                                 f"{r['evictions']} | {r['remats']} | {r['gpu_timed_ops']} / {r['carried']} |")
                     continue
                 lines.append(f"| {c} | {r['host'] * 1e3:.2f} | {r['wall'] * 1e3:.2f} | {r['wall'] / plain['wall']:.3f} | "
                              f"{(r['host'] - plain['host']) / res['ops'] * 1e6:.1f} | "
                              f"{(r['host'] + plain['wall']) * 1e3:.2f} | {calls} | "
-                             f"{r['evictions']} | {r['remats']} | {r['gpu_timed_ops']} |")
+                             f"{r['evictions']} | {r['remats']} | {r['gpu_timed_ops']} / {r['carried']} |")
             ooms = [(c, r["oom"]) for c, r in rows.items() if "oom" in r]
             if ooms:
                 lines += [""] + [f"- {c}: {message}" for c, message in ooms]
@@ -392,7 +392,8 @@ def report(results: list, rounds: int, command: str, device_line: str, cuda: boo
                   "full); where it is well below, the GPU is the slower and host costs hide behind it. "
                   "cudaMalloc/cudaFree: the pool's calls in the step; in them: the host time inside those "
                   "calls (memory_stats' device_alloc_ns + device_free_ns), each cudaFree's wait for the "
-                  "device included.")
+                  "device included. GPU-timed / carried ops: the session's ops the GPU priced by the step's "
+                  "end, and those priced at the step before's GPU time until then (docs/live.md, \"On a GPU\").")
     return "\n".join(lines) + "\n"
 
 
