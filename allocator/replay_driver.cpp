@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <deque>
 #include <memory>
-#include <utility>
 #include <stdexcept>
+#include <utility>
 
 #include "backend.h"
 
