@@ -72,7 +72,8 @@ def _fmt(x) -> str:
 
 def report(rows: list, lags, command: str, policy: str, steps: int) -> str:
     columns = ["no lag"] + [f"lag {n}" for n in lags] + [f"lag {CARRIED_LAG}, carried"]
-    lines = [header("Late op costs (a GPU's timing events) in the replay, and the step before's costs carried", command),
+    title = "Late op costs (a GPU's timing events) in the replay, and the step before's costs carried"
+    lines = [header(title, command),
              f"Last step's recompute overhead (the step run {steps} times in one pool), `{policy}` policy; "
              f"budget: a fraction of the step's no-eviction peak. lag N: each op priced at a launch (5% of the "
              f"trace's mean op cost) until N ops later, every step; carried: from the second step on, at its own "

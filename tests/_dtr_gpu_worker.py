@@ -188,8 +188,8 @@ def amp(recipe: str = "whole") -> dict:
     again, _, _ = run(None)
     got, got_scales, s = run(lambda: dtralloc.dtr(chaos=True))
     return {"control": _identical(torch, again, want), "diffs": _identical(torch, got, want),
-            "init_scale": init_scale, "scales": want_scales, "same_scales": got_scales == want_scales, "stats": s.stats(),
-            "pool_ok": _pool_ok(dtralloc)}
+            "init_scale": init_scale, "scales": want_scales, "same_scales": got_scales == want_scales,
+            "stats": s.stats(), "pool_ok": _pool_ok(dtralloc)}
 
 
 def flash_dropout(dtype_name: str) -> dict:

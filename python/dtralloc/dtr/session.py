@@ -238,8 +238,8 @@ class Session:
         split_foreach_ops (foreach calls recorded with a recipe per element:
         docs/live.md), gpu_timed_ops and carried_costs (CUDA: ops the GPU
         priced, and ops first priced at the step before's GPU time for the
-        same op: docs/live.md, "On a GPU"), peak_bytes, budget_bytes (0 for a CPU session without
-        a budget), recompute_seconds, ..."""
+        same op: docs/live.md, "On a GPU"), peak_bytes, budget_bytes (0 for
+        a CPU session without a budget), recompute_seconds, ..."""
         return self._core.stats()
 
     def series(self) -> dict:
@@ -327,9 +327,9 @@ class Session:
             raise TypeError(f"dtralloc.dtr: a session decorates a function, not {fn!r}; "
                             "around a block of code, use `with dtralloc.dtr(...):`")
         if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-            raise TypeError(f"dtralloc.dtr: cannot decorate {getattr(fn, '__qualname__', fn)}, a generator or coroutine function: "
-                            "its body runs after the call returns, outside the session. Decorate the function "
-                            "that runs the step, or use `with dtralloc.dtr(...):` inside it")
+            raise TypeError(f"dtralloc.dtr: cannot decorate {getattr(fn, '__qualname__', fn)}, a generator or "
+                            "coroutine function: its body runs after the call returns, outside the session. "
+                            "Decorate the function that runs the step, or use `with dtralloc.dtr(...):` inside it")
         if self._entered:
             raise RuntimeError("dtralloc.dtr: this session was already entered; decorate with a new one "
                                "(@dtralloc.dtr(...))")
