@@ -153,36 +153,17 @@ def amp(recipe: str = "whole") -> dict:
     steps apply): the scaler's CUDA kernels unscale and check them in place,
     its step reads found_inf on the host and skips, and its scale (a tensor
     the first session made) is rewritten in place."""
+    from _amp_steps import scaled_steps
+
     dtralloc, torch = _setup()
     x = torch.randn(256, 512, device="cuda")
     init_scale = 2.0 ** 30
 
     def run(session):
-        model = _dropout_mlp(torch)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scaler = torch.amp.GradScaler("cuda", init_scale=init_scale, growth_interval=2)
-        torch.manual_seed(7)
-        losses, scales, last = [], [], None
-
-        def finish(loss):
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-
-        for _ in range(8):
-            opt.zero_grad(set_to_none=True)
-            with session() if session else contextlib.nullcontext() as s:
-                with torch.autocast("cuda", dtype=torch.float16):
-                    loss = model(x).float().square().mean()
-                if recipe == "whole":
-                    finish(loss)
-            if recipe == "forward":
-                finish(loss)
-            last = s or last
-            losses.append(loss.detach())
-            scales.append(scaler.get_scale())
+        (losses, params, scales, _), sessions = scaled_steps(torch, _dropout_mlp(torch), x, "cuda", 8, init_scale,
+                                                             recipe, session)
         torch.cuda.synchronize()
-        return (losses, [p.detach().clone() for p in model.parameters()], torch.cuda.get_rng_state()), scales, last
+        return (losses, params, torch.cuda.get_rng_state()), scales, sessions[-1]
 
     want, want_scales, _ = run(None)
     again, _, _ = run(None)

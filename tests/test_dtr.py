@@ -19,6 +19,7 @@ import dtralloc
 from dtralloc import _core
 from dtralloc.dtr import dtr
 
+from _amp_steps import scaled_steps
 from _live_models import NAMES, build
 
 MiB = 1 << 20
@@ -1394,41 +1395,15 @@ def _skipped_and_applied(scales, init) -> tuple:
 
 def _amp_run(recipe, session=None):
     """Five steps of float16 autocast with a GradScaler (the usual GPU recipe,
-    on CPU): the whole step in `session()`, or (`recipe` "forward") the
-    forward alone, with the scaled backward, the scaler's step and update
-    after it. The first scale overflows float16's gradients, so the first
-    steps are skipped (three) and the scale comes down before steps apply.
-    Returns (losses, parameters, scales, growth trackers) and the sessions."""
+    on CPU: _amp_steps.scaled_steps): the whole step in `session()`, or
+    (`recipe` "forward") the forward alone. The first scale overflows
+    float16's gradients, so the first steps are skipped (three) and the
+    scale comes down before steps apply. Returns (losses, parameters,
+    scales, growth trackers) and the sessions."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=2)
     x = torch.randn(1024, 512)
-    torch.manual_seed(7)
-    losses, scales, trackers, sessions = [], [], [], []
-
-    def forward():
-        with torch.autocast("cpu", dtype=torch.float16):
-            return model(x).float().square().mean()
-
-    def finish(loss):
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    for _ in range(5):
-        opt.zero_grad(set_to_none=True)
-        with session() if session else contextlib.nullcontext() as s:
-            loss = forward()
-            if recipe == "whole":
-                finish(loss)
-        if recipe == "forward":
-            finish(loss)
-        sessions.append(s)
-        losses.append(loss.detach())
-        scales.append(scaler.get_scale())
-        trackers.append(int(scaler._growth_tracker))
-    return (losses, [p.detach().clone() for p in model.parameters()], scales, trackers), sessions
+    return scaled_steps(torch, model, x, "cpu", 5, AMP_INIT_SCALE, recipe, session)
 
 
 @pytest.mark.parametrize("recipe", ["whole", "forward"])
