@@ -209,6 +209,12 @@ std::map<int, std::shared_ptr<const Lifetimes>>& lifetimes_by_device() {
   static auto* by_device = new std::map<int, std::shared_ptr<const Lifetimes>>();
   return *by_device;
 }
+
+// Whether the step before's op at `ordinal` was `func` (`funcs`: its ops'
+// OpOverloads by ordinal, as Lifetimes and CarriedCosts keep them).
+bool ran_before(const std::vector<PyObject*>& funcs, std::size_t ordinal, PyObject* func) {
+  return ordinal < funcs.size() && funcs[ordinal] == func;
+}
 }  // namespace
 
 void LiveSession::start() {
@@ -347,14 +353,10 @@ constexpr std::size_t kLifetimeOps = std::size_t{1} << 17;
 
 int LiveSession::lifetimes_key() const { return options_.cuda ? options_.device : -1; }
 
-bool LiveSession::ran_before(std::size_t ordinal, PyObject* func) const {
-  return ordinal < lifetimes_in_->funcs.size() && lifetimes_in_->funcs[ordinal] == func;
-}
-
 bool LiveSession::expect_long_lived(PyObject* func) {
   if (!lifetimes_in_ || lifetimes_diverged_) return false;
   const std::size_t ordinal = op_funcs_.size();
-  if (!ran_before(ordinal, func)) return false;
+  if (!ran_before(lifetimes_in_->funcs, ordinal, func)) return false;
   auto it = lifetimes_in_->kept.find(ordinal);
   if (it == lifetimes_in_->kept.end()) return false;
   pool_->expect_long_lived(it->second);
@@ -435,7 +437,7 @@ double LiveSession::provisional_cost(int op, PyObject* func, double clock) {
   gpu_ns_.push_back(-1);
   if (!costs_in_ || costs_diverged_) return clock;
   const auto i = static_cast<std::size_t>(op);
-  if (i >= costs_in_->funcs.size() || costs_in_->funcs[i] != func) {
+  if (!ran_before(costs_in_->funcs, i, func)) {
     costs_diverged_ = true;
     return clock;
   }
@@ -1227,7 +1229,8 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
   const std::size_t ordinal = op_funcs_.size();
   const bool noting = lifetimes_on_ && ordinal < kLifetimeOps;
   if (noting) {
-    if (lifetimes_in_ && !lifetimes_diverged_ && !ran_before(ordinal, func.ptr())) lifetimes_diverged_ = true;
+    if (lifetimes_in_ && !lifetimes_diverged_ && !ran_before(lifetimes_in_->funcs, ordinal, func.ptr()))
+      lifetimes_diverged_ = true;
     op_funcs_.push_back(func.ptr());
   }
   // 3. The engine's protocol, all at once: the op has already run.

@@ -324,8 +324,6 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // long_lived (docs/live.md, "What outlives the step"): the op at `ordinal`
   // is about to run; announce what the previous session's op there kept.
   bool expect_long_lived(PyObject* func);
-  // The previous session's op at `ordinal` was `func` (lifetimes_in_ set).
-  bool ran_before(std::size_t ordinal, PyObject* func) const;
   int lifetimes_key() const;  // the device: its index on CUDA, -1 for the CPU
   void end_lifetimes();  // end_block: what this session kept, for the next one
 
