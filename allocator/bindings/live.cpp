@@ -136,6 +136,9 @@ void bind_live(py::module_& m) {
            py::arg("chaos"), py::arg("check_invariants"), py::arg("helpers"), py::arg("series_ops") = 0,
            py::arg("history_entries") = 0, py::arg("fused_foreach") = false)
       .def("start", &LiveSession::start)
+      .def("simulate_gpu_timer", &LiveSession::simulate_gpu_timer, py::arg("lag_ops"), py::arg("launch_ns"),
+           "CPU, before the session is entered: time its ops on a simulated GPU that runs lag_ops marks "
+           "behind the host, each op priced at launch_ns until its time arrives (tests of late costs)")
       .def("stop", &LiveSession::stop)
       .def("end_block", &LiveSession::end_block)
       .def("before_write", &LiveSession::before_write, py::arg("writes"))
@@ -176,6 +179,9 @@ void bind_live(py::module_& m) {
            "the op raised; default_generator(tensor): the generator a random op on its device draws from "
            "without a generator argument, or None");
 
+  m.def("simulated_gpu_synchronize", &SimulatedTimingBackend::synchronize_all,
+        "Complete every event on the simulated GPU (LiveSession.simulate_gpu_timer), as "
+        "torch.cuda.synchronize() does a GPU's.");
   m.def("live_sessions_on_device", [](int device) {
     Allocator* pool = global::existing(device);
     return pool ? LiveSession::live_sessions_on(pool) : std::size_t{0};

@@ -252,6 +252,16 @@ void LiveSession::start() {
   mark_op(-1);  // the first op's interval starts here
 }
 
+void LiveSession::simulate_gpu_timer(std::size_t lag_ops, double launch_ns) {
+  if (options_.cuda) throw std::invalid_argument("dtralloc: a CUDA session times its ops on its GPU already");
+  if (started_) throw std::logic_error("dtralloc: simulate_gpu_timer() comes before the session starts");
+  if (!(launch_ns >= 0)) throw std::invalid_argument("dtralloc: launch_ns must be >= 0");
+  timer_.reset();  // first: it refers to the backend
+  simulated_timing_ = std::make_unique<SimulatedTimingBackend>(lag_ops);
+  simulated_launch_ns_ = launch_ns;
+  timer_ = std::make_unique<OpTimer>(*simulated_timing_);
+}
+
 // `dtralloc top PID` shows the mirror as it shows an installed pool (on CUDA
 // the installed pool publishes already). Started at the session's
 // kPublishAfterOps-th recorded op, not at start(): a publisher is a thread and a file, whose
@@ -463,7 +473,7 @@ std::shared_ptr<const CarriedCosts> LiveSession::measured_costs() {
 
 void LiveSession::take_carried_costs() {
   if (!timer_ || !timer_->active()) return;
-  CostsOnDevice& on_device = costs_by_device()[options_.device];
+  CostsOnDevice& on_device = costs_by_device()[carried_costs_key()];
   if (auto previous = on_device.last.lock())  // still alive: what arrived since its block ended too
     if (previous.get() != this) on_device.costs = previous->measured_costs();
   costs_in_ = on_device.costs;
@@ -475,7 +485,7 @@ void LiveSession::take_carried_costs() {
 // (stop()) before a next one took its costs.
 void LiveSession::give_carried_costs() {
   if (!timer_ || !timer_->active()) return;
-  CostsOnDevice& on_device = costs_by_device()[options_.device];
+  CostsOnDevice& on_device = costs_by_device()[carried_costs_key()];
   if (on_device.last_raw != this) return;  // a newer session took over
   on_device.costs = measured_costs();
   if (on_device.last.expired()) on_device.last_raw = nullptr;  // torn down: no later hand-over
@@ -1246,7 +1256,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     }
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
-  if (timer_) cost = provisional_cost(op, func.ptr(), cost);
+  if (timer_) cost = provisional_cost(op, func.ptr(), simulated_timing_ ? simulated_launch_ns_ : cost);
   const auto reason = reads_opaque && pin == 0 ? PinReason::kOpaque : static_cast<PinReason>(pin);
   // What the op writes in place is pinned as what it makes is, except for an
   // op pinned only for writing (kSideEffects: its writes are its recipe;
@@ -1412,11 +1422,14 @@ void LiveSession::mark_op(int op) {
   const std::size_t remats = engine_->counters().remats;
   const bool clean = remats == remats_at_mark_;  // no recompute launched since the last mark
   remats_at_mark_ = remats;
-  PyObject* raw = PyObject_CallOneArg(current_stream_.ptr(), device_index_.ptr());
-  if (!raw) throw py::error_already_set();
-  void* stream = PyLong_AsVoidPtr(raw);
-  Py_DECREF(raw);
-  if (!stream && PyErr_Occurred()) throw py::error_already_set();
+  void* stream = nullptr;  // the simulated GPU's one stream
+  if (!simulated_timing_) {
+    PyObject* raw = PyObject_CallOneArg(current_stream_.ptr(), device_index_.ptr());
+    if (!raw) throw py::error_already_set();
+    stream = PyLong_AsVoidPtr(raw);
+    Py_DECREF(raw);
+    if (!stream && PyErr_Occurred()) throw py::error_already_set();
+  }
   if (timer_->mark(op, reinterpret_cast<Stream>(stream), clean)) collect_gpu_costs();
 }
 

@@ -56,6 +56,7 @@
 #include "evictor.h"
 #include "op_series.h"
 #include "op_timer.h"
+#include "simulated_timing.h"
 #include "remat_engine.h"
 
 namespace dtralloc::live {
@@ -218,6 +219,12 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // Joins the pool's live sessions (OnPool): its evictor answers the pool's
   // eviction hook, and on CUDA its budget becomes the pool's.
   void start();
+  // CPU, before start(): times the session's ops as a CUDA session does, on
+  // a simulated GPU that runs `lag_ops` marks behind the host
+  // (simulated_timing.h), and prices each op at `launch_ns` until its time
+  // arrives, as a CUDA op's clock gives its launch. Tests and benches of the
+  // code that runs on late costs (op_timer.h, Note [carried costs]).
+  void simulate_gpu_timer(std::size_t lag_ops, double launch_ns);
   // Leaves them (the destructor calls it): the pool's budget is the newest
   // remaining session's, or the pool's own once none is left, and the hook
   // the pool had before goes back. Sessions may stop in any order.
@@ -341,6 +348,10 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // CUDA: op costs measured on the GPU (op_timer.h), on the stream torch's
   // current_stream_(device_index_) names; remats_at_mark_ tells an interval
   // a recompute ran in.
+  // A CPU session may time its ops on a simulated GPU instead
+  // (simulate_gpu_timer): its events, which timer_ then records on.
+  std::unique_ptr<Backend> simulated_timing_;
+  double simulated_launch_ns_ = 0;
   std::unique_ptr<OpTimer> timer_;
   py::object current_stream_, device_index_;
   std::size_t remats_at_mark_ = 0;
@@ -358,6 +369,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void collect_gpu_costs();
   // This session's GPU costs so far, for the next session on the device.
   std::shared_ptr<const CarriedCosts> measured_costs();
+  // Where carried costs are kept: the CUDA device's index; -1 for the
+  // simulated GPU, which CPU sessions share.
+  int carried_costs_key() const { return simulated_timing_ ? -1 : options_.device; }
   void take_carried_costs();  // start(): the step before's
   void give_carried_costs();  // end_block(): this step's, so far
   void apply_budget(struct OnPool& on_pool);
