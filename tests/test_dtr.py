@@ -145,11 +145,19 @@ def test_a_step_places_what_the_step_before_kept_at_the_high_end():
     with dtr(budget=budget, device="cpu") as first:
         loss_fn(model).backward()
     assert (free.stats()["long_lived"], first.stats()["long_lived"]) == (0, n_params), placed
-    # Another model's ops differ from the first one on: nothing announced.
+    # The device keeps the lifetimes of its last few kinds of step (Note
+    # [recent steps], recent_steps.h): the lstm's, taught before convnet's
+    # steps, still serve an lstm step after them.
     budget = lstm_budget
     model, loss_fn = build("lstm", SWEEP_BATCH["lstm"])
     with dtr(budget=budget, device="cpu") as s:
         loss_fn(model).backward()
+    assert s.stats()["long_lived"] > 0  # learning from the step before alone: 0
+    # A step whose ops match no kind's from its first on: nothing announced.
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.Softsign(), nn.Linear(64, 64))
+    x = torch.randn(4096, 64)
+    with dtr(budget=budget, device="cpu") as s:
+        fresh(x.cosh()).logsumexp(1).mean().backward()
     assert s.stats()["long_lived"] == 0
     # With backward after the block, what the block made is all still alive
     # when it ends (autograd holds it): such lifetimes are not used.

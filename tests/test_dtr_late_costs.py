@@ -33,8 +33,10 @@ def fresh_device():
     # costs carried into this test's first step.
     gc.collect()
     _core.simulated_gpu_synchronize()
-    with simulated(0):
-        torch.zeros(1).add_(1)
+    assert _core.RECENT_STEPS <= 6
+    for op in ("neg_", "abs_", "sign_", "floor_", "ceil_", "trunc_")[:_core.RECENT_STEPS]:
+        with simulated(0):  # a kind of step of its own, made of nothing a test runs
+            getattr(torch.zeros(1), op)()
     yield
 
 
@@ -138,3 +140,39 @@ def test_simulate_gpu_timer_refuses_what_it_cannot_do():
     with s:
         with pytest.raises(RuntimeError, match="before the session starts"):
             s._core.simulate_gpu_timer(10, LAUNCH_NS)
+
+
+def test_alternating_kinds_of_step_each_carry_their_own_kinds_costs():
+    # A GAN's discriminator and generator steps, or training and evaluation,
+    # in turn: each step learns from the last step of its own kind (Note
+    # [recent steps], allocator/bindings/recent_steps.h), not only from the
+    # step just before.
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    kinds = {
+        "A": lambda: matmuls(a, b),
+        "B": lambda: [a.cos()] + matmuls(b, a, 3),
+        "C": lambda: [a.sin()] + matmuls(a, a, 2),
+        "D": lambda: [a.tanh()] + matmuls(b, b, 2),
+        "E": lambda: [a.exp()] + matmuls(a, b, 2),
+    }
+
+    def step(kind):
+        with simulated(100) as s:
+            outs = kinds[kind]()
+            carried = s.stats()["carried_costs"]
+        _core.simulated_gpu_synchronize()
+        del outs
+        return s, carried
+
+    carried = {}
+    held = []
+    for i, kind in enumerate("ABABAAC"):
+        s, carried[i] = step(kind)
+        held.append(s)
+    assert [carried[i] for i in range(7)] == [0, 0, 4, 4, 4, 4, 0], carried
+    # Four kinds are kept; a fifth pushes out the one run longest ago. Now
+    # C, A, B (newest first); D and E push out B. C is still carried; then B
+    # comes back as a new kind and pushes out A.
+    for kind in "DE":
+        held.append(step(kind)[0])
+    assert [step(kind)[1] for kind in "CBA"] == [3, 0, 0]

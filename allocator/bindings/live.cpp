@@ -137,8 +137,10 @@ void bind_live(py::module_& m) {
            py::arg("history_entries") = 0, py::arg("fused_foreach") = false)
       .def("start", &LiveSession::start)
       .def("simulate_gpu_timer", &LiveSession::simulate_gpu_timer, py::arg("lag_ops"), py::arg("launch_ns"),
+           py::arg("carry") = true,
            "CPU, before the session is entered: time its ops on a simulated GPU that runs lag_ops marks "
-           "behind the host, each op priced at launch_ns until its time arrives (tests of late costs)")
+           "behind the host, each op priced at launch_ns until its time arrives, or with carry at the "
+           "steps before's time for the same op (tests and benches of late costs)")
       .def("stop", &LiveSession::stop)
       .def("end_block", &LiveSession::end_block)
       .def("before_write", &LiveSession::before_write, py::arg("writes"))
@@ -179,6 +181,7 @@ void bind_live(py::module_& m) {
            "the op raised; default_generator(tensor): the generator a random op on its device draws from "
            "without a generator argument, or None");
 
+  m.attr("RECENT_STEPS") = kRecentSteps;  // Note [recent steps]: kinds of step a device remembers
   m.def("simulated_gpu_synchronize", &SimulatedTimingBackend::synchronize_all,
         "Complete every event on the simulated GPU (LiveSession.simulate_gpu_timer), as "
         "torch.cuda.synchronize() does a GPU's.");

@@ -4,6 +4,7 @@
 #include "live_session.h"
 
 #include <algorithm>
+#include <cassert>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -196,24 +197,20 @@ LiveSession::~LiveSession() {
 // (Allocator::expect_long_lived) right before its op of the same ordinal
 // runs, if that op is the same OpOverload. Once an op differs, the steps have
 // diverged and the rest of the session goes without. A wrong guess changes
-// only the side of the block a request takes.
+// only the side of the block a request takes. The step before is the newest
+// of the device's recent kinds of step still matching (Note [recent steps],
+// recent_steps.h).
 struct Lifetimes {
   std::vector<PyObject*> funcs;  // identity only: OpOverloads live as long as torch
   std::unordered_map<std::size_t, std::vector<std::size_t>> kept;  // ordinal -> bytes still alive
 };
 
 namespace {
-// The last session's lifetimes per device (lifetimes_key), under the GIL.
+// The recent sessions' lifetimes per device (lifetimes_key), under the GIL.
 // Never destroyed: sessions may end during interpreter shutdown.
-std::map<int, std::shared_ptr<const Lifetimes>>& lifetimes_by_device() {
-  static auto* by_device = new std::map<int, std::shared_ptr<const Lifetimes>>();
+std::map<int, RecentSteps<Lifetimes>>& lifetimes_by_device() {
+  static auto* by_device = new std::map<int, RecentSteps<Lifetimes>>();
   return *by_device;
-}
-
-// Whether the step before's op at `ordinal` was `func` (`funcs`: its ops'
-// OpOverloads by ordinal, as Lifetimes and CarriedCosts keep them).
-bool ran_before(const std::vector<PyObject*>& funcs, std::size_t ordinal, PyObject* func) {
-  return ordinal < funcs.size() && funcs[ordinal] == func;
 }
 }  // namespace
 
@@ -246,19 +243,20 @@ void LiveSession::start() {
   if (pool_->config().long_lived == Switch::kOn) {
     auto& by_device = lifetimes_by_device();
     auto it = by_device.find(lifetimes_key());
-    if (it != by_device.end()) lifetimes_in_ = it->second;
+    if (it != by_device.end()) lifetimes_in_.reset(it->second);
   }
   take_carried_costs();
   mark_op(-1);  // the first op's interval starts here
 }
 
-void LiveSession::simulate_gpu_timer(std::size_t lag_ops, double launch_ns) {
+void LiveSession::simulate_gpu_timer(std::size_t lag_ops, double launch_ns, bool carry) {
   if (options_.cuda) throw std::invalid_argument("dtralloc: a CUDA session times its ops on its GPU already");
   if (started_) throw std::logic_error("dtralloc: simulate_gpu_timer() comes before the session starts");
   if (!(launch_ns >= 0)) throw std::invalid_argument("dtralloc: launch_ns must be >= 0");
   timer_.reset();  // first: it refers to the backend
   simulated_timing_ = std::make_unique<SimulatedTimingBackend>(lag_ops);
   simulated_launch_ns_ = launch_ns;
+  carry_costs_ = carry;
   timer_ = std::make_unique<OpTimer>(*simulated_timing_);
 }
 
@@ -364,13 +362,18 @@ constexpr std::size_t kLifetimeOps = std::size_t{1} << 17;
 int LiveSession::lifetimes_key() const { return options_.cuda ? options_.device : -1; }
 
 bool LiveSession::expect_long_lived(PyObject* func) {
-  if (!lifetimes_in_ || lifetimes_diverged_) return false;
-  const std::size_t ordinal = op_funcs_.size();
-  if (!ran_before(lifetimes_in_->funcs, ordinal, func)) return false;
-  auto it = lifetimes_in_->kept.find(ordinal);
-  if (it == lifetimes_in_->kept.end()) return false;
-  pool_->expect_long_lived(it->second);
-  return true;
+  if (lifetimes_in_.empty()) return false;
+  const std::size_t ordinal = step_funcs_.size();
+  bool announced = false;
+  lifetimes_in_.each_at(ordinal, func, [&](const Lifetimes& before) {  // the newest matching step's
+    auto it = before.kept.find(ordinal);
+    if (it != before.kept.end()) {
+      pool_->expect_long_lived(it->second);
+      announced = true;
+    }
+    return true;
+  });
+  return announced;
 }
 
 void LiveSession::end_lifetimes() {
@@ -378,8 +381,7 @@ void LiveSession::end_lifetimes() {
   lifetimes_on_ = false;  // once: ops after the block are not recorded
   flush_deaths();
   auto out = std::make_shared<Lifetimes>();
-  out->funcs = std::move(op_funcs_);
-  op_funcs_.clear();
+  out->funcs = step_funcs_;
   std::size_t made = 0, kept = 0;
   for (const MadeAt& m : made_at_) {
     made += m.nbytes;
@@ -391,7 +393,7 @@ void LiveSession::end_lifetimes() {
   // A step whose backward runs after the block still holds its activations
   // here: lifetimes that keep most of what it made tell nothing apart.
   if (2 * kept > made || out->funcs.size() >= kLifetimeOps) out->kept.clear();
-  lifetimes_by_device()[lifetimes_key()] = std::move(out);
+  if (!out->funcs.empty()) lifetimes_by_device()[lifetimes_key()].remember(std::move(out));
 }
 
 // ---- op costs carried from the step before (CUDA) ----------------------------
@@ -411,7 +413,10 @@ void LiveSession::end_lifetimes() {
 // what the GPU measured for the same op (the same OpOverload at the same
 // engine op index) in the step before on the device; from the first op
 // that differs (another model, a step that took another path) it falls back
-// to the clock. Only ops the GPU measured are carried, and a wrong guess
+// to the clock. The step before is the newest of the device's recent kinds
+// of step still matching (Note [recent steps], recent_steps.h), so that
+// alternating steps (a GAN's two) each carry their own kind's. Only ops the
+// GPU measured are carried, and a wrong guess
 // only misprices an op until its own time arrives. The previous session
 // hands over what it measured when its block ends, and again when the next
 // session starts while it still lives (the usual loop: `s` holds it), so
@@ -432,7 +437,7 @@ namespace {
 struct CostsOnDevice {
   std::weak_ptr<LiveSession> last;
   const LiveSession* last_raw = nullptr;  // identity only: `last` has expired in its destructor
-  std::shared_ptr<const CarriedCosts> costs;
+  RecentSteps<CarriedCosts> recent;
 };
 std::map<int, CostsOnDevice>& costs_by_device() {
   static auto* by_device = new std::map<int, CostsOnDevice>();
@@ -440,20 +445,25 @@ std::map<int, CostsOnDevice>& costs_by_device() {
 }
 }  // namespace
 
+namespace {
+void remember_costs(RecentSteps<CarriedCosts>& recent, std::shared_ptr<const CarriedCosts> costs) {
+  if (!costs->funcs.empty()) recent.remember(std::move(costs));  // a step with no op teaches nothing
+}
+}  // namespace
+
 double LiveSession::provisional_cost(int op, PyObject* func, double clock) {
-  // A session longer than a step notes no more (see kLifetimeOps).
-  if (static_cast<std::size_t>(op) != cost_funcs_.size() || cost_funcs_.size() >= kLifetimeOps) return clock;
-  cost_funcs_.push_back(func);
-  gpu_ns_.push_back(-1);
-  if (!costs_in_ || costs_diverged_) return clock;
   const auto i = static_cast<std::size_t>(op);
-  if (!ran_before(costs_in_->funcs, i, func)) {
-    costs_diverged_ = true;
-    return clock;
-  }
-  if (costs_in_->ns[i] < 0) return clock;
+  // A session longer than a step notes no more (see kLifetimeOps).
+  if (i >= step_funcs_.size()) return clock;
+  if (gpu_ns_.size() <= i) gpu_ns_.resize(i + 1, -1);
+  double carried = -1;
+  costs_in_.each_at(i, func, [&](const CarriedCosts& before) {  // the newest matching step the GPU timed it in
+    carried = before.ns[i];
+    return carried >= 0;
+  });
+  if (carried < 0) return clock;
   ++stats_.carried_costs;
-  return costs_in_->ns[i];
+  return carried;
 }
 
 void LiveSession::collect_gpu_costs() {
@@ -466,8 +476,9 @@ void LiveSession::collect_gpu_costs() {
 std::shared_ptr<const CarriedCosts> LiveSession::measured_costs() {
   if (timer_->active()) collect_gpu_costs();
   auto out = std::make_shared<CarriedCosts>();
-  out->funcs = cost_funcs_;
+  out->funcs = step_funcs_;
   out->ns = gpu_ns_;
+  out->ns.resize(out->funcs.size(), -1);
   return out;
 }
 
@@ -475,8 +486,8 @@ void LiveSession::take_carried_costs() {
   if (!timer_ || !timer_->active()) return;
   CostsOnDevice& on_device = costs_by_device()[carried_costs_key()];
   if (auto previous = on_device.last.lock())  // still alive: what arrived since its block ended too
-    if (previous.get() != this) on_device.costs = previous->measured_costs();
-  costs_in_ = on_device.costs;
+    if (previous.get() != this) remember_costs(on_device.recent, previous->measured_costs());
+  if (carry_costs_) costs_in_.reset(on_device.recent);
   on_device.last = weak_from_this();
   on_device.last_raw = this;
 }
@@ -487,7 +498,7 @@ void LiveSession::give_carried_costs() {
   if (!timer_ || !timer_->active()) return;
   CostsOnDevice& on_device = costs_by_device()[carried_costs_key()];
   if (on_device.last_raw != this) return;  // a newer session took over
-  on_device.costs = measured_costs();
+  remember_costs(on_device.recent, measured_costs());
   if (on_device.last.expired()) on_device.last_raw = nullptr;  // torn down: no later hand-over
 }
 
@@ -1236,12 +1247,13 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     scratch_reads_.insert(scratch_reads_.end(), every.begin(), every.end());
     return &scratch_reads_;
   };
-  const std::size_t ordinal = op_funcs_.size();
-  const bool noting = lifetimes_on_ && ordinal < kLifetimeOps;
+  // Each op, by ordinal, for the steps after this one (Note [recent steps]).
+  const std::size_t ordinal = step_funcs_.size();
+  const bool noting = (lifetimes_on_ || timer_) && ordinal < kLifetimeOps;
   if (noting) {
-    if (lifetimes_in_ && !lifetimes_diverged_ && !ran_before(lifetimes_in_->funcs, ordinal, func.ptr()))
-      lifetimes_diverged_ = true;
-    op_funcs_.push_back(func.ptr());
+    lifetimes_in_.follow(ordinal, func.ptr());
+    costs_in_.follow(ordinal, func.ptr());
+    step_funcs_.push_back(func.ptr());
   }
   // 3. The engine's protocol, all at once: the op has already run.
   OpCall& call = scratch_call_;
@@ -1256,6 +1268,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
     }
   for (const Seen& w : written) call.writes.push_back(w.value);
   const int op = engine_->begin_op(call);
+  assert(!noting || static_cast<std::size_t>(op) == ordinal);  // every recorded op is an engine op, in order
   if (timer_) cost = provisional_cost(op, func.ptr(), simulated_timing_ ? simulated_launch_ns_ : cost);
   const auto reason = reads_opaque && pin == 0 ? PinReason::kOpaque : static_cast<PinReason>(pin);
   // What the op writes in place is pinned as what it makes is, except for an
@@ -1294,7 +1307,7 @@ void LiveSession::record(py::handle func, py::handle args, py::handle kwargs, py
       s.pin = foreign ? PinReason::kForeign : reason;
       s.out_index = m.out_index;
       watch(v, m.storage, m.cdata);
-      if (noting && m.nbytes) made_at_.push_back({ordinal, m.nbytes, s.watch});
+      if (noting && lifetimes_on_ && m.nbytes) made_at_.push_back({ordinal, m.nbytes, s.watch});
       if (!engine_->value(v).pinned) recomputable.push_back(v);
     }
     for (const Seen& w : written) {

@@ -56,8 +56,9 @@
 #include "evictor.h"
 #include "op_series.h"
 #include "op_timer.h"
-#include "simulated_timing.h"
+#include "recent_steps.h"
 #include "remat_engine.h"
+#include "simulated_timing.h"
 
 namespace dtralloc::live {
 
@@ -222,9 +223,11 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // CPU, before start(): times the session's ops as a CUDA session does, on
   // a simulated GPU that runs `lag_ops` marks behind the host
   // (simulated_timing.h), and prices each op at `launch_ns` until its time
-  // arrives, as a CUDA op's clock gives its launch. Tests and benches of the
-  // code that runs on late costs (op_timer.h, Note [carried costs]).
-  void simulate_gpu_timer(std::size_t lag_ops, double launch_ns);
+  // arrives, as a CUDA op's clock gives its launch; `carry` false: not at
+  // the step before's time either (as before carried costs). Tests and
+  // benches of the code that runs on late costs (op_timer.h, Note [carried
+  // costs]).
+  void simulate_gpu_timer(std::size_t lag_ops, double launch_ns, bool carry);
   // Leaves them (the destructor calls it): the pool's budget is the newest
   // remaining session's, or the pool's own once none is left, and the hook
   // the pool had before goes back. Sessions may stop in any order.
@@ -352,16 +355,15 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // (simulate_gpu_timer): its events, which timer_ then records on.
   std::unique_ptr<Backend> simulated_timing_;
   double simulated_launch_ns_ = 0;
+  bool carry_costs_ = true;  // takes the steps before's costs (simulate_gpu_timer)
   std::unique_ptr<OpTimer> timer_;
   py::object current_stream_, device_index_;
   std::size_t remats_at_mark_ = 0;
-  // Note [carried costs]: with a timer, each engine op's OpOverload and its
-  // cost as the GPU measured it (-1: not yet), the step before's, and
-  // whether this step's ops stopped matching its.
-  std::vector<PyObject*> cost_funcs_;  // identity only, never dereferenced
+  // Note [carried costs]: with a timer, each engine op's cost as the GPU
+  // measured it (-1: not yet), and the steps before whose ops this one's
+  // have matched so far.
   std::vector<double> gpu_ns_;
-  std::shared_ptr<const CarriedCosts> costs_in_;
-  bool costs_diverged_ = false;
+  StepsBefore<CarriedCosts> costs_in_;
   // The op's cost until the GPU's arrives: the step before's for the same
   // op, else the host's clock (`clock`). Notes the op (record()).
   double provisional_cost(int op, PyObject* func, double clock);
@@ -480,14 +482,17 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::size_t published_evictions_ = 0, published_remats_ = 0;  // what `dtralloc top` has been told
   bool publishing_ = false;             // the CPU mirror has started publishing (start_publishing)
   std::int64_t ooms_at_start_ = 0;      // the pool's OOM count when the session started
-  // long_lived: the previous session's lifetimes on this device, this
-  // session's ops (each recorded op's OpOverload, by ordinal) and what they
-  // made (the ordinal, the bytes, a weakref to the storage).
-  std::shared_ptr<const Lifetimes> lifetimes_in_;
+  // This session's ops, each recorded op's OpOverload by ordinal (= its
+  // engine op index), for the sessions after it: what they learn from it
+  // (lifetimes, carried costs) is by ordinal (Note [recent steps]). Noted
+  // where either is. Identity only, never dereferenced.
+  std::vector<PyObject*> step_funcs_;
+  // long_lived: the recent sessions' lifetimes on this device still
+  // matching this one, and what this one made (the ordinal, the bytes, a
+  // weakref to the storage).
+  StepsBefore<Lifetimes> lifetimes_in_;
   bool lifetimes_on_ = false;           // noting what the step keeps (start())
   bool would_place_ = false;            // long_lived on or auto under the dtralloc policy
-  bool lifetimes_diverged_ = false;     // this session's ops stopped matching the previous one's
-  std::vector<PyObject*> op_funcs_;     // identity only, never dereferenced
   struct MadeAt {
     std::size_t ordinal, nbytes;
     py::object watch;
