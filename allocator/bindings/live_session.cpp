@@ -416,13 +416,14 @@ void LiveSession::end_lifetimes() {
 // to the clock. The step before is the newest of the device's recent kinds
 // of step still matching (Note [recent steps], recent_steps.h), so that
 // alternating steps (a GAN's two) each carry their own kind's. Only ops the
-// GPU measured are carried, and a wrong guess
-// only misprices an op until its own time arrives. The previous session
-// hands over what it measured when its block ends, and again when the next
-// session starts while it still lives (the usual loop: `s` holds it), so
-// that the ops whose time arrived after its block (all of the forward, with
-// the backward after the block) are carried too. stats()["carried_costs"]
-// counts the ops priced so.
+// GPU measured are carried, and a wrong guess only misprices an op until
+// its own time arrives. The previous session hands over what it measured
+// when its block ends, and again when the next session starts while it
+// still lives (the usual loop: `s` holds it), so that the ops whose time
+// arrived after its block (all of the forward, with the backward after the
+// block) are carried too. stats()["carried_costs"] counts the ops priced
+// so. A CPU session runs all of this on a simulated GPU with
+// simulate_gpu_timer (simulated_timing.h; tests/test_dtr_late_costs.py).
 
 // What a session measured, by engine op.
 struct CarriedCosts {
