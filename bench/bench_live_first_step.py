@@ -7,9 +7,10 @@ does. This bench measures what that costs, on zoo models at the sizes of
 bench_live_vs_replay.py, over a grid of budgets (fractions of the step's
 no-eviction peak), each budget tried twice per round:
 
-* first   after a budget-free step of another model (a two-layer MLP), whose
-          lifetimes replace this model's: the session announces nothing, as
-          a program's first step.
+* first   after budget-free steps of as many other models (two-layer MLPs,
+          each with its own activation) as kinds of step a device keeps
+          (Note [recent steps]): their lifetimes push this model's out, and
+          the session announces nothing, as a program's first step.
 * taught  after a budget-free step of the same model (a warm-up, or the
           step that measured the peak): the session announces what it kept.
 
@@ -27,6 +28,7 @@ import sys
 
 import torch
 
+from dtralloc import _core
 from dtralloc.replay import POLICIES
 from dtralloc.zoo import MODELS, build
 
@@ -37,18 +39,35 @@ from bench_live_vs_replay import BENCH_SIZES, _live, measure_available  # noqa: 
 DEFAULT_MODELS = ("convbn", "gpt2", "encdec", "unet", "vit", "lstm")
 
 
-def _other_step():
-    """A step of another program: its session's lifetimes replace the
-    device's, and it shares no op sequence with any zoo model."""
+_ACTIVATIONS = (torch.nn.ReLU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Softsign, torch.nn.Hardtanh,
+                torch.nn.LogSigmoid)
+
+
+def _other_steps():
+    """Steps of other programs, one for each kind of step a device keeps
+    (Note [recent steps]): run in turn, their sessions' lifetimes push out
+    every other kind's. Each is its own kind (its own activation), and none
+    shares an op sequence with a zoo model."""
+    assert _core.RECENT_STEPS <= len(_ACTIVATIONS)
     torch.manual_seed(1)
-    mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     x = torch.randn(16, 64)
 
-    def step():
-        mlp.zero_grad(set_to_none=True)
-        mlp(x).sum().backward()
+    def program(activation):
+        mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), activation(), torch.nn.Linear(64, 1))
 
-    return step
+        def step():
+            mlp.zero_grad(set_to_none=True)
+            mlp(x).sum().backward()
+
+        return step
+
+    steps = [program(a) for a in _ACTIVATIONS[:_core.RECENT_STEPS]]
+
+    def all_of_them():
+        for step in steps:
+            _run(step, None, "dtralloc")
+
+    return all_of_them
 
 
 def _run(step, budget: int | None, policy: str) -> dict:
@@ -62,7 +81,7 @@ def measure_model(name: str, fractions: list[float], rounds: int, policy: str, e
     torch.manual_seed(0)
     w = build(name, **BENCH_SIZES[name])
     w.step()  # optimizer state and lazy initialisation exist, as in any later step
-    other = _other_step()
+    others = _other_steps()
     peak = _run(w.step, None, policy)["peak"]
     out = {"name": name, "peak": peak, "rounds": []}
     for r in range(rounds):
@@ -72,7 +91,10 @@ def measure_model(name: str, fractions: list[float], rounds: int, policy: str, e
             runs = {}
             # Alternate which comes first, so that neither always follows the other.
             for kind in (("first", "taught") if (r + len(cells)) % 2 == 0 else ("taught", "first")):
-                _run(other if kind == "first" else w.step, None, policy)  # what the device learns before
+                if kind == "first":
+                    others()  # what the device learns before: other programs' steps alone
+                else:
+                    _run(w.step, None, policy)
                 runs[kind] = _run(w.step, budget, policy)
             cells.append({"fraction": f, **runs})
         out["rounds"].append(cells)
@@ -93,7 +115,8 @@ def report(models: list[dict], skipped: dict, fractions: list[float], rounds: in
              f"torch {torch.__version__}, {torch.get_num_threads()} threads; policy `{policy}`; budgets "
              f"{fractions[0]:.2f} to {fractions[-1]:.2f} of each model's no-eviction peak, step "
              f"{(fractions[1] - fractions[0]) if len(fractions) > 1 else 0:.2f}; {rounds} round(s).", "",
-             "first: the step after a budget-free step of another program (it announces nothing); taught: "
+             "first: the step after budget-free steps of other programs, one for each kind of step a device "
+             "keeps (it announces nothing); taught: "
              "the step after a budget-free step of the same model (it announces what that step kept). "
              "long_lived: requests placed at the high end of a block, mean over the budgets each ran.", "",
              "| model | round | lowest fitting, first | lowest fitting, taught | budgets where they differ "

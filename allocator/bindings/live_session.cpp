@@ -444,9 +444,7 @@ std::map<int, CostsOnDevice>& costs_by_device() {
   static auto* by_device = new std::map<int, CostsOnDevice>();
   return *by_device;
 }
-}  // namespace
 
-namespace {
 void remember_costs(RecentSteps<CarriedCosts>& recent, std::shared_ptr<const CarriedCosts> costs) {
   if (!costs->funcs.empty()) recent.remember(std::move(costs));  // a step with no op teaches nothing
 }
