@@ -250,8 +250,17 @@ def _same(want, got) -> bool:
         for a, b in zip(want, got))
 
 
-def _session(**kw):
-    return lambda: dtr(device="cpu", check_invariants=True, **kw)
+def _session(lag=None, **kw):
+    """A session maker; with `lag`, its ops are timed on a simulated GPU that
+    many marks behind (allocator/simulated_timing.h), priced at a launch until
+    then or at a step before's time (Note [carried costs]): costs only choose
+    what to evict, never what a value is."""
+    def make():
+        s = dtr(device="cpu", check_invariants=True, **kw)
+        if lag is not None:
+            s._core.simulate_gpu_timer(lag, 1000.0)
+        return s
+    return make
 
 
 @given(program=PROGRAM)
@@ -308,7 +317,7 @@ BUDGET_PROGRAM = st.tuples(
 POLICIES = [p["name"] for p in _core.policies() if p["name"] != "none"]
 
 
-def _under_budget(program, fraction, policy):
+def _under_budget(program, fraction, policy, lag=None):
     """(plain eager's outcome is a valid program, the session's equals it,
     ran out of memory, the session's stats). Only plain values leave: while
     Hypothesis shrinks it keeps each failing example's traceback, and no
@@ -320,7 +329,7 @@ def _under_budget(program, fraction, policy):
     _, free = run(program, _session(), BUDGET_LENGTH)
     budget = int(free.stats()["peak_bytes"] * fraction)
     try:
-        got, s = run(program, _session(budget=budget, policy=policy), BUDGET_LENGTH)
+        got, s = run(program, _session(lag, budget=budget, policy=policy), BUDGET_LENGTH)
     except dtralloc.OutOfMemoryError:
         return True, False, True, None
     stats = s.stats()
@@ -330,11 +339,12 @@ def _under_budget(program, fraction, policy):
 
 
 @settings(max_examples=60)
-@given(program=BUDGET_PROGRAM, fraction=st.sampled_from([0.9, 0.8, 0.7, 0.6]), policy=st.sampled_from(POLICIES))
-def test_random_programs_under_a_budget_run_as_in_plain_eager(program, fraction, policy):
-    valid, same, out_of_memory, stats = _under_budget(program, fraction, policy)
+@given(program=BUDGET_PROGRAM, fraction=st.sampled_from([0.9, 0.8, 0.7, 0.6]), policy=st.sampled_from(POLICIES),
+       lag=st.sampled_from([None, 0, 2, 40]))
+def test_random_programs_under_a_budget_run_as_in_plain_eager(program, fraction, policy, lag):
+    valid, same, out_of_memory, stats = _under_budget(program, fraction, policy, lag)
     assume(valid)
     assume(not out_of_memory)  # what the program keeps does not fit: nothing to compare
     event("evicted" if stats["evictions"] else "nothing evicted")
     target(float(stats["evictions"]))
-    assert same, (policy, fraction, stats)
+    assert same, (policy, fraction, lag, stats)
