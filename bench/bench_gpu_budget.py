@@ -153,7 +153,7 @@ class Model:
     """One model of the bench: its module, optimizer and loss, batches of any
     size, and checkpointing on every block."""
 
-    def __init__(self, name: str, smoke: bool, device, loss_chunks: int = 1):
+    def __init__(self, name: str, smoke: bool, device, loss_chunks: int = 1, seq: int | None = None):
         import torch
 
         from dtralloc import zoo
@@ -170,6 +170,8 @@ class Model:
         elif name == "gpt2":
             sizes = {**zoo.SMALL_SIZES["gpt2"], **SMOKE_SIZES["gpt2"]} if smoke else dict(batch=1, seq=1024, layers=12, hidden=768,
                                                                         heads=12, vocab=50257)
+            if seq:
+                sizes["seq"] = seq
             self.seq, self.vocab = sizes["seq"], sizes["vocab"]
             try:
                 w = zoo.build("gpt2", **{**sizes, "batch": 1})
@@ -285,7 +287,8 @@ class Worker:
             # torch caps reserved bytes at int(fraction * total): 1 MiB of slack
             # (under one 2 MiB segment) keeps float rounding from cutting M short.
             torch.cuda.set_per_process_memory_fraction(min(1.0, (self.cap + MiB) / total), 0)
-        self.m = Model(spec["model"], spec["smoke"], "cuda" if self.cuda else "cpu", spec.get("loss_chunks", 1))
+        self.m = Model(spec["model"], spec["smoke"], "cuda" if self.cuda else "cpu", spec.get("loss_chunks", 1),
+                       spec.get("seq"))
         if self.config == "checkpoint":
             self.m.checkpoint_every_block()
 
@@ -600,7 +603,8 @@ def bench_model(name: str, args, budget_s: float, result: dict, progress) -> Non
     configs = tuple(configs) + tuple(also)
     started = time.monotonic()
     common = {"model": name, "device": device, "smoke": smoke, "base": base, "conf": args.conf,
-              "loss_chunks": getattr(args, "gpt2_loss_chunks", 1) if name == "gpt2" else 1}
+              "loss_chunks": getattr(args, "gpt2_loss_chunks", 1) if name == "gpt2" else 1,
+              "seq": getattr(args, "gpt2_seq", None) if name == "gpt2" else None}
     in_process = args.in_process
     # At least 45 s: a fresh process imports torch (and transformers), builds the
     # model and runs its steps before M exists, and without M nothing is measured.
@@ -793,9 +797,15 @@ def main(argv=None) -> int:
                              f"{GPT2_LOSS_CHUNKS}; 1: transformers' own loss, the logits whole). Unchunked, "
                              "the loss's backward holds three tensors of tokens x vocab at once (14.8 GB at "
                              "3x B), more than M leaves")
+    parser.add_argument("--gpt2-seq", type=int, default=None, metavar="N",
+                        help="GPT-2's sequence length (default 1024; smoke 128): on CPU, GPT-2 small at its "
+                             "full width with fewer tokens a sample, so that steps take seconds while its memory "
+                             "keeps the same proportions per token")
     parser.add_argument("--out", help="also write the report (markdown) here, and its data next to it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.gpt2_seq is not None and args.gpt2_seq < 2:
+        parser.error(f"--gpt2-seq is a sequence length >= 2 (a causal-LM loss needs a next token), not {args.gpt2_seq}")
     if args.gpt2_loss_chunks < 1:
         parser.error(f"--gpt2-loss-chunks is a number of pieces >= 1, not {args.gpt2_loss_chunks}")
     if args.worker:

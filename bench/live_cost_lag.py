@@ -181,9 +181,14 @@ def main(argv=None) -> int:
     def echo(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    models = [measure_model(name, args.budgets, args.lag, args.rounds, args.steps, echo) for name in args.models]
+    from bench_live_vs_replay import measure_available
+
+    models, skipped = measure_available(
+        args.models, lambda name: measure_model(name, args.budgets, args.lag, args.rounds, args.steps, echo))
     command = "python bench/live_cost_lag.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    emit(report(models, args.budgets, args.lag, args.rounds, args.steps, command.strip()), args.out)
+    text = report(models, args.budgets, args.lag, args.rounds, args.steps, command.strip())
+    text += "".join(f"\nSkipped {name}: {why}.\n" for name, why in skipped.items())
+    emit(text, args.out)
     return 0
 
 
