@@ -224,6 +224,13 @@ def test_gpt2_loss_in_pieces_is_the_same_loss_and_its_count_is_checked():
     assert proc.returncode == 2 and "--gpt2-loss-chunks is a number of pieces >= 1" in proc.stderr, proc.stderr
 
 
+def test_gpt2_seq_sets_the_sequence_length_and_is_checked():
+    pytest.importorskip("transformers")
+    m = _bench().Model("gpt2", True, "cpu", 1, 48)
+    assert m.seq == 48 and "seq 48" in m.description and m.batch(3)[0].shape == (3, 48)
+    assert "--gpt2-seq is a sequence length >= 2" in _refused("--gpt2-seq", "1")
+
+
 def test_configs_are_checked_before_anything_runs():
     err = _refused("--device", "cpu", "--configs", "plain,dtr-fwd")
     assert "unknown configuration 'dtr-fwd'" in err and "dtr-forward" in err, err
