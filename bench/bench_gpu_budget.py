@@ -799,9 +799,9 @@ def main(argv=None) -> int:
                              "3x B), more than M leaves")
     parser.add_argument("--gpt2-seq", type=int, default=None, metavar="N",
                         help="GPT-2's sequence length (default 1024; smoke 128). On CPU at GPT-2 small's "
-                             "full width (no --smoke), M is mostly the AdamW state the warm-up step makes "
-                             "inside the mirror unless the tokens are many: a short sequence does not model "
-                             "the GPU's M")
+                             "full width (no --smoke), M is mostly the gradients and the AdamW state the warm-up "
+                             "step makes inside the mirror unless the tokens are many: a short sequence does not "
+                             "model the GPU's M")
     parser.add_argument("--out", help="also write the report (markdown) here, and its data next to it (.json)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
