@@ -348,14 +348,16 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::unique_ptr<Driver> driver_;
   std::unique_ptr<RematEngine> engine_;
   std::shared_ptr<Evictor> evictor_;
-  // CUDA: op costs measured on the GPU (op_timer.h), on the stream torch's
-  // current_stream_(device_index_) names; remats_at_mark_ tells an interval
-  // a recompute ran in.
-  // A CPU session may time its ops on a simulated GPU instead
-  // (simulate_gpu_timer): its events, which timer_ then records on.
+  // A CPU session may time its ops on a simulated GPU (simulate_gpu_timer):
+  // the backend whose events timer_ then records (declared first: timer_
+  // refers to it), the launch an op is priced at until its time arrives,
+  // and whether the session takes the steps before's costs.
   std::unique_ptr<Backend> simulated_timing_;
   double simulated_launch_ns_ = 0;
-  bool carry_costs_ = true;  // takes the steps before's costs (simulate_gpu_timer)
+  bool carry_costs_ = true;
+  // CUDA (or the simulated GPU): op costs measured on the GPU (op_timer.h),
+  // on the stream torch's current_stream_(device_index_) names;
+  // remats_at_mark_ tells an interval a recompute ran in.
   std::unique_ptr<OpTimer> timer_;
   py::object current_stream_, device_index_;
   std::size_t remats_at_mark_ = 0;
@@ -364,8 +366,9 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   // have matched so far.
   std::vector<double> gpu_ns_;
   StepsBefore<CarriedCosts> costs_in_;
-  // The op's cost until the GPU's arrives: the step before's for the same
-  // op, else the host's clock (`clock`). Notes the op (record()).
+  // The op's cost until the GPU's arrives: the newest matching step
+  // before's for the same op (Note [recent steps]), else the host's clock
+  // (`clock`).
   double provisional_cost(int op, PyObject* func, double clock);
   // Hands the engine the costs the GPU has measured since the last call.
   void collect_gpu_costs();
