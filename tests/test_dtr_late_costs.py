@@ -3,7 +3,8 @@ GPU's timing events (allocator/op_timer.h; Note [carried costs] in
 allocator/bindings/live_session.cpp), run on a simulated GPU
 (allocator/simulated_timing.h) that runs a fixed number of marks behind the
 host. An op is priced at its launch until its time arrives; from the second
-step on, at the step before's time for the same op."""
+step of a kind on, at the time the last step of that kind measured for the
+same op (Note [recent steps])."""
 from __future__ import annotations
 
 import gc
@@ -11,7 +12,6 @@ import gc
 import pytest
 import torch
 
-import dtralloc
 from dtralloc import _core
 from dtralloc.dtr import dtr
 
