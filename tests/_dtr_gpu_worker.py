@@ -524,9 +524,15 @@ def op_costs() -> dict:
     stats = s.stats()
     last.synchronize()
     del outs
-    # The same step again (Note [carried costs], live_session.cpp): until the
-    # GPU has run them, its matmuls are priced at what the GPU measured for
-    # the step before's, not at their launch.
+    # A step of another kind in between (a GAN's other step): the device
+    # keeps both kinds (Note [recent steps], recent_steps.h).
+    with dtralloc.dtr() as other:
+        y = (a.cos() @ b).sum()
+    torch.cuda.synchronize()
+    del y
+    # The first kind's step again (Note [carried costs], live_session.cpp):
+    # until the GPU has run them, its matmuls are priced at what the GPU
+    # measured for the last step of their kind, not at their launch.
     with dtralloc.dtr() as again:
         outs = [a @ b for _ in range(4)]
         early = again.stats()  # the GPU is still on the first matmul
@@ -535,7 +541,8 @@ def op_costs() -> dict:
     return {"launched_s": launched, "ran_s": ran, "gpu_ran_s": first.elapsed_time(last) * 1e-3,
             "op_seconds": stats["op_seconds"], "gpu_timed_ops": stats["gpu_timed_ops"],
             "again_op_seconds_early": early["op_seconds"], "again_carried_costs": early["carried_costs"],
-            "again_gpu_timed_ops_early": early["gpu_timed_ops"], "pool_ok": _pool_ok(dtralloc)}
+            "again_gpu_timed_ops_early": early["gpu_timed_ops"],
+            "other_carried_costs": other.stats()["carried_costs"], "pool_ok": _pool_ok(dtralloc)}
 
 
 def device_full() -> dict:

@@ -191,9 +191,11 @@ def test_ops_are_priced_by_their_time_on_the_gpu():
     # GPU took; the events give about all of it, on the GPU's clock (the
     # wall clock's can differ while other processes share the GPU).
     assert 0.7 * r["gpu_ran_s"] <= r["op_seconds"] <= 1.2 * r["gpu_ran_s"], r
-    # The next session's same matmuls, before the GPU ran them: priced at
-    # the step before's GPU time (carried), where the clock would give their
-    # launch, a few hundredths of it.
+    # The same matmuls after a step of another kind, before the GPU ran
+    # them: priced at the GPU time of the last step of their kind (carried),
+    # where the clock would give their launch, a few hundredths of it. The
+    # other kind's step differs from its first op: nothing carried there.
+    assert r["other_carried_costs"] == 0, r
     assert r["again_carried_costs"] == 4, r
     assert r["again_op_seconds_early"] >= 0.5 * r["gpu_ran_s"], r
     assert r["pool_ok"]
