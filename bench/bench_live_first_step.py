@@ -61,13 +61,7 @@ def _other_steps():
 
         return step
 
-    steps = [program(a) for a in _ACTIVATIONS[:_core.RECENT_STEPS]]
-
-    def all_of_them():
-        for step in steps:
-            _run(step, None, "dtralloc")
-
-    return all_of_them
+    return [program(a) for a in _ACTIVATIONS[:_core.RECENT_STEPS]]
 
 
 def _run(step, budget: int | None, policy: str) -> dict:
@@ -92,7 +86,8 @@ def measure_model(name: str, fractions: list[float], rounds: int, policy: str, e
             # Alternate which comes first, so that neither always follows the other.
             for kind in (("first", "taught") if (r + len(cells)) % 2 == 0 else ("taught", "first")):
                 if kind == "first":
-                    others()  # what the device learns before: other programs' steps alone
+                    for step in others:  # what the device learns before: other programs' steps alone
+                        _run(step, None, policy)
                 else:
                     _run(w.step, None, policy)
                 runs[kind] = _run(w.step, budget, policy)

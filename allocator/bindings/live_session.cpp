@@ -206,7 +206,7 @@ struct Lifetimes {
 };
 
 namespace {
-// The recent sessions' lifetimes per device (lifetimes_key), under the GIL.
+// The recent sessions' lifetimes per device (device_key), under the GIL.
 // Never destroyed: sessions may end during interpreter shutdown.
 std::map<int, RecentSteps<Lifetimes>>& lifetimes_by_device() {
   static auto* by_device = new std::map<int, RecentSteps<Lifetimes>>();
@@ -242,7 +242,7 @@ void LiveSession::start() {
   lifetimes_on_ = would_place_;
   if (pool_->config().long_lived == Switch::kOn) {
     auto& by_device = lifetimes_by_device();
-    auto it = by_device.find(lifetimes_key());
+    auto it = by_device.find(device_key());
     if (it != by_device.end()) lifetimes_in_.reset(it->second);
   }
   take_carried_costs();
@@ -359,7 +359,7 @@ void LiveSession::end_block() {
 // The zoo's steps at the bench's sizes record 127-1380.
 constexpr std::size_t kLifetimeOps = std::size_t{1} << 17;
 
-int LiveSession::lifetimes_key() const { return options_.cuda ? options_.device : -1; }
+int LiveSession::device_key() const { return options_.cuda ? options_.device : -1; }
 
 bool LiveSession::expect_long_lived(PyObject* func) {
   if (lifetimes_in_.empty()) return false;
@@ -393,7 +393,7 @@ void LiveSession::end_lifetimes() {
   // A step whose backward runs after the block still holds its activations
   // here: lifetimes that keep most of what it made tell nothing apart.
   if (2 * kept > made || out->funcs.size() >= kLifetimeOps) out->kept.clear();
-  if (!out->funcs.empty()) lifetimes_by_device()[lifetimes_key()].remember(std::move(out));
+  if (!out->funcs.empty()) lifetimes_by_device()[device_key()].remember(std::move(out));
 }
 
 // ---- op costs carried from the step before (CUDA) ----------------------------
@@ -483,7 +483,7 @@ std::shared_ptr<const CarriedCosts> LiveSession::measured_costs() {
 
 void LiveSession::take_carried_costs() {
   if (!timer_ || !timer_->active()) return;
-  CostsOnDevice& on_device = costs_by_device()[carried_costs_key()];
+  CostsOnDevice& on_device = costs_by_device()[device_key()];
   if (auto previous = on_device.last.lock())  // still alive: what arrived since its block ended too
     if (previous.get() != this) remember_costs(on_device.recent, previous->measured_costs());
   if (carry_costs_) costs_in_.reset(on_device.recent);
@@ -495,7 +495,7 @@ void LiveSession::take_carried_costs() {
 // (stop()) before a next one took its costs.
 void LiveSession::give_carried_costs() {
   if (!timer_ || !timer_->active()) return;
-  CostsOnDevice& on_device = costs_by_device()[carried_costs_key()];
+  CostsOnDevice& on_device = costs_by_device()[device_key()];
   if (on_device.last_raw != this) return;  // a newer session took over
   remember_costs(on_device.recent, measured_costs());
   if (on_device.last.expired()) on_device.last_raw = nullptr;  // torn down: no later hand-over

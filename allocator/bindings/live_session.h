@@ -332,9 +332,12 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void mark_op(int op);
   static PyObject* storage_died(PyObject* self, PyObject* weakref);
   // long_lived (docs/live.md, "What outlives the step"): the op at `ordinal`
-  // is about to run; announce what the previous session's op there kept.
+  // is about to run; announce what the newest matching step before kept
+  // there (Note [recent steps]).
   bool expect_long_lived(PyObject* func);
-  int lifetimes_key() const;  // the device: its index on CUDA, -1 for the CPU
+  // Where a device's recent steps are kept (lifetimes, carried costs): its
+  // index on CUDA, -1 for the CPU (and its simulated GPU).
+  int device_key() const;
   void end_lifetimes();  // end_block: what this session kept, for the next one
 
   Options options_;
@@ -374,9 +377,6 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   void collect_gpu_costs();
   // This session's GPU costs so far, for the next session on the device.
   std::shared_ptr<const CarriedCosts> measured_costs();
-  // Where carried costs are kept: the CUDA device's index; -1 for the
-  // simulated GPU, which CPU sessions share.
-  int carried_costs_key() const { return simulated_timing_ ? -1 : options_.device; }
   void take_carried_costs();  // start(): the step before's
   void give_carried_costs();  // end_block(): this step's, so far
   void apply_budget(struct OnPool& on_pool);
