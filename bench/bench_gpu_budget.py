@@ -119,11 +119,13 @@ def _gpt2_torch(layers: int, hidden: int, heads: int, vocab: int, seq: int, loss
             self.c_attn, self.c_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
             self.c_fc, self.mlp_proj = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
             self.drop = nn.Dropout(0.1)
+            self.attn_dropout = 0.1  # the attention's dropout probability (transformers' attn_pdrop)
 
         def forward(self, x):
             b, t, d = x.shape
             q, k, v = self.c_attn(self.ln_1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True)
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0,
+                                               is_causal=True)
             x = x + self.drop(self.c_proj(a.transpose(1, 2).reshape(b, t, d)))
             return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
 

@@ -11,6 +11,9 @@
 #                           cudaMalloc/cudaFree per step, ResNet-50 at B and 3 B; then under
 #                           torch.profiler: GPU busy time and the CUDA calls that wait; GPT-2 too with
 #                           GPU_SESSION_ONLY=live_ablation GPU_SESSION_ABLATION_MODELS=resnet50,gpt2)
+#   predict_reach-DATE.md   bench/predict_reach.py --device cuda: GPT-2 and ResNet-50 steps recorded here at B
+#                           and 3 B, replayed under M (the replay's reach and recompute share with this
+#                           GPU's op costs); traces/ keeps the recorded steps (commit them to bench/recordings/)
 #   gpu_budget-DATE.md/json bench/bench_gpu_budget.py (largest batch in a fixed memory)
 #   hot_path-DATE.md        bench/bench_hot_path.py --quick (its GPU part: torch.empty/del, native vs dtralloc)
 #   replay_fragmentation-DATE.md  bench/replay_fragmentation.py on torch-only models (its GPU part: native
@@ -20,8 +23,8 @@
 #   GPU_SESSION_SECONDS=540 bash bench/gpu_session.sh
 #   GPU_SESSION_SKIP_BUILD=1 bash bench/gpu_session.sh    # already built (pip install --no-build-isolation -e .)
 #   GPU_SESSION_ONLY=gpu_budget bash bench/gpu_session.sh # build, then only these steps (comma-separated:
-#                           # pytest_gpu, live_ablation, gpu_budget, hot_path, replay_fragmentation), each with
-#                           # all the time left
+#                           # pytest_gpu, live_ablation, predict_reach, gpu_budget, hot_path,
+#                           # replay_fragmentation), each with all the time left
 #   GPU_SESSION_BENCH_CONF=unmap_pages:on bash bench/gpu_session.sh  # the budget bench's dtralloc
 #                           # configurations install() these settings (here: VMM segments, not cudaMalloc)
 #   GPU_SESSION_BENCH_ALSO=arena:on bash bench/gpu_session.sh  # the budget bench also runs its dtr search on
@@ -59,6 +62,11 @@ BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-}"
 # run is the figure to explain, and GPT-2's would cost the budget bench its time.
 ABLATION_ARGS="--models ${GPU_SESSION_ABLATION_MODELS:-resnet50} --rounds 2 --profile"
 [ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --profile --models resnet50"
+# Steps recorded on the GPU at B and 3 B (op costs from CUDA events), replayed
+# under M there, and kept in $OUT/traces: CPU sessions replay them to tune the
+# policy on a GPU's op costs (bench/recordings/ has CPU-recorded steps only).
+PREDICT_ARGS="--device cuda --multiples 1 3 --policies dtralloc msps --save-traces '$OUT/traces'"
+[ -n "$REHEARSAL" ] && PREDICT_ARGS="--smoke --device cpu --multiples 1 3 --policies dtralloc --save-traces '$OUT/traces'"
 
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 
@@ -164,6 +172,11 @@ echo '```' >> "$OUT/pytest-gpu.md"
 # bench (on 2026-11-27 it used 295 s for four configurations; it has five
 # now); the report is rewritten after each batch, so a cut keeps what ran.
 step live_ablation 120 320 "$PY bench/bench_live_ablation.py $ABLATION_ARGS --out '$OUT/live_ablation-$DAY.md' > '$OUT/live_ablation.log' 2>&1"
+
+# 3b. The budget bench's models recorded on this GPU and replayed (about
+# half a minute: two steps a model, replays in C++): the replay's reach and
+# recompute share under M with the GPU's own op costs, and the traces.
+step predict_reach 60 300 "$PY bench/predict_reach.py $PREDICT_ARGS --out '$OUT/predict_reach-$DAY.md' > '$OUT/predict_reach.log' 2>&1"
 
 # 4. The budget benchmark: the figure this machine is lent for, so it gets
 # all the time left but a margin (after a build and the tests, about 4-5

@@ -1,0 +1,339 @@
+"""How far live DTR should take the budget bench's models, predicted by replay.
+
+bench_gpu_budget.py measures on a GPU the largest batch that trains in M,
+plain torch's peak reserved bytes at batch B, and the step time there. GPUs
+are lent rarely and for minutes; this bench predicts the same from training
+steps recorded anywhere (on CPU by default) and replayed through the pool:
+
+1. The model at its full size (GPT-2 small at seq 1024, ResNet-50 at 224x224,
+   as bench_gpu_budget.Model builds them) trains one step at the base batch,
+   so the optimizer's state exists as it does in a training loop.
+2. One step is recorded (dtralloc.trace.record) at each batch: the base batch
+   B and its multiples (--multiples). Each op's cost is its time where it
+   ran: the wall clock on CPU, CUDA events on a GPU.
+3. M is the replay's peak reserved bytes of the step at B with no eviction
+   (policy none), on the pool settings a CUDA device gets under a budget
+   (split_oversize on, unmap_pages off: `dtralloc config`).
+4. Each batch's step is replayed twice in one pool with the budget M (the
+   second step places by what the first kept, as in a training loop), per
+   policy (--policies). Reported: whether both steps fit, the last step's
+   evictions and recomputes, and its recompute overhead: the recorded cost of
+   what it recomputed over the step's own (compute_overhead; on CPU, CPU op
+   costs). The largest batch that fits is the predicted reach.
+
+Scaling: activations grow with the batch while the parameters, gradients and
+optimizer state do not, and they cancel out of the question (both sides of
+"does k B fit in M(B)" hold them), so a small B predicts a large one's reach
+up to the segments' rounding. Two things do not scale: the memory that is not
+the step's (a GPU's cuBLAS workspace, the CUDA context) and op costs, which on
+CPU are not a GPU's (convolutions weigh more there against normalization and
+activations). The overheads here are the recompute's share of the step's
+compute, not step time: a live session adds its host cost on top
+(bench_live_ablation.py).
+
+On CPU, GPT-2's attention dropout is switched off while recording: torch's
+CPU attention with dropout takes the math path, which keeps each layer's
+seq x seq attention matrices (12 heads x 1024 x 1024 floats a sample and
+layer), while the GPU's flash attention with dropout keeps only its output
+and log-sum-exp, as the CPU's flash kernel does without dropout. The memory
+is then the GPU's; the dropout masks of the residual branches stay.
+
+    python bench/predict_reach.py [--models gpt2 resnet50] [--base gpt2=2 resnet50=8]
+        [--multiples 1 2 2.5 3 4] [--gpt2-loss-chunks 8 1] [--policies dtralloc msps dtr]
+        [--device cpu|cuda] [--save-traces DIR] [--note TEXT] [--out FILE.md]
+    python bench/predict_reach.py --smoke     # the zoo's small models, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _report import emit, header, write  # noqa: E402
+from bench_gpu_budget import BASE_BATCH, GPT2_LOSS_CHUNKS, SMOKE_BATCH, Model  # noqa: E402
+
+MODELS = ("gpt2", "resnet50")
+# Base batches on CPU: large enough that the step's activations, not the
+# optimizer's step, make the peak; small enough that 4x B records in the
+# memory of a 24 GiB machine (GPT-2 small at batch 8: 12 GiB).
+CPU_BASE = {"gpt2": 2, "resnet50": 8}
+MULTIPLES = (1, 2, 2.5, 3, 4)
+SMOKE_MULTIPLES = (1, 2, 3)
+POLICIES = ("dtralloc", "msps", "dtr")
+# What a CUDA device's pool resolves under the dtralloc policy and a budget
+# (config.cpp: split_oversize and unmap_pages, auto).
+GPU_CONF = "split_oversize:on,unmap_pages:off"
+GiB = 1 << 30
+
+
+def batches_for(base: int, multiples) -> list[int]:
+    """The batches to record: base x each multiple, rounded, without repeats."""
+    return sorted({max(1, round(base * m)) for m in multiples} | {base})
+
+
+def attention_dropout_off(model) -> int:
+    """Sets the attention's dropout probability to 0 in every GPT-2 block
+    (transformers' GPT2Attention.attn_dropout, or the plain-torch layout's
+    float); returns how many it changed."""
+    import torch
+
+    n = 0
+    for module in model.modules():
+        d = getattr(module, "attn_dropout", None)
+        if isinstance(d, torch.nn.Dropout):
+            d.p = 0.0
+            n += 1
+        elif isinstance(d, float):
+            module.attn_dropout = 0.0
+            n += 1
+    return n
+
+
+def record_steps(name: str, smoke: bool, device: str, loss_chunks: int, batches, recordings: int = 1,
+                 save_dir=None) -> tuple[dict, str, dict]:
+    """{batch: [trace per recording]} of one training step each, after one
+    warm-up step at the smallest batch (the recordings in rounds: every batch
+    once, then again); the model's description; and {batch: why} for the
+    batches not recorded (from the first that ran out of device memory on)."""
+    import torch
+
+    from dtralloc.trace import record
+
+    m = Model(name, smoke, torch.device(device), loss_chunks)
+    description = m.description
+    if name == "gpt2" and device == "cpu":
+        changed = attention_dropout_off(m.model)
+        description += f"; attention dropout off while recording on CPU ({changed} layers: flash attention's memory)"
+    m.step(m.batch(batches[0]))  # the optimizer's state, made before any recorded step
+    traces, skipped = {}, {}
+    for round_ in range(recordings):
+        for b in batches:
+            if b in skipped:
+                continue
+            if any(x < b for x in skipped):  # larger than a batch that did not fit
+                skipped[b] = "not tried: a smaller batch ran out of memory"
+                continue
+            label = (f"{name}" + (f"-c{loss_chunks}" if name == "gpt2" else "") + f"-b{b}"
+                     + (f"-r{round_ + 1}" if recordings > 1 else ""))
+            start = time.perf_counter()
+            try:
+                batch = m.batch(b)
+                trace = record(lambda: m.step(batch), name=label)
+            except torch.OutOfMemoryError as e:  # the device's memory, not M: the step is too large here
+                skipped[b] = "out of memory while recording: " + str(e).splitlines()[0][:200]
+                traces.pop(b, None)  # a batch is recorded every round or not at all
+                batch = None
+                m.optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"  {label}: {skipped[b]}", file=sys.stderr)
+                continue
+            traces.setdefault(b, []).append(trace)
+            print(f"  recorded {label}: {len(trace.ops)} ops in {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr)
+            if save_dir:
+                os.makedirs(save_dir, exist_ok=True)
+                trace.save(os.path.join(save_dir, label + ".trace"))
+            batch = trace = None
+            gc.collect()
+    del m
+    gc.collect()
+    return traces, description, skipped
+
+
+def predict(traces: dict, base: int, policies, steps: int = 2) -> dict:
+    """Per recording: M from its step at `base`, and per batch and policy the
+    replay under M. Returns {"m_bytes": [per recording], "rows": [per batch,
+    policy and recording]}."""
+    from dtralloc.replay import replay
+
+    rounds = len(traces[base])
+    m_bytes = [replay(traces[base][k], policy="none", conf=GPU_CONF).peak_reserved_bytes for k in range(rounds)]
+    rows = []
+    for b, recorded in sorted(traces.items()):
+        for k, trace in enumerate(recorded):
+            plain = replay(trace, policy="none", conf=GPU_CONF)
+            for policy in policies:
+                r = replay(trace, budget=m_bytes[k], policy=policy, conf=GPU_CONF, steps=steps)
+                rows.append({"batch": b, "multiple": b / base, "recording": k, "plain_peak": plain.peak_reserved_bytes,
+                             "policy": policy, "fits": bool(r.feasible),
+                             "evictions": r.last_step_evictions if r.feasible else r.evictions,
+                             "overhead": r.last_step_compute_overhead if r.feasible else None,
+                             "oom": "" if r.feasible else _first_sentences(r.oom_message or "")})
+    return {"m_bytes": m_bytes, "rows": rows, "recordings": rounds}
+
+
+def _first_sentences(message: str) -> str:
+    """An OOM message's first line up to what it says about the device and
+    what to try (the same for every row here)."""
+    line = (message.splitlines() or [""])[0]
+    return line.split(", device capacity")[0].split(" The budget caps")[0]
+
+
+def reach(result: dict, policy: str, recording: int = 0):
+    """The largest batch of one recording that fits under `policy` with every
+    smaller recorded batch fitting too, as a multiple of the base (None: not
+    even B)."""
+    best = None
+    mine = (r for r in result["rows"] if r["policy"] == policy and r["recording"] == recording)
+    for r in sorted(mine, key=lambda r: r["batch"]):
+        if not r["fits"]:
+            break
+        best = r["multiple"]
+    return best
+
+
+def _spread(values, fmt: str) -> str:
+    """The median of `values`, with their range where they differ."""
+    if not values:
+        return "-"
+    values = sorted(values)
+    mid = statistics.median(values)
+    if values[0] == values[-1]:
+        return fmt.format(mid)
+    return f"{fmt.format(mid)} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+
+
+def report(models: list[dict], args, command: str, device_line: str) -> str:
+    lines = [header("Largest batch in a fixed memory, predicted by replay", command)]
+    lines.append(device_line)
+    lines.append("")
+    if args.note:
+        lines += [args.note, ""]
+    lines.append(f"M = the replay's peak reserved bytes of the step at the base batch B, no eviction, on the pool "
+                 f"settings of a CUDA device under a budget (`{GPU_CONF}`). Each batch's step replayed twice in "
+                 f"one pool with budget M; the last step's evictions and recompute overhead (recorded cost of what "
+                 f"it recomputed / the step's own: compute, not step time). Reach: the largest recorded batch "
+                 f"that fits, every smaller one fitting too. With several recordings (each op's cost is its "
+                 f"recorded time, which varies from one recording to the next): in how many each batch fits, and "
+                 f"the median (range) of what fitted.")
+    for mdl in models:
+        res = mdl["result"]
+        n = res["recordings"]
+        lines += ["", f"## {mdl['label']}", "", mdl["description"], "",
+                  f"B = {mdl['base']}; M = {_spread([x / GiB for x in res['m_bytes']], '{:.3f}')} GiB; "
+                  f"recorded on {mdl['device']} ({mdl['durations']}), {n} recording{'s' if n > 1 else ''}", ""]
+        parts = []
+        for p in mdl["policies"]:
+            each = [reach(res, p, k) for k in range(n)]
+            shown = ", ".join("not even B" if x is None else f"{x:.2f}x B" for x in each)
+            parts.append(f"{p} {shown}")
+        lines.append("Reach: " + "; ".join(parts) + (" (one per recording)" if n > 1 else ""))
+        lines += ["", "| batch | x B | plain peak, GiB | policy | fits in M | evictions | recompute overhead |",
+                  "|---|---|---|---|---|---|---|"]
+        cells = {}
+        for r in res["rows"]:
+            cells.setdefault((r["batch"], r["policy"]), []).append(r)
+        for (b, policy), rs in cells.items():
+            fitted = [r for r in rs if r["fits"]]
+            fits = ("yes" if len(fitted) == n else "no" if not fitted else f"{len(fitted)} of {n}") if n > 1 \
+                else ("yes" if fitted else "no")
+            evictions = _spread([r["evictions"] for r in fitted] or [r["evictions"] for r in rs], "{:.0f}")
+            overhead = _spread([r["overhead"] for r in fitted], "{:.3f}")
+            peak = _spread([r["plain_peak"] / GiB for r in rs], "{:.3f}")
+            lines.append(f"| {b} | {rs[0]['multiple']:.2f} | {peak} | {policy} | {fits} | {evictions} | {overhead} |")
+        if res.get("skipped"):
+            lines += ["", "Not recorded:", ""]
+            lines += [f"- batch {b}: {why}" for b, why in sorted(res["skipped"].items())]
+        failed = [r for r in res["rows"] if not r["fits"]]
+        if failed:
+            lines += ["", "Where a batch did not fit (the replay's error):", ""]
+            lines += [f"- batch {r['batch']}, {r['policy']}" + (f", recording {r['recording'] + 1}" if n > 1 else "")
+                      + f": {r['oom']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def _pairs(values, what: str) -> dict:
+    out = {}
+    for v in values:
+        name, sep, n = v.partition("=")
+        if not sep or name not in MODELS or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"predict_reach: --{what} takes MODEL=N with MODEL one of {', '.join(MODELS)} "
+                             f"and N a positive integer, not {v!r}")
+        out[name] = int(n)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--base", nargs="+", default=[], metavar="MODEL=N",
+                        help="the base batch B per model (default on CPU: gpt2=2 resnet50=8; on CUDA the budget "
+                             "bench's: gpt2=8 resnet50=64; --smoke: its smoke batches)")
+    parser.add_argument("--multiples", nargs="+", type=float, default=None,
+                        help=f"multiples of B to record (default {' '.join(map(str, MULTIPLES))}; "
+                             f"--smoke {' '.join(map(str, SMOKE_MULTIPLES))})")
+    parser.add_argument("--gpt2-loss-chunks", nargs="+", type=int, default=[GPT2_LOSS_CHUNKS],
+                        help=f"GPT-2's loss in this many pieces, one prediction each (default {GPT2_LOSS_CHUNKS}, "
+                             "the budget bench's; 1: the logits whole)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--recordings", type=int, default=1,
+                        help="record each batch this many times (op costs vary from one recording to the next)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--smoke", action="store_true", help="the zoo's small models")
+    parser.add_argument("--save-traces", metavar="DIR", help="also save every recorded step here")
+    parser.add_argument("--note", default="", help="a paragraph for the report, after the device line")
+    parser.add_argument("--out", help="also write the report here")
+    args = parser.parse_args(argv)
+    if any(m <= 0 for m in args.multiples or ()):
+        raise SystemExit("predict_reach: --multiples must be positive")
+    if args.recordings < 1:
+        raise SystemExit("predict_reach: --recordings must be at least 1")
+    if any(c < 1 for c in args.gpt2_loss_chunks):
+        raise SystemExit("predict_reach: --gpt2-loss-chunks must be at least 1")
+    import dtralloc
+
+    bad = [p for p in args.policies if p == "none" or p not in dtralloc.POLICIES]
+    if bad:
+        raise SystemExit(f"predict_reach: --policies: {bad[0]!r} is not an evicting policy; "
+                         f"one of {', '.join(p for p in dtralloc.POLICIES if p != 'none')}")
+    bases = {**(SMOKE_BATCH if args.smoke else CPU_BASE if args.device == "cpu" else BASE_BATCH),
+             **_pairs(args.base, "base")}
+    multiples = args.multiples or (SMOKE_MULTIPLES if args.smoke else MULTIPLES)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("predict_reach: --device cuda, but torch sees no CUDA device")
+    if args.device == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        device_line = f"device: CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    else:
+        device_line = f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    command = shlex.join(["python", "bench/predict_reach.py", *(sys.argv[1:] if argv is None else argv)])
+    models = []
+    for name in args.models:
+        for chunks in (args.gpt2_loss_chunks if name == "gpt2" else [1]):
+            base = bases[name]
+            batches = batches_for(base, multiples)
+            label = name if name != "gpt2" else f"gpt2, loss {'whole' if chunks == 1 else f'in {chunks} pieces'}"
+            print(f"{label}: recording batches {batches}", file=sys.stderr)
+            traces, description, skipped = record_steps(name, args.smoke, args.device, chunks, batches,
+                                                        args.recordings, args.save_traces)
+            if base not in traces:
+                raise SystemExit(f"predict_reach: {name}'s step at the base batch {base} could not be recorded "
+                                 f"({skipped[base]}); pass a smaller --base {name}=N")
+            durations = traces[base][0].meta.get("durations", "?")
+            result = predict(traces, base, args.policies)
+            result["skipped"] = skipped
+            del traces
+            gc.collect()
+            models.append({"label": label, "description": description, "base": base, "device": args.device,
+                           "durations": durations, "policies": args.policies, "result": result})
+            # Rewritten after each model: a run cut short keeps what it measured.
+            if args.out:
+                write(report(models, args, command, device_line), args.out)
+    emit(report(models, args, command, device_line), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""bench/predict_reach.py: the budget bench's reach predicted by replaying
+steps recorded at a base batch and its multiples under M, the base step's
+peak. On the zoo's small models: the report's shape, the budget being M (the
+base batch evicts nothing, a larger one that fits evicts), and the refusals."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import predict_reach as pr  # noqa: E402
+
+
+def _rows(text: str, model: str) -> list[list[str]]:
+    section = text.split(f"## {model}", 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| batch")]
+
+
+def test_small_resnet_fits_three_times_its_batch_in_its_base_peak(tmp_path):
+    out = tmp_path / "reach.md"
+    traces = tmp_path / "traces"
+    assert pr.main(["--smoke", "--models", "resnet50", "--multiples", "1", "3", "--policies", "dtralloc", "msps",
+                    "--save-traces", str(traces), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "command: `python bench/predict_reach.py --smoke --models resnet50 --multiples 1 3" in text
+    assert "recorded on cpu (wall clock)" in text
+    rows = _rows(text, "resnet50")
+    assert [(r[0], r[3]) for r in rows] == [("8", "dtralloc"), ("8", "msps"), ("24", "dtralloc"), ("24", "msps")]
+    base, big = rows[0], rows[2]
+    assert base[4] == "yes" and base[5] == "0" and base[6] == "0.000", base  # M is the base step's own peak
+    assert float(big[2]) > float(base[2]), big  # the larger batch's plain peak is over M ...
+    assert big[4] == "yes" and int(big[5]) > 0 and float(big[6]) > 0, big  # ... and it fits by evicting
+    assert "Reach: dtralloc 3.00x B; msps 3.00x B\n" in text
+    assert sorted(os.listdir(traces)) == ["resnet50-b24.trace", "resnet50-b8.trace"]
+
+
+def test_gpt2_attention_dropout_is_switched_off_in_both_layouts():
+    import torch
+
+    from bench_gpu_budget import Model, _gpt2_torch
+
+    m = Model("gpt2", True, torch.device("cpu"))
+    assert pr.attention_dropout_off(m.model) == 2  # transformers' GPT2Attention.attn_dropout, two layers
+    assert all(mod.attn_dropout.p == 0.0 for mod in m.model.modules() if hasattr(mod, "attn_dropout"))
+    model, blocks = _gpt2_torch(2, 32, 4, 64, 16, 1)
+    assert pr.attention_dropout_off(model) == 2 and all(b.attn_dropout == 0.0 for b in blocks)
+
+
+def test_reach_stops_at_the_first_batch_that_does_not_fit():
+    rows = [{"policy": "p", "recording": 0, "batch": b, "multiple": b / 2, "fits": fits}
+            for b, fits in ((2, True), (4, True), (5, False), (6, True))]
+    other = [dict(r, recording=1, fits=True) for r in rows]
+    assert pr.reach({"rows": rows + other}, "p") == 2.0
+    assert pr.reach({"rows": rows + other}, "p", recording=1) == 3.0
+    assert pr.reach({"rows": rows[2:3]}, "p") is None
+    assert pr.batches_for(2, (1, 2.5, 3, 3.2)) == [2, 5, 6]
+
+
+@pytest.mark.parametrize("args, error", [(["--base", "gpt2=0"], "MODEL=N"),
+                                         (["--base", "bert=4"], "MODEL=N"),
+                                         (["--policies", "none"], "not an evicting policy"),
+                                         (["--multiples", "-1"], "--multiples must be positive"),
+                                         (["--gpt2-loss-chunks", "0"], "at least 1"),
+                                         (["--recordings", "0"], "--recordings must be at least 1")])
+def test_bad_arguments_are_refused(args, error, capsys):
+    with pytest.raises(SystemExit) as e:
+        pr.main(["--smoke"] + args)
+    assert error in str(e.value) + capsys.readouterr().err
+
+
+def test_a_batch_that_cannot_be_recorded_ends_the_ladder_and_is_reported(tmp_path, monkeypatch):
+    import torch
+
+    import dtralloc.trace
+
+    real = dtralloc.trace.record
+    tried = []
+
+    def record(fn, name=None, **kwargs):  # the device's memory runs out at batch 16, as a GPU's would
+        tried.append(name)
+        if name.endswith("-b16"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(fn, name=name, **kwargs)
+
+    monkeypatch.setattr(dtralloc.trace, "record", record)
+    out = tmp_path / "reach.md"
+    assert pr.main(["--smoke", "--models", "resnet50", "--multiples", "1", "2", "3", "--policies", "dtralloc",
+                    "--out", str(out)]) == 0
+    assert tried == ["resnet50-b8", "resnet50-b16"]  # nothing larger is tried after the first refusal
+    text = out.read_text()
+    assert [r[0] for r in _rows(text, "resnet50")] == ["8"]
+    assert "- batch 16: out of memory while recording: CUDA out of memory. Tried to allocate 2.00 GiB" in text
+    assert "- batch 24: not tried: a smaller batch ran out of memory" in text
+
+    tried.clear()
+    monkeypatch.setattr(dtralloc.trace, "record", lambda fn, name=None, **kw: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory.")))
+    with pytest.raises(SystemExit, match="at the base batch 8 could not be recorded .*--base resnet50=N"):
+        pr.main(["--smoke", "--models", "resnet50", "--multiples", "1", "2"])
+
+
+def test_several_recordings_are_replayed_each_and_summed_up(tmp_path):
+    out = tmp_path / "reach.md"
+    traces = tmp_path / "traces"
+    assert pr.main(["--smoke", "--models", "resnet50", "--multiples", "1", "3", "--policies", "dtralloc",
+                    "--recordings", "2", "--save-traces", str(traces), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "recorded on cpu (wall clock), 2 recordings" in text
+    assert "Reach: dtralloc 3.00x B, 3.00x B (one per recording)" in text
+    rows = _rows(text, "resnet50")
+    assert [r[0] for r in rows] == ["8", "24"] and all(r[4] == "yes" for r in rows), rows
+    assert rows[0][5] == "0" and rows[0][6] == "0.000"  # no spread where both recordings agree
+    assert sorted(os.listdir(traces)) == ["resnet50-b24-r1.trace", "resnet50-b24-r2.trace",
+                                          "resnet50-b8-r1.trace", "resnet50-b8-r2.trace"]
+    assert pr._spread([0.2, 0.1, 0.4], "{:.3f}") == "0.200 (0.100-0.400)"
+    assert pr._spread([3, 3], "{:.0f}") == "3"
