@@ -63,10 +63,13 @@ BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-}"
 ABLATION_ARGS="--models ${GPU_SESSION_ABLATION_MODELS:-resnet50} --rounds 2 --profile"
 [ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --profile --models resnet50"
 # Steps recorded on the GPU at B and 3 B (op costs from CUDA events), replayed
-# under M there, and kept in $OUT/traces: CPU sessions replay them to tune the
-# policy on a GPU's op costs (bench/recordings/ has CPU-recorded steps only).
-PREDICT_ARGS="--device cuda --multiples 1 3 --policies dtralloc msps --save-traces '$OUT/traces'"
-[ -n "$REHEARSAL" ] && PREDICT_ARGS="--smoke --device cpu --multiples 1 3 --policies dtralloc --save-traces '$OUT/traces'"
+# under M there on the default settings and with arena:on (the segments each
+# makes and gives back at the budget, against its recompute), and kept in
+# $OUT/traces: CPU sessions replay them to tune the policy on a GPU's op
+# costs (bench/recordings/ has CPU-recorded steps only).
+PREDICT_ARGS="--device cuda --multiples 1 3 --policies dtralloc msps --confs '' arena:on --save-traces '$OUT/traces'"
+[ -n "$REHEARSAL" ] && PREDICT_ARGS="--smoke --device cpu --multiples 1 3 --policies dtralloc --confs '' arena:on \
+--save-traces '$OUT/traces'"
 
 left() { echo $((TOTAL - ($(date +%s) - START))); }
 

@@ -16,10 +16,16 @@ steps recorded anywhere (on CPU by default) and replayed through the pool:
    (split_oversize on, unmap_pages off: `dtralloc config`).
 4. Each batch's step is replayed twice in one pool with the budget M (the
    second step places by what the first kept, as in a training loop), per
-   policy (--policies). Reported: whether both steps fit, the last step's
-   evictions and recomputes, and its recompute overhead: the recorded cost of
+   policy (--policies) and pool settings (--confs, each added to those).
+   Reported: whether both steps fit, the last step's evictions, the segments
+   it made and gave back (cudaMalloc / cudaFree on a GPU, each cudaFree
+   waiting for the device), and its recompute overhead: the recorded cost of
    what it recomputed over the step's own (compute_overhead; on CPU, CPU op
    costs). The largest batch that fits is the predicted reach.
+
+`--traces DIR` replays steps saved before (`--save-traces`, or the
+`predict_reach` step of bench/gpu_session.sh on a GPU) instead of recording:
+what a GPU recorded, replayed on any machine with the GPU's op costs.
 
 Scaling: activations grow with the batch while the parameters, gradients and
 optimizer state do not, and they cancel out of the question (both sides of
@@ -40,7 +46,9 @@ is then the GPU's; the dropout masks of the residual branches stay.
 
     python bench/predict_reach.py [--models gpt2 resnet50] [--base gpt2=2 resnet50=8]
         [--multiples 1 2 2.5 3 4] [--gpt2-loss-chunks 8 1] [--policies dtralloc msps dtr]
-        [--device cpu|cuda] [--save-traces DIR] [--note TEXT] [--out FILE.md]
+        [--confs "" arena:on] [--recordings N] [--device cpu|cuda] [--save-traces DIR]
+        [--note TEXT] [--out FILE.md]
+    python bench/predict_reach.py --traces DIR [--models ...] [--base ...] [--policies ...] [--confs ...]
     python bench/predict_reach.py --smoke     # the zoo's small models, seconds
 """
 from __future__ import annotations
@@ -48,6 +56,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -148,25 +157,54 @@ def record_steps(name: str, smoke: bool, device: str, loss_chunks: int, batches,
     return traces, description, skipped
 
 
-def predict(traces: dict, base: int, policies, steps: int = 2) -> dict:
-    """Per recording: M from its step at `base`, and per batch and policy the
-    replay under M. Returns {"m_bytes": [per recording], "rows": [per batch,
-    policy and recording]}."""
+# A saved step's file name: MODEL[-cCHUNKS]-bBATCH[-rRECORDING].trace (record_steps).
+TRACE_NAME = re.compile(r"^(gpt2|resnet50)(?:-c(\d+))?-b(\d+)(?:-r(\d+))?\.trace$")
+
+
+def load_steps(directory: str) -> dict:
+    """Saved steps by (model, loss chunks): {batch: [trace per recording]}."""
+    from dtralloc.trace.model import load
+
+    if not os.path.isdir(directory):
+        raise SystemExit(f"predict_reach: --traces {directory!r} is not a directory")
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        m = TRACE_NAME.match(name)
+        if not m:
+            continue
+        model, chunks, batch, rec = m.group(1), int(m.group(2) or 1), int(m.group(3)), int(m.group(4) or 1)
+        found.setdefault((model, chunks), {}).setdefault(batch, []).append((rec, load(os.path.join(directory, name))))
+    if not found:
+        raise SystemExit(f"predict_reach: no saved steps in {directory!r} (files named MODEL[-cN]-bN[-rN].trace, "
+                         f"as --save-traces writes them)")
+    return {key: {b: [t for _, t in sorted(ts, key=lambda x: x[0])] for b, ts in by_batch.items()}
+            for key, by_batch in found.items()}
+
+
+def predict(traces: dict, base: int, policies, confs=("",), steps: int = 2) -> dict:
+    """Per recording: M from its step at `base`, and per batch, pool
+    settings and policy the replay under M. Returns {"m_bytes": [per
+    recording], "rows": [per batch, settings, policy and recording]}."""
     from dtralloc.replay import replay
 
-    rounds = len(traces[base])
+    rounds = min(len(ts) for ts in traces.values())
     m_bytes = [replay(traces[base][k], policy="none", conf=GPU_CONF).peak_reserved_bytes for k in range(rounds)]
     rows = []
     for b, recorded in sorted(traces.items()):
-        for k, trace in enumerate(recorded):
+        for k, trace in enumerate(recorded[:rounds]):
             plain = replay(trace, policy="none", conf=GPU_CONF)
-            for policy in policies:
-                r = replay(trace, budget=m_bytes[k], policy=policy, conf=GPU_CONF, steps=steps)
-                rows.append({"batch": b, "multiple": b / base, "recording": k, "plain_peak": plain.peak_reserved_bytes,
-                             "policy": policy, "fits": bool(r.feasible),
-                             "evictions": r.last_step_evictions if r.feasible else r.evictions,
-                             "overhead": r.last_step_compute_overhead if r.feasible else None,
-                             "oom": "" if r.feasible else _first_sentences(r.oom_message or "")})
+            for conf in confs:
+                for policy in policies:
+                    r = replay(trace, budget=m_bytes[k], policy=policy, conf=",".join(filter(None, (GPU_CONF, conf))),
+                               steps=steps)
+                    rows.append({"batch": b, "multiple": b / base, "recording": k,
+                                 "plain_peak": plain.peak_reserved_bytes, "conf": conf, "policy": policy,
+                                 "fits": bool(r.feasible),
+                                 "evictions": r.last_step_evictions if r.feasible else r.evictions,
+                                 "calls": (r.last_step_device_alloc_calls, r.last_step_device_free_calls)
+                                 if r.feasible else None,
+                                 "overhead": r.last_step_compute_overhead if r.feasible else None,
+                                 "oom": "" if r.feasible else _first_sentences(r.oom_message or "")})
     return {"m_bytes": m_bytes, "rows": rows, "recordings": rounds}
 
 
@@ -177,12 +215,13 @@ def _first_sentences(message: str) -> str:
     return line.split(", device capacity")[0].split(" The budget caps")[0]
 
 
-def reach(result: dict, policy: str, recording: int = 0):
-    """The largest batch of one recording that fits under `policy` with every
-    smaller recorded batch fitting too, as a multiple of the base (None: not
-    even B)."""
+def reach(result: dict, policy: str, recording: int = 0, conf: str = ""):
+    """The largest batch of one recording that fits under `policy` (on the
+    settings `conf`) with every smaller recorded batch fitting too, as a
+    multiple of the base (None: not even B)."""
     best = None
-    mine = (r for r in result["rows"] if r["policy"] == policy and r["recording"] == recording)
+    mine = (r for r in result["rows"]
+            if r["policy"] == policy and r["recording"] == recording and r.get("conf", "") == conf)
     for r in sorted(mine, key=lambda r: r["batch"]):
         if not r["fits"]:
             break
@@ -201,6 +240,10 @@ def _spread(values, fmt: str) -> str:
     return f"{fmt.format(mid)} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
 
 
+def _settings(conf: str) -> str:
+    return conf or "defaults"
+
+
 def report(models: list[dict], args, command: str, device_line: str) -> str:
     lines = [header("Largest batch in a fixed memory, predicted by replay", command)]
     lines.append(device_line)
@@ -209,11 +252,14 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
         lines += [args.note, ""]
     lines.append(f"M = the replay's peak reserved bytes of the step at the base batch B, no eviction, on the pool "
                  f"settings of a CUDA device under a budget (`{GPU_CONF}`). Each batch's step replayed twice in "
-                 f"one pool with budget M; the last step's evictions and recompute overhead (recorded cost of what "
-                 f"it recomputed / the step's own: compute, not step time). Reach: the largest recorded batch "
-                 f"that fits, every smaller one fitting too. With several recordings (each op's cost is its "
-                 f"recorded time, which varies from one recording to the next): in how many each batch fits, and "
-                 f"the median (range) of what fitted.")
+                 f"one pool with budget M; the last step's evictions, segments made / given back (cudaMalloc / "
+                 f"cudaFree on a GPU) and recompute overhead (recorded cost of what it recomputed / the step's "
+                 f"own: compute, not step time). Reach: the largest recorded batch that fits, every smaller one "
+                 f"fitting too. With several recordings (each op's cost is its recorded time, which varies from "
+                 f"one recording to the next): in how many each batch fits, and the median (range) of what "
+                 f"fitted.")
+    confs = list(args.confs)
+    several = len(confs) > 1
     for mdl in models:
         res = mdl["result"]
         n = res["recordings"]
@@ -221,32 +267,37 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
                   f"B = {mdl['base']}; M = {_spread([x / GiB for x in res['m_bytes']], '{:.3f}')} GiB; "
                   f"recorded on {mdl['device']} ({mdl['durations']}), {n} recording{'s' if n > 1 else ''}", ""]
         parts = []
-        for p in mdl["policies"]:
-            each = [reach(res, p, k) for k in range(n)]
-            shown = ", ".join("not even B" if x is None else f"{x:.2f}x B" for x in each)
-            parts.append(f"{p} {shown}")
+        for conf in confs:
+            for p in mdl["policies"]:
+                each = [reach(res, p, k, conf) for k in range(n)]
+                shown = ", ".join("not even B" if x is None else f"{x:.2f}x B" for x in each)
+                parts.append(f"{p}{f' [{_settings(conf)}]' if several else ''} {shown}")
         lines.append("Reach: " + "; ".join(parts) + (" (one per recording)" if n > 1 else ""))
-        lines += ["", "| batch | x B | plain peak, GiB | policy | fits in M | evictions | recompute overhead |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| batch | x B | plain peak, GiB |" + (" settings |" if several else "")
+                  + " policy | fits in M | evictions | segments made / given back | recompute overhead |",
+                  "|---|---|---|" + ("---|" if several else "") + "---|---|---|---|---|"]
         cells = {}
         for r in res["rows"]:
-            cells.setdefault((r["batch"], r["policy"]), []).append(r)
-        for (b, policy), rs in cells.items():
+            cells.setdefault((r["batch"], r.get("conf", ""), r["policy"]), []).append(r)
+        for (b, conf, policy), rs in cells.items():
             fitted = [r for r in rs if r["fits"]]
             fits = ("yes" if len(fitted) == n else "no" if not fitted else f"{len(fitted)} of {n}") if n > 1 \
                 else ("yes" if fitted else "no")
             evictions = _spread([r["evictions"] for r in fitted] or [r["evictions"] for r in rs], "{:.0f}")
+            calls = (f"{_spread([r['calls'][0] for r in fitted], '{:.0f}')} / "
+                     f"{_spread([r['calls'][1] for r in fitted], '{:.0f}')}") if fitted else "-"
             overhead = _spread([r["overhead"] for r in fitted], "{:.3f}")
             peak = _spread([r["plain_peak"] / GiB for r in rs], "{:.3f}")
-            lines.append(f"| {b} | {rs[0]['multiple']:.2f} | {peak} | {policy} | {fits} | {evictions} | {overhead} |")
+            lines.append(f"| {b} | {rs[0]['multiple']:.2f} | {peak} |" + (f" {_settings(conf)} |" if several else "")
+                         + f" {policy} | {fits} | {evictions} | {calls} | {overhead} |")
         if res.get("skipped"):
             lines += ["", "Not recorded:", ""]
             lines += [f"- batch {b}: {why}" for b, why in sorted(res["skipped"].items())]
         failed = [r for r in res["rows"] if not r["fits"]]
         if failed:
             lines += ["", "Where a batch did not fit (the replay's error):", ""]
-            lines += [f"- batch {r['batch']}, {r['policy']}" + (f", recording {r['recording'] + 1}" if n > 1 else "")
-                      + f": {r['oom']}" for r in failed]
+            lines += [f"- batch {r['batch']}, {r['policy']}" + (f" [{_settings(r['conf'])}]" if several else "")
+                      + (f", recording {r['recording'] + 1}" if n > 1 else "") + f": {r['oom']}" for r in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -261,13 +312,18 @@ def _pairs(values, what: str) -> dict:
     return out
 
 
+def _label(name: str, chunks: int) -> str:
+    return name if name != "gpt2" else f"gpt2, loss {'whole' if chunks == 1 else f'in {chunks} pieces'}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--base", nargs="+", default=[], metavar="MODEL=N",
                         help="the base batch B per model (default on CPU: gpt2=2 resnet50=8; on CUDA the budget "
-                             "bench's: gpt2=8 resnet50=64; --smoke: its smoke batches)")
+                             "bench's: gpt2=8 resnet50=64; --smoke: its smoke batches; --traces: the smallest "
+                             "saved batch)")
     parser.add_argument("--multiples", nargs="+", type=float, default=None,
                         help=f"multiples of B to record (default {' '.join(map(str, MULTIPLES))}; "
                              f"--smoke {' '.join(map(str, SMOKE_MULTIPLES))})")
@@ -275,11 +331,17 @@ def main(argv=None) -> int:
                         help=f"GPT-2's loss in this many pieces, one prediction each (default {GPT2_LOSS_CHUNKS}, "
                              "the budget bench's; 1: the logits whole)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--confs", nargs="+", default=[""], metavar="CONF",
+                        help="pool settings added to a CUDA device's for the budgeted replays, one column each "
+                             "(default: none added; \"\" is that, e.g. --confs \"\" arena:on)")
     parser.add_argument("--recordings", type=int, default=1,
                         help="record each batch this many times (op costs vary from one recording to the next)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--smoke", action="store_true", help="the zoo's small models")
     parser.add_argument("--save-traces", metavar="DIR", help="also save every recorded step here")
+    parser.add_argument("--traces", metavar="DIR",
+                        help="replay the steps saved here (--save-traces) instead of recording; the recording "
+                             "options (--multiples, --gpt2-loss-chunks, --recordings, --device, --smoke) do not apply")
     parser.add_argument("--note", default="", help="a paragraph for the report, after the device line")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args(argv)
@@ -290,13 +352,54 @@ def main(argv=None) -> int:
     if any(c < 1 for c in args.gpt2_loss_chunks):
         raise SystemExit("predict_reach: --gpt2-loss-chunks must be at least 1")
     import dtralloc
+    from dtralloc import _core
 
     bad = [p for p in args.policies if p == "none" or p not in dtralloc.POLICIES]
     if bad:
         raise SystemExit(f"predict_reach: --policies: {bad[0]!r} is not an evicting policy; "
                          f"one of {', '.join(p for p in dtralloc.POLICIES if p != 'none')}")
-    bases = {**(SMOKE_BATCH if args.smoke else CPU_BASE if args.device == "cpu" else BASE_BATCH),
-             **_pairs(args.base, "base")}
+    for conf in args.confs:
+        try:
+            _core.describe_config(",".join(filter(None, (GPU_CONF, conf))))
+        except _core.ConfigError as e:
+            raise SystemExit(f"predict_reach: --confs {conf!r}: {e}") from None
+        if "budget" in conf or "policy" in conf:
+            raise SystemExit(f"predict_reach: --confs {conf!r}: the budget is M and the policy --policies'")
+    given_bases = _pairs(args.base, "base")
+    command = shlex.join(["python", "bench/predict_reach.py", *(sys.argv[1:] if argv is None else argv)])
+    models = []
+
+    def add(name, chunks, description, device, base, traces, skipped):
+        durations = traces[base][0].meta.get("durations", "?")
+        result = predict(traces, base, args.policies, args.confs)
+        result["skipped"] = skipped
+        models.append({"label": _label(name, chunks), "description": description, "base": base, "device": device,
+                       "durations": durations, "policies": args.policies, "result": result})
+        # Rewritten after each model: a run cut short keeps what it measured.
+        if args.out:
+            write(report(models, args, command, device_line), args.out)
+
+    if args.traces:
+        saved = load_steps(args.traces)
+        device_line = f"steps saved in {args.traces}, replayed here (dtralloc {dtralloc.__version__})"
+        for (name, chunks), traces in sorted(saved.items()):
+            if name not in args.models:
+                continue
+            base = given_bases.get(name, min(traces))
+            if base not in traces:
+                raise SystemExit(f"predict_reach: --base {name}={base}: no saved step at that batch in {args.traces} "
+                                 f"(saved: {', '.join(map(str, sorted(traces)))})")
+            meta = traces[base][0].meta
+            description = (f"{meta.get('name', name)} and its other batches, recorded {meta.get('recorded_at', '?')} "
+                           f"on {', '.join(meta.get('devices', [])) or '?'} under torch {meta.get('torch', '?')}")
+            add(name, chunks, description, ", ".join(meta.get("devices", [])) or "?",
+                base, {b: ts for b, ts in traces.items() if b >= base}, {})
+        if not models:
+            raise SystemExit(f"predict_reach: no saved steps of {', '.join(args.models)} in {args.traces}")
+        emit(report(models, args, command, device_line), args.out)
+        return 0
+
+    bases = {**(SMOKE_BATCH if args.smoke else CPU_BASE if args.device == "cpu" else BASE_BATCH), **given_bases}
     multiples = args.multiples or (SMOKE_MULTIPLES if args.smoke else MULTIPLES)
 
     import torch
@@ -308,29 +411,19 @@ def main(argv=None) -> int:
         device_line = f"device: CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
     else:
         device_line = f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
-    command = shlex.join(["python", "bench/predict_reach.py", *(sys.argv[1:] if argv is None else argv)])
-    models = []
     for name in args.models:
         for chunks in (args.gpt2_loss_chunks if name == "gpt2" else [1]):
             base = bases[name]
             batches = batches_for(base, multiples)
-            label = name if name != "gpt2" else f"gpt2, loss {'whole' if chunks == 1 else f'in {chunks} pieces'}"
-            print(f"{label}: recording batches {batches}", file=sys.stderr)
+            print(f"{_label(name, chunks)}: recording batches {batches}", file=sys.stderr)
             traces, description, skipped = record_steps(name, args.smoke, args.device, chunks, batches,
                                                         args.recordings, args.save_traces)
             if base not in traces:
                 raise SystemExit(f"predict_reach: {name}'s step at the base batch {base} could not be recorded "
                                  f"({skipped[base]}); pass a smaller --base {name}=N")
-            durations = traces[base][0].meta.get("durations", "?")
-            result = predict(traces, base, args.policies)
-            result["skipped"] = skipped
+            add(name, chunks, description, args.device, base, traces, skipped)
             del traces
             gc.collect()
-            models.append({"label": label, "description": description, "base": base, "device": args.device,
-                           "durations": durations, "policies": args.policies, "result": result})
-            # Rewritten after each model: a run cut short keeps what it measured.
-            if args.out:
-                write(report(models, args, command, device_line), args.out)
     emit(report(models, args, command, device_line), args.out)
     return 0
 

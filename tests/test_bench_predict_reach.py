@@ -32,9 +32,10 @@ def test_small_resnet_fits_three_times_its_batch_in_its_base_peak(tmp_path):
     rows = _rows(text, "resnet50")
     assert [(r[0], r[3]) for r in rows] == [("8", "dtralloc"), ("8", "msps"), ("24", "dtralloc"), ("24", "msps")]
     base, big = rows[0], rows[2]
-    assert base[4] == "yes" and base[5] == "0" and base[6] == "0.000", base  # M is the base step's own peak
+    assert base[4] == "yes" and base[5] == "0" and base[7] == "0.000", base  # M is the base step's own peak
     assert float(big[2]) > float(base[2]), big  # the larger batch's plain peak is over M ...
-    assert big[4] == "yes" and int(big[5]) > 0 and float(big[6]) > 0, big  # ... and it fits by evicting
+    assert big[4] == "yes" and int(big[5]) > 0 and float(big[7]) > 0, big  # ... and it fits by evicting
+    assert all(len(r[6].split(" / ")) == 2 for r in rows), rows  # segments made / given back
     assert "Reach: dtralloc 3.00x B; msps 3.00x B\n" in text
     assert sorted(os.listdir(traces)) == ["resnet50-b24.trace", "resnet50-b8.trace"]
 
@@ -66,7 +67,10 @@ def test_reach_stops_at_the_first_batch_that_does_not_fit():
                                          (["--policies", "none"], "not an evicting policy"),
                                          (["--multiples", "-1"], "--multiples must be positive"),
                                          (["--gpt2-loss-chunks", "0"], "at least 1"),
-                                         (["--recordings", "0"], "--recordings must be at least 1")])
+                                         (["--recordings", "0"], "--recordings must be at least 1"),
+                                         (["--confs", "arena:maybe"], "--confs 'arena:maybe'"),
+                                         (["--confs", "budget:1G"], "the budget is M"),
+                                         (["--traces", "/nonexistent"], "is not a directory")])
 def test_bad_arguments_are_refused(args, error, capsys):
     with pytest.raises(SystemExit) as e:
         pr.main(["--smoke"] + args)
@@ -114,8 +118,32 @@ def test_several_recordings_are_replayed_each_and_summed_up(tmp_path):
     assert "Reach: dtralloc 3.00x B, 3.00x B (one per recording)" in text
     rows = _rows(text, "resnet50")
     assert [r[0] for r in rows] == ["8", "24"] and all(r[4] == "yes" for r in rows), rows
-    assert rows[0][5] == "0" and rows[0][6] == "0.000"  # no spread where both recordings agree
+    assert rows[0][5] == "0" and rows[0][7] == "0.000"  # no spread where both recordings agree
     assert sorted(os.listdir(traces)) == ["resnet50-b24-r1.trace", "resnet50-b24-r2.trace",
                                           "resnet50-b8-r1.trace", "resnet50-b8-r2.trace"]
     assert pr._spread([0.2, 0.1, 0.4], "{:.3f}") == "0.200 (0.100-0.400)"
     assert pr._spread([3, 3], "{:.0f}") == "3"
+
+
+def test_saved_steps_replay_as_recorded_and_side_by_side_on_other_settings(tmp_path):
+    traces = tmp_path / "traces"
+    first = tmp_path / "first.md"
+    assert pr.main(["--smoke", "--models", "resnet50", "--multiples", "1", "3", "--policies", "dtralloc",
+                    "--save-traces", str(traces), "--out", str(first)]) == 0
+    again = tmp_path / "again.md"
+    assert pr.main(["--traces", str(traces), "--models", "resnet50", "--policies", "dtralloc",
+                    "--confs", "", "arena:on", "--out", str(again)]) == 0
+    text = again.read_text()
+    assert f"steps saved in {traces}, replayed here" in text
+    assert "resnet50-b8 and its other batches, recorded " in text and "on cpu under torch" in text
+    rows = _rows(text, "resnet50")
+    assert [(r[0], r[3]) for r in rows] == [("8", "defaults"), ("8", "arena:on"), ("24", "defaults"),
+                                           ("24", "arena:on")]
+    # The defaults' rows are the recording run's, replayed from the files.
+    recorded = _rows(first.read_text(), "resnet50")
+    assert [r[:3] + r[4:] for r in rows if r[3] == "defaults"] == recorded
+    assert "Reach: dtralloc [defaults] 3.00x B; dtralloc [arena:on] " in text
+    with pytest.raises(SystemExit, match="no saved step at that batch"):
+        pr.main(["--traces", str(traces), "--base", "resnet50=16"])
+    with pytest.raises(SystemExit, match="no saved steps in"):
+        pr.main(["--traces", str(tmp_path)])
