@@ -127,6 +127,7 @@ def record_steps(name: str, smoke: bool, device: str, loss_chunks: int, batches,
                 continue
             if any(x < b for x in skipped):  # larger than a batch that did not fit
                 skipped[b] = "not tried: a smaller batch ran out of memory"
+                traces.pop(b, None)  # recorded in an earlier round, perhaps: every round or none
                 continue
             label = (f"{name}" + (f"-c{loss_chunks}" if name == "gpt2" else "") + f"-b{b}"
                      + (f"-r{round_ + 1}" if recordings > 1 else ""))

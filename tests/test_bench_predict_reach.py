@@ -147,3 +147,26 @@ def test_saved_steps_replay_as_recorded_and_side_by_side_on_other_settings(tmp_p
         pr.main(["--traces", str(traces), "--base", "resnet50=16"])
     with pytest.raises(SystemExit, match="no saved steps in"):
         pr.main(["--traces", str(tmp_path)])
+
+
+def test_a_batch_refused_in_a_later_round_leaves_every_round_with_the_same_batches(tmp_path, monkeypatch):
+    import torch
+
+    import dtralloc.trace
+
+    real = dtralloc.trace.record
+
+    def record(fn, name=None, **kwargs):  # batch 16 fits the device in the first round only
+        if name == "resnet50-b16-r2":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(fn, name=name, **kwargs)
+
+    monkeypatch.setattr(dtralloc.trace, "record", record)
+    out = tmp_path / "reach.md"
+    assert pr.main(["--smoke", "--models", "resnet50", "--multiples", "1", "2", "3", "--policies", "dtralloc",
+                    "--recordings", "2", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "2 recordings" in text
+    assert [r[0] for r in _rows(text, "resnet50")] == ["8"]  # 16 and 24 were recorded once: dropped
+    assert "- batch 16: out of memory while recording" in text
+    assert "- batch 24: not tried: a smaller batch ran out of memory" in text
