@@ -33,9 +33,11 @@ optimizer state do not, and they cancel out of the question (both sides of
 up to the segments' rounding. Two things do not scale: the memory that is not
 the step's (a GPU's cuBLAS workspace, the CUDA context) and op costs, which on
 CPU are not a GPU's (convolutions weigh more there against normalization and
-activations). The overheads here are the recompute's share of the step's
-compute, not step time: a live session adds its host cost on top
-(bench_live_ablation.py).
+activations). Near the edge a small B flatters: with its logits whole GPT-2
+fits 3x B at B 2 by a hair, where an H100 fitted 2.75x at B 8 and not 2.875x
+(bench/results/predict_reach-2026-11-30-cpu.md). The overheads here are the
+recompute's share of the step's compute, not step time: a live session adds
+its host cost on top (bench_live_ablation.py).
 
 On CPU, GPT-2's attention dropout is switched off while recording: torch's
 CPU attention with dropout takes the math path, which keeps each layer's
