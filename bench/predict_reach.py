@@ -152,7 +152,7 @@ def record_steps(name: str, smoke: bool, device: str, loss_chunks: int, batches,
                   file=sys.stderr)
             if save_dir:
                 os.makedirs(save_dir, exist_ok=True)
-                trace.save(os.path.join(save_dir, label + ".trace"))
+                trace.save(os.path.join(save_dir, label + ".dtrace"))
             batch = trace = None
             gc.collect()
     del m
@@ -160,8 +160,8 @@ def record_steps(name: str, smoke: bool, device: str, loss_chunks: int, batches,
     return traces, description, skipped
 
 
-# A saved step's file name: MODEL[-cCHUNKS]-bBATCH[-rRECORDING].trace (record_steps).
-TRACE_NAME = re.compile(r"^(gpt2|resnet50)(?:-c(\d+))?-b(\d+)(?:-r(\d+))?\.trace$")
+# A saved step's file name: MODEL[-cCHUNKS]-bBATCH[-rRECORDING].dtrace (record_steps).
+TRACE_NAME = re.compile(r"^(gpt2|resnet50)(?:-c(\d+))?-b(\d+)(?:-r(\d+))?\.dtrace$")
 
 
 def load_steps(directory: str) -> dict:
@@ -178,7 +178,7 @@ def load_steps(directory: str) -> dict:
         model, chunks, batch, rec = m.group(1), int(m.group(2) or 1), int(m.group(3)), int(m.group(4) or 1)
         found.setdefault((model, chunks), {}).setdefault(batch, []).append((rec, load(os.path.join(directory, name))))
     if not found:
-        raise SystemExit(f"predict_reach: no saved steps in {directory!r} (files named MODEL[-cN]-bN[-rN].trace, "
+        raise SystemExit(f"predict_reach: no saved steps in {directory!r} (files named MODEL[-cN]-bN[-rN].dtrace, "
                          f"as --save-traces writes them)")
     return {key: {b: [t for _, t in sorted(ts, key=lambda x: x[0])] for b, ts in by_batch.items()}
             for key, by_batch in found.items()}

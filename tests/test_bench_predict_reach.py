@@ -37,7 +37,7 @@ def test_small_resnet_fits_three_times_its_batch_in_its_base_peak(tmp_path):
     assert big[4] == "yes" and int(big[5]) > 0 and float(big[7]) > 0, big  # ... and it fits by evicting
     assert all(len(r[6].split(" / ")) == 2 for r in rows), rows  # segments made / given back
     assert "Reach: dtralloc 3.00x B; msps 3.00x B\n" in text
-    assert sorted(os.listdir(traces)) == ["resnet50-b24.trace", "resnet50-b8.trace"]
+    assert sorted(os.listdir(traces)) == ["resnet50-b24.dtrace", "resnet50-b8.dtrace"]
 
 
 def test_gpt2_attention_dropout_is_switched_off_in_both_layouts():
@@ -119,8 +119,8 @@ def test_several_recordings_are_replayed_each_and_summed_up(tmp_path):
     rows = _rows(text, "resnet50")
     assert [r[0] for r in rows] == ["8", "24"] and all(r[4] == "yes" for r in rows), rows
     assert rows[0][5] == "0" and rows[0][7] == "0.000"  # no spread where both recordings agree
-    assert sorted(os.listdir(traces)) == ["resnet50-b24-r1.trace", "resnet50-b24-r2.trace",
-                                          "resnet50-b8-r1.trace", "resnet50-b8-r2.trace"]
+    assert sorted(os.listdir(traces)) == ["resnet50-b24-r1.dtrace", "resnet50-b24-r2.dtrace",
+                                          "resnet50-b8-r1.dtrace", "resnet50-b8-r2.dtrace"]
     assert pr._spread([0.2, 0.1, 0.4], "{:.3f}") == "0.200 (0.100-0.400)"
     assert pr._spread([3, 3], "{:.0f}") == "3"
 
