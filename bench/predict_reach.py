@@ -21,7 +21,8 @@ steps recorded anywhere (on CPU by default) and replayed through the pool:
    it made and gave back (cudaMalloc / cudaFree on a GPU, each cudaFree
    waiting for the device), and its recompute overhead: the recorded cost of
    what it recomputed over the step's own (compute_overhead; on CPU, CPU op
-   costs). The largest batch that fits is the predicted reach.
+   costs); where a batch does not fit, the evictions until it ran out. The
+   largest batch that fits is the predicted reach.
 
 `--traces DIR` replays steps saved before (`--save-traces`, or the
 `predict_reach` step of bench/gpu_session.sh on a GPU) instead of recording:
@@ -257,7 +258,8 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
                  f"settings of a CUDA device under a budget (`{GPU_CONF}`). Each batch's step replayed twice in "
                  f"one pool with budget M; the last step's evictions, segments made / given back (cudaMalloc / "
                  f"cudaFree on a GPU) and recompute overhead (recorded cost of what it recomputed / the step's "
-                 f"own: compute, not step time). Reach: the largest recorded batch that fits, every smaller one "
+                 f"own: compute, not step time; where a batch does not fit, the evictions until it ran out). "
+                 f"Reach: the largest recorded batch that fits, every smaller one "
                  f"fitting too. With several recordings (each op's cost is its recorded time, which varies from "
                  f"one recording to the next): in how many each batch fits, and the median (range) of what "
                  f"fitted.")
