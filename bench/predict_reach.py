@@ -192,17 +192,19 @@ def predict(traces: dict, base: int, policies, confs=("",), steps: int = 2) -> d
     from dtralloc.replay import replay
 
     rounds = min(len(ts) for ts in traces.values())
-    m_bytes = [replay(traces[base][k], policy="none", conf=GPU_CONF).peak_reserved_bytes for k in range(rounds)]
+    # Each step's peak without eviction; M is the base step's.
+    plain_peak = {(b, k): replay(trace, policy="none", conf=GPU_CONF).peak_reserved_bytes
+                  for b, recorded in traces.items() for k, trace in enumerate(recorded[:rounds])}
+    m_bytes = [plain_peak[base, k] for k in range(rounds)]
     rows = []
     for b, recorded in sorted(traces.items()):
         for k, trace in enumerate(recorded[:rounds]):
-            plain = replay(trace, policy="none", conf=GPU_CONF)
             for conf in confs:
                 for policy in policies:
                     r = replay(trace, budget=m_bytes[k], policy=policy, conf=",".join(filter(None, (GPU_CONF, conf))),
                                steps=steps)
                     rows.append({"batch": b, "multiple": b / base, "recording": k,
-                                 "plain_peak": plain.peak_reserved_bytes, "conf": conf, "policy": policy,
+                                 "plain_peak": plain_peak[b, k], "conf": conf, "policy": policy,
                                  "fits": bool(r.feasible),
                                  "evictions": r.last_step_evictions if r.feasible else r.evictions,
                                  "calls": (r.last_step_device_alloc_calls, r.last_step_device_free_calls)
