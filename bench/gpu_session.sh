@@ -68,12 +68,14 @@ BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-arena:on}"
 ABLATION_ARGS="--models ${GPU_SESSION_ABLATION_MODELS:-resnet50} --rounds 2 --profile"
 [ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --profile --models resnet50"
 # Steps recorded on the GPU at B and 3 B (op costs from CUDA events), replayed
-# under M there on the default settings and with arena:on (the segments each
-# makes and gives back at the budget, against its recompute), and kept in
-# $OUT/traces: CPU sessions replay them to tune the policy on a GPU's op
-# costs (bench/recordings/ has CPU-recorded steps only).
-PREDICT_ARGS="--device cuda --multiples 1 3 --policies dtralloc msps --confs '' arena:on --save-traces '$OUT/traces'"
-[ -n "$REHEARSAL" ] && PREDICT_ARGS="--smoke --device cpu --multiples 1 3 --policies dtralloc --confs '' arena:on \
+# under M there on the default settings, with max_split_size_mb:none (big
+# blocks split for smaller requests: a third to a sixth of the default's
+# cudaFree at 3 B) and with arena:on (none), each against its recompute, and
+# kept in $OUT/traces: CPU sessions replay them to tune the policy on a GPU's
+# op costs (bench/recordings/ has CPU-recorded steps only).
+PREDICT_CONFS="'' max_split_size_mb:none arena:on"
+PREDICT_ARGS="--device cuda --multiples 1 3 --policies dtralloc msps --confs $PREDICT_CONFS --save-traces '$OUT/traces'"
+[ -n "$REHEARSAL" ] && PREDICT_ARGS="--smoke --device cpu --multiples 1 3 --policies dtralloc --confs $PREDICT_CONFS \
 --save-traces '$OUT/traces'"
 
 left() { echo $((TOTAL - ($(date +%s) - START))); }

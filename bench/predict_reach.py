@@ -69,6 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _report import emit, header, write  # noqa: E402
 from bench_gpu_budget import BASE_BATCH, GPT2_LOSS_CHUNKS, SMOKE_BATCH, Model  # noqa: E402
+from replay_device_calls import frees_without_eviction  # noqa: E402
 
 MODELS = ("gpt2", "resnet50")
 # Base batches on CPU: large enough that the step's activations, not the
@@ -202,12 +203,13 @@ def predict(traces: dict, base: int, policies, confs=("",), steps: int = 2) -> d
             for conf in confs:
                 for policy in policies:
                     r = replay(trace, budget=m_bytes[k], policy=policy, conf=",".join(filter(None, (GPU_CONF, conf))),
-                               steps=steps)
+                               steps=steps, history=True)
                     rows.append({"batch": b, "multiple": b / base, "recording": k,
                                  "plain_peak": plain_peak[b, k], "conf": conf, "policy": policy,
                                  "fits": bool(r.feasible),
                                  "evictions": r.last_step_evictions if r.feasible else r.evictions,
-                                 "calls": (r.last_step_device_alloc_calls, r.last_step_device_free_calls)
+                                 "calls": (r.last_step_device_alloc_calls, r.last_step_device_free_calls,
+                                           frees_without_eviction(r, len(trace.ops), steps))
                                  if r.feasible else None,
                                  "overhead": r.last_step_compute_overhead if r.feasible else None,
                                  "oom": "" if r.feasible else _first_sentences(r.oom_message or "")})
@@ -259,8 +261,10 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
     lines.append(f"M = the replay's peak reserved bytes of the step at the base batch B, no eviction, on the pool "
                  f"settings of a CUDA device under a budget (`{GPU_CONF}`). Each batch's step replayed twice in "
                  f"one pool with budget M; the last step's evictions, segments made / given back (cudaMalloc / "
-                 f"cudaFree on a GPU) and recompute overhead (recorded cost of what it recomputed / the step's "
-                 f"own: compute, not step time; where a batch does not fit, the evictions until it ran out). "
+                 f"cudaFree on a GPU; in brackets, of the cudaFree, those at ops where nothing was evicted: "
+                 f"whole free segments given back to make one of another size, bench/replay_device_calls.py) "
+                 f"and recompute overhead (recorded cost of what it recomputed / the step's own: compute, not "
+                 f"step time; where a batch does not fit, the evictions until it ran out). "
                  f"Reach: the largest recorded batch that fits, every smaller one "
                  f"fitting too. With several recordings (each op's cost is its recorded time, which varies from "
                  f"one recording to the next): in how many each batch fits, and the median (range) of what "
@@ -293,6 +297,9 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
             evictions = _spread([r["evictions"] for r in fitted] or [r["evictions"] for r in rs], "{:.0f}")
             calls = (f"{_spread([r['calls'][0] for r in fitted], '{:.0f}')} / "
                      f"{_spread([r['calls'][1] for r in fitted], '{:.0f}')}") if fitted else "-"
+            quiet = [r["calls"][2] for r in fitted if r["calls"][1] and r["calls"][2] is not None]
+            if quiet:
+                calls += f" ({_spread(quiet, '{:.0f}')} where nothing was evicted)"
             overhead = _spread([r["overhead"] for r in fitted], "{:.3f}")
             peak = _spread([r["plain_peak"] / GiB for r in rs], "{:.3f}")
             lines.append(f"| {b} | {rs[0]['multiple']:.2f} | {peak} |" + (f" {_settings(conf)} |" if several else "")

@@ -35,17 +35,59 @@ DEFAULT_CONFS = ("split_oversize:on,unmap_pages:off", "arena:on")
 DEFAULT_BUDGETS = (0.7, 0.5, 0.35)
 
 
-def measure(trace: str, budget: float, conf: str, steps: int = 1) -> dict:
+def _load(trace):
+    import dtralloc
+    from dtralloc.traces import load_bundled
+
+    if not isinstance(trace, str):
+        return trace
+    return dtralloc.trace.load(trace) if trace.endswith(".dtrace") else load_bundled(trace)
+
+
+def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
+    """Of the counted step's cudaFree calls (the last of `steps`), how many
+    came at an op that asked the evictor for nothing: the allocator giving
+    back whole free segments of the wrong size to make one of the request's
+    (steps 3-4 of its ladder), not room made by evicting. `r` is a feasible
+    replay with history=True; None where its history ring wrapped."""
+    if r.history_wrapped:
+        return None
+    import numpy as np
+
+    h = r.history
+    op = np.asarray(h["op"])
+    action = np.asarray(h["action"])
+    segment_free = list(h["action_names"]).index("segment_free")
+    # Op stamps restart at 0 each step (the trace's op index); the counted
+    # step begins after the last restart.
+    restarts = np.flatnonzero((op[1:] < op[:-1]) & (op[1:] >= 0)) + 1
+    start = restarts[-1] if steps > 1 and len(restarts) else 0
+    frees_at = op[start:][action[start:] == segment_free]
+    counted = r.last_step_device_free_calls if steps > 1 else r.device_free_calls
+    assert len(frees_at) == counted, f"{len(frees_at)} cudaFree in the step's history; the pool counted {counted}"
+    # The event log numbers ops as the engine does, one per trace op per step.
+    first = (steps - 1) * num_ops if steps > 1 else 0
+    events = r.events
+    kind, event_op = np.asarray(events["kind"]), np.asarray(events["op"])
+    asked = {int(o) - first for o in event_op[(kind == 0) & (event_op >= first)]}
+    return int(sum(int(o) not in asked for o in frees_at))
+
+
+def measure(trace, budget, conf: str, steps: int = 1) -> dict:
     from dtralloc.replay import replay
 
-    r = replay(trace, budget=budget, policy="dtralloc", conf=conf, steps=steps)
+    t = _load(trace)
+    r = replay(t, budget=budget, policy="dtralloc", conf=conf, steps=steps, history=True)
+    quiet = frees_without_eviction(r, len(t.ops), steps) if r.feasible else None
     if steps == 1:
         return {"feasible": r.feasible, "mallocs": r.device_alloc_calls, "frees": r.device_free_calls,
-                "segments": r.segments_peak, "evictions": r.evictions, "overhead": r.compute_overhead}
+                "segments": r.segments_peak, "evictions": r.evictions, "overhead": r.compute_overhead,
+                "frees_without_eviction": quiet}
     return {"feasible": r.feasible, "mallocs": r.last_step_device_alloc_calls if r.feasible else r.device_alloc_calls,
             "frees": r.last_step_device_free_calls if r.feasible else r.device_free_calls,
             "segments": r.segments_peak, "evictions": r.last_step_evictions,
-            "overhead": r.last_step_compute_overhead, "failed_step": r.steps}
+            "overhead": r.last_step_compute_overhead, "failed_step": r.steps,
+            "frees_without_eviction": quiet}
 
 
 def break_even(base: dict, other: dict) -> str:
@@ -73,6 +115,9 @@ def report(rows: list, command: str, confs, steps: int = 1) -> str:
             f"the next begins); cudaMalloc / cudaFree in the last step (the steady state), the most segments "
             f"at once, and the last step's evictions and recompute overhead (not counting the calls). OOM "
             f"(step k: calls so far): a step did not fit.")
+    what += (" In brackets, of the cudaFree, those at ops that asked the evictor for nothing: the allocator "
+             "giving back whole free segments to make one of another size (steps 3-4 of its ladder), not room "
+             "made by evicting.")
     others = list(confs[1:])
     lines = [header("Device calls of a step replayed under a budget, with eviction (dtralloc policy)", command),
              "Per trace and budget (a fraction of the step's no-eviction peak), for each pool setting: " + what, "",
@@ -92,8 +137,10 @@ def report(rows: list, command: str, confs, steps: int = 1) -> str:
                 where = f"step {m['failed_step']}: " if steps > 1 else ""
                 out.append(f"OOM ({where}{m['mallocs']} / {m['frees']})")
                 continue
-            out.append(f"{m['mallocs']} / {m['frees']} calls, {m['segments']} segments, {m['evictions']} evictions, "
-                       f"overhead {m['overhead']:.3f}")
+            quiet = m.get("frees_without_eviction")
+            where = f" ({quiet} at ops that evicted nothing)" if m["frees"] and quiet is not None else ""
+            out.append(f"{m['mallocs']} / {m['frees']} calls{where}, {m['segments']} segments, "
+                       f"{m['evictions']} evictions, overhead {m['overhead']:.3f}")
         out += [break_even(cells[confs[0]], cells[c]) for c in others]
         lines.append(f"| {trace} | {budget:g} | " + " | ".join(out) + " |")
     totals = []

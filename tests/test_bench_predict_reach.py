@@ -170,3 +170,30 @@ def test_a_batch_refused_in_a_later_round_leaves_every_round_with_the_same_batch
     assert [r[0] for r in _rows(text, "resnet50")] == ["8"]  # 16 and 24 were recorded once: dropped
     assert "- batch 16: out of memory while recording" in text
     assert "- batch 24: not tried: a smaller batch ran out of memory" in text
+
+
+def test_full_size_steps_at_three_times_b_on_three_pool_settings(tmp_path):
+    """The committed full-size steps (bench/recordings/full-cpu-2026-11-30),
+    replayed: at 3x B the default pool gives segments back, some where
+    nothing was evicted (the ladder remaking segments of another size);
+    max_split_size_mb:none gives back fewer; the arena none."""
+    import re
+
+    out = tmp_path / "reach.md"
+    assert pr.main(["--traces", os.path.join(ROOT, "bench", "recordings", "full-cpu-2026-11-30"),
+                    "--policies", "dtralloc", "--confs", "", "max_split_size_mb:none", "arena:on",
+                    "--out", str(out)]) == 0
+    text = out.read_text()
+    for model in ("resnet50", "gpt2, loss in 8 pieces"):
+        rows = {r[3]: r for r in _rows(text, model) if r[1] == "3.00"}
+        assert set(rows) == {"defaults", "max_split_size_mb:none", "arena:on"}, rows
+        assert all(r[5] == "yes" for r in rows.values()), rows
+
+        def frees(cell):  # the median of the cudaFree column
+            return int(re.match(r"\d+(?: \([\d-]+\))? / (\d+)", cell).group(1))
+
+        default = rows["defaults"][7]
+        quiet = int(re.search(r"\((\d+)(?: \([\d-]+\))? where nothing was evicted\)", default).group(1))
+        assert 0 < quiet < frees(default), default
+        assert frees(rows["max_split_size_mb:none"][7]) < frees(default)
+        assert rows["arena:on"][7] == "0 / 0"

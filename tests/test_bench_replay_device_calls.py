@@ -44,6 +44,29 @@ def test_the_steady_state_is_the_last_of_several_steps(tmp_path):
     assert arena.startswith("0 / 0 calls, 1 segments")
 
 
+def test_the_frees_the_ladder_makes_are_told_apart(tmp_path):
+    """Of the default pool's cudaFree, some come at ops where nothing was
+    evicted: whole free segments given back to make one of another size.
+    Counted from the pool's history and the evictor's log, for the last
+    step only (the function checks its count against the pool's)."""
+    from dtralloc.replay import replay
+
+    t = rdc._load("resnet50")
+    for steps in (1, 2):
+        r = replay(t, budget=0.5, policy="dtralloc", conf=rdc.DEFAULT_CONFS[0], steps=steps, history=True)
+        frees = r.last_step_device_free_calls if steps > 1 else r.device_free_calls
+        quiet = rdc.frees_without_eviction(r, len(t.ops), steps)
+        assert 0 < quiet < frees
+    # With no budget nothing is ever evicted: every cudaFree is the ladder's (there are none: no budget, no
+    # pressure), and a step that gives nothing back counts none.
+    r = replay(t, budget=None, policy="dtralloc", steps=2, history=True)
+    assert rdc.frees_without_eviction(r, len(t.ops), 2) == 0
+    out = tmp_path / "calls.md"
+    assert rdc.main(["--traces", "resnet50", "--budgets", "0.5", "--steps", "2", "--out", str(out)]) == 0
+    default, arena = _cells(out.read_text())
+    assert "at ops that evicted nothing)" in default and "evicted nothing" not in arena
+
+
 def _cell(mallocs, frees, overhead, feasible=True):
     return {"feasible": feasible, "mallocs": mallocs, "frees": frees, "overhead": overhead}
 
