@@ -77,7 +77,11 @@ def measure(trace, budget, conf: str, steps: int = 1) -> dict:
     from dtralloc.replay import replay
 
     t = _load(trace)
-    r = replay(t, budget=budget, policy="dtralloc", conf=conf, steps=steps, history=True)
+    # A fraction of the default pool's peak, whatever `conf` says (a setting
+    # that applies without a budget moves its own peak: Note [one step or a
+    # loop], docs/allocator.md).
+    reference = replay(t, policy="none", steps=steps).peak_reserved_bytes
+    r = replay(t, budget=max(1, int(budget * reference)), policy="dtralloc", conf=conf, steps=steps, history=True)
     quiet = frees_without_eviction(r, len(t.ops), steps) if r.feasible else None
     if steps == 1:
         return {"feasible": r.feasible, "mallocs": r.device_alloc_calls, "frees": r.device_free_calls,
@@ -120,7 +124,8 @@ def report(rows: list, command: str, confs, steps: int = 1) -> str:
              "made by evicting.")
     others = list(confs[1:])
     lines = [header("Device calls of a step replayed under a budget, with eviction (dtralloc policy)", command),
-             "Per trace and budget (a fraction of the step's no-eviction peak), for each pool setting: " + what, "",
+             "Per trace and budget (a fraction of the step's no-eviction peak on the default settings, the "
+             "same bytes for every setting), for each pool setting: " + what, "",
              *([f"Break-even: the price of a cudaMalloc + cudaFree pair, as a share of the step's compute, at "
                 f"which a setting starts to cost less than `{confs[0]}` (its extra recompute over the pairs it "
                 f"saves: 'above 0.05%' means cheaper wherever a pair costs more than 0.05% of the step; "

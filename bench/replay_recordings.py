@@ -18,12 +18,24 @@ more than SPIKE_RATIO times what a budget at most SPIKE_SPAN above costs. A
 user there gets a step several times slower than with a little more memory.
 
 `--conf` changes dtralloc's pool settings only (dtr keeps the defaults), to
-try a setting against every recording before changing a default.
+try a setting against every recording before changing a default. Budgets
+are fractions of the step's no-eviction peak under the default settings,
+whatever `--conf` says: a setting that raises that peak (an explicit
+max_split_size_mb applies without a budget too, and took bert's to 1.03x
+and lstm's to 1.11x of the default's at 40 MiB) would otherwise be judged
+at more bytes than the default, and look better for it.
+
+`--steps N` asks it of a training loop: each budget runs the step N times in
+one pool (replay(steps=N): what a step kept dies as the next begins), fits
+when every step does, and costs what the last step recomputes; fractions are
+of the peak of N steps. A pool that no longer starts empty can rank settings
+otherwise than one step from an empty pool does.
 
     python bench/replay_recordings.py --traces bundled bench/recordings/1 bench/recordings/2 [--jobs 2] [--out FILE]
     python bench/replay_recordings.py --record 2 --dir /tmp/recordings      # the bundled traces and 2 new recordings
     python bench/replay_recordings.py --traces gpt2 bench/recordings/1/gpt2.dtrace --conf segment_fit:off
     python bench/replay_recordings.py ... --save all.json; then, after a dtralloc-only change: ... --dtr-from all.json
+    python bench/replay_recordings.py --traces bundled --steps 3 --conf max_split_size_mb:none
 
 bench/recordings/1 and 2 are two recordings of every zoo model made on
 2026-11-23 (`python bench/record_zoo.py --out bench/recordings/N`, then the
@@ -73,25 +85,31 @@ MODEL_KEY, MODEL = "_replay", {"pin_outliving": True, "pin_past_backward": True}
 
 
 def measure(job):
-    """One policy on one trace: overhead per budget, the 0.005 grid from 1.0 to the floor."""
+    """One policy on one trace: overhead per budget, the 0.005 grid from 1.0
+    to the floor, as fractions of the default pool's no-eviction peak (of
+    `steps` steps)."""
     import dtralloc
     from dtralloc.traces import load_bundled
 
-    trace_arg, policy, conf = job
+    trace_arg, policy, conf, steps = job
     t0 = time.perf_counter()
     trace = dtralloc.trace.load(trace_arg) if trace_arg.endswith(".dtrace") else load_bundled(trace_arg)
-    floor = dtralloc.resident_floor(trace)
+    reference = dtralloc.replay(trace, policy="none", steps=steps).peak_reserved_bytes
+    floor = dtralloc.resident_floor(trace)  # a share of one step's peak
+    if steps > 1:
+        floor *= dtralloc.replay(trace, policy="none").peak_reserved_bytes / reference
     # One replay per grid point gives feasibility, holes, the overheads at
     # BUDGETS (on the grid: k * FINE_STEP, the same bytes as replay(budget=b))
     # and the spikes.
-    on_grid = dtralloc.overhead_grid(trace, policy, conf=conf, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP))
+    on_grid = dtralloc.overhead_grid(trace, policy, conf=conf, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP),
+                                     reference_bytes=reference, steps=steps)
     overhead = {}
     for b in BUDGETS:
         if b in on_grid:
             overhead[b] = on_grid[b]
         else:  # below the grid, under the floor: replayed all the same, not assumed to fail
-            r = dtralloc.replay(trace, budget=b, policy=policy, conf=conf)
-            overhead[b] = r.compute_overhead if r.feasible else None
+            r = dtralloc.replay(trace, budget=max(1, int(b * reference)), policy=policy, conf=conf, steps=steps)
+            overhead[b] = (r.last_step_compute_overhead if steps > 1 else r.compute_overhead) if r.feasible else None
     grid = {f: o is not None for f, o in on_grid.items()}
     lowest = min((f for f, fits in grid.items() if fits), default=None)
     return trace_arg, policy, dict(floor=floor, overhead=overhead, scan=scan_of(grid), lowest=lowest,
@@ -132,7 +150,7 @@ def fmt_worst(t, worst, grid) -> str:
     return f"{'inf' if ratio == float('inf') else f'{ratio:.2f}'} at {b} ({mine:.3f} / {dtr:.3f})"
 
 
-def report(traces, results, conf, command, note=None) -> str:
+def report(traces, results, conf, command, note=None, steps: int = 1) -> str:
     import dtralloc
     from _report import header
 
@@ -142,7 +160,11 @@ def report(traces, results, conf, command, note=None) -> str:
     if note:
         out.append(f"note: {note}\n")
     if conf:
-        out.append(f"dtralloc's pool settings: `{conf}` (dtr: the defaults)\n")
+        out.append(f"dtralloc's pool settings: `{conf}` (dtr: the defaults); budgets are fractions of the "
+                   f"step's no-eviction peak on the default settings\n")
+    if steps > 1:
+        out.append(f"each budget runs the step {steps} times in one pool, as a training loop: it fits when every "
+                   f"step does, its overhead is the last step's, and fractions are of the peak of {steps} steps\n")
     out.append(
         f"Per trace: the resident floor; dtralloc's and dtr's scan minimum on the {FINE_STEP} grid (every budget "
         "from there up runs; the lowest that runs in brackets where a hole lies between); dtralloc's holes; "
@@ -217,6 +239,9 @@ def main(argv=None) -> int:
     parser.add_argument("--record", type=int, default=0, metavar="N", help="also record the zoo N more times")
     parser.add_argument("--dir", default=None, help="where --record writes (required with --record)")
     parser.add_argument("--conf", default=None, help="DTRALLOC_CONF settings for dtralloc's replays only")
+    parser.add_argument("--steps", type=int, default=1, metavar="N",
+                        help="run each budget's step N times in one pool and judge the last (a training loop's "
+                             "steady state; default 1: one step from an empty pool)")
     parser.add_argument("--jobs", type=int, default=2, help="replays in parallel (worker processes)")
     parser.add_argument("--out", default=None, help="also write the report here")
     parser.add_argument("--note", default=None, help="a line for the report's header (what build, why)")
@@ -227,6 +252,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.record < 0:
         parser.error("--record must be 0 or more")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     if args.record and not args.dir:
         parser.error("--record needs --dir (where the recordings go)")
     sys.path.insert(0, HERE)
@@ -261,19 +288,24 @@ def main(argv=None) -> int:
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             parser.error(f"--dtr-from {args.dtr_from}: {e}")
-        if saved.get(MODEL_KEY) != MODEL:
+        model = dict(saved.get(MODEL_KEY) or {})
+        saved_steps = model.pop("steps", 1)
+        if model != MODEL:
             parser.error(f"--dtr-from {args.dtr_from} was measured under another model of what the program "
                          f"holds ({saved.get(MODEL_KEY)} there, {MODEL} now: before 2026-11-23 what outlives the "
                          f"step was recomputable; before 2026-11-24 so was what outlives the backward, the loss): "
                          f"its dtr figures do not compare with dtralloc's now. Measure both again (drop "
                          f"--dtr-from) and --save them")
+        if saved_steps != args.steps:
+            parser.error(f"--dtr-from {args.dtr_from} holds dtr's figures for {saved_steps} step(s) a budget, "
+                         f"and --steps is {args.steps}: measure dtr with --steps {args.steps} (drop --dtr-from)")
         for t in traces:
             r = saved.get(t, {}).get("dtr")
             if r is None:
                 parser.error(f"--dtr-from {args.dtr_from} has no dtr figures for {t}")
             r["overhead"] = {float(b): v for b, v in r["overhead"].items()}
             results[(t, "dtr")] = r
-    jobs = [(t, p, args.conf if p == "dtralloc" else None) for t in traces for p in ("dtralloc", "dtr")
+    jobs = [(t, p, args.conf if p == "dtralloc" else None, args.steps) for t in traces for p in ("dtralloc", "dtr")
             if (t, p) not in results]
     t0 = time.perf_counter()
     with Pool(max(1, args.jobs)) as pool:
@@ -283,13 +315,13 @@ def main(argv=None) -> int:
             print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {scan}, "
                   f"{len(r['holes'])} holes ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
     if args.save:
-        saved = {MODEL_KEY: MODEL}
+        saved = {MODEL_KEY: dict(MODEL, **({"steps": args.steps} if args.steps > 1 else {}))}
         for (t, policy), r in results.items():
             saved.setdefault(t, {})[policy] = r
         with open(args.save, "w") as f:
             json.dump(saved, f, indent=1)
     command = shlex.join(["python", "bench/replay_recordings.py", *(sys.argv[1:] if argv is None else argv)])
-    emit(report(traces, results, args.conf, command, args.note), args.out)
+    emit(report(traces, results, args.conf, command, args.note, args.steps), args.out)
     return 0
 
 

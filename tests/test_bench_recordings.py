@@ -86,12 +86,57 @@ def test_dtr_figures_can_be_reused(tmp_path):
     assert table == [line for line in second.read_text().splitlines() if line.startswith("| mlp")]
     proc = run("--traces", "lstm-compact", "--dtr-from", str(saved))
     assert proc.returncode == 2 and "has no dtr figures for lstm-compact" in proc.stderr
+    # dtr's figures for one step a budget do not stand in for a loop's.
+    proc = run("--traces", "mlp", "--steps", "2", "--dtr-from", str(saved))
+    assert proc.returncode == 2 and "holds dtr's figures for 1 step(s) a budget, and --steps is 2" in proc.stderr
     # Figures saved before gradients were pinned (no model key) are refused.
     figures = json.loads(saved.read_text())
     del figures["_replay"]
     saved.write_text(json.dumps(figures))
     proc = run("--traces", "mlp", "--dtr-from", str(saved))
     assert proc.returncode == 2 and "another model of what the program holds" in proc.stderr
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import replay_recordings
+        from replay_policies import scan_of
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    return replay_recordings, scan_of
+
+
+def test_a_conf_is_judged_at_the_default_pools_bytes():
+    """segment_fit:on is what auto resolves to under a budget with the
+    dtralloc policy, so every budgeted replay is the default's; only the
+    no-eviction peak differs (auto is off without a budget, and on lowers
+    convbn-compact's peak to 0.93 of the default's). At the default's bytes
+    the figures are the default's; fractions of its own peak would have put
+    its lowest budget elsewhere."""
+    rr, scan_of = _bench_module()
+    _, _, default = rr.measure(("convbn-compact", "dtralloc", None, 1))
+    _, _, same = rr.measure(("convbn-compact", "dtralloc", "segment_fit:on", 1))
+    for key in ("scan", "lowest", "holes", "overhead", "spikes"):
+        assert same[key] == default[key], key
+    own = dtralloc.overhead_grid("convbn-compact", conf="segment_fit:on", step=rr.FINE_STEP,
+                                 lowest=max(0.0, default["floor"] - rr.FINE_STEP))
+    assert scan_of({f: o is not None for f, o in own.items()}) != default["scan"]
+
+
+def test_steps_judge_a_training_loop():
+    """--steps N: each budget runs N steps in one pool; fractions of N
+    steps' peak; the overhead is the last step's."""
+    rr, scan_of = _bench_module()
+    _, _, loop = rr.measure(("convbn-compact", "dtralloc", None, 2))
+    reference = dtralloc.replay("convbn-compact", policy="none", steps=2).peak_reserved_bytes
+    grid = dtralloc.overhead_grid("convbn-compact", step=rr.FINE_STEP, lowest=max(0.0, loop["floor"] - rr.FINE_STEP),
+                                  reference_bytes=reference, steps=2)
+    assert loop["scan"] == scan_of({f: o is not None for f, o in grid.items()})
+    at = dtralloc.replay("convbn-compact", budget=0.7, policy="dtralloc", steps=2)
+    assert loop["overhead"][0.7] == at.last_step_compute_overhead > 0
+    proc = run("--steps", "0")
+    assert proc.returncode == 2 and "--steps must be at least 1" in proc.stderr
 
 
 def test_pinned_outliving_bench(tmp_path):

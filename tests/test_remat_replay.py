@@ -423,6 +423,27 @@ def test_overhead_grid_is_the_feasibility_grid_with_each_replays_overhead(traces
         dtralloc.overhead_grid(trace, "none")
 
 
+def test_budget_searches_over_a_training_loop(traces):
+    """steps=N: each budget runs the step N times in one pool, as
+    replay(steps=N) does, fractions being of N steps' peak; the grid holds
+    the last step's overhead and a budget fits when every step does."""
+    trace = traces["lstm-compact"]
+    grid = dtralloc.overhead_grid(trace, "dtralloc", step=0.05, lowest=0.5, steps=3)
+    for fraction, overhead in grid.items():
+        r = dtralloc.replay(trace, budget=fraction, policy="dtralloc", steps=3)
+        assert (r.last_step_compute_overhead if r.feasible else None) == overhead, fraction
+    assert grid[1.0] == 0 and any(o for o in grid.values()) and grid[0.5] is None
+    assert {f: o is not None for f, o in grid.items()} == dtralloc.feasible_budgets(
+        trace, "dtralloc", step=0.05, lowest=0.5, steps=3)
+    scan = dtralloc.min_feasible_budget(trace, tolerance=0.05, method="scan", steps=3)
+    assert scan == min(f for f, o in grid.items() if o is not None)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="dtralloc.feasible_budgets: steps must be a whole number >= 1"):
+            dtralloc.feasible_budgets(trace, steps=bad)
+    with pytest.raises(ValueError, match="dtralloc.min_feasible_budget: steps must be a whole number >= 1"):
+        dtralloc.min_feasible_budget(trace, steps=0)
+
+
 def test_feasible_budgets_rejects_bad_arguments(traces):
     trace = traces["mlp"]
     with pytest.raises(ValueError, match="step must be in"):

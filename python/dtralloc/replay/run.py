@@ -74,8 +74,7 @@ def replay(
             it at the step before's (Note [carried costs]); False: every
             step as the first.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"dtralloc.replay: steps must be a whole number >= 1; got {steps!r}")
+    _check_steps(steps, "replay")
     if isinstance(cost_lag, bool) or not isinstance(cost_lag, int) or cost_lag < 0:
         raise ValueError(f"dtralloc.replay: cost_lag is a number of ops >= 0 (0: none); got {cost_lag!r}")
     if lag_cost is not None and (isinstance(lag_cost, bool) or not isinstance(lag_cost, (int, float))
@@ -229,9 +228,19 @@ def resident_floor(trace: Union[Trace, str], conf: ConfLike = None, pin_outlivin
     return r.resident_floor_bytes / r.peak_reserved_bytes if r.peak_reserved_bytes else 0.0
 
 
+def _check_steps(steps, caller: str) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"dtralloc.{caller}: steps must be a whole number >= 1; got {steps!r}")
+    return steps
+
+
 def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str,
-              pin_outliving: bool):
-    """run_at(fraction) -> ReplayResult for the budget searches, arguments checked."""
+              pin_outliving: bool, steps: int = 1):
+    """run_at(fraction) -> ReplayResult for the budget searches, arguments
+    checked. With `steps` > 1 each budget runs the step that many times in
+    one pool (replay(steps=N)), a fraction being of the peak of as many
+    steps without a budget."""
+    _check_steps(steps, caller)
     trace = _as_trace(trace)
     if policy == "none":
         raise ValueError(f"dtralloc.{caller}: needs an eviction policy, not 'none'")
@@ -242,10 +251,10 @@ def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int]
     if reference_bytes is not None and (isinstance(reference_bytes, bool) or not isinstance(reference_bytes, int)
                                         or reference_bytes <= 0):
         raise ValueError(f"dtralloc.{caller}: reference_bytes must be a positive int, not {reference_bytes!r}")
-    reference = reference_bytes or _run(columns, 0, "none", text, False, None).peak_reserved_bytes
+    reference = reference_bytes or _run(columns, 0, "none", text, False, None, steps=steps).peak_reserved_bytes
 
     def run_at(fraction: float) -> ReplayResult:
-        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None)
+        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None, steps=steps)
 
     return run_at
 
@@ -258,7 +267,7 @@ def _check_step(step: float, caller: str, name: str) -> int:
 
 def min_feasible_budget(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01,
-    method: str = "bisect", reference_bytes: Optional[int] = None, pin_outliving: bool = True,
+    method: str = "bisect", reference_bytes: Optional[int] = None, pin_outliving: bool = True, steps: int = 1,
 ) -> Optional[float]:
     """Smallest budget fraction (of the no-eviction peak reserved) at which
     `policy` completes the trace; None if even 1.0 fails.
@@ -288,11 +297,16 @@ def min_feasible_budget(
     Fractions are of the no-eviction peak reserved under `conf`, or of
     `reference_bytes` when given (to compare settings against one fixed
     reference, such as the default pool's peak). `pin_outliving` as in
-    :func:`replay`."""
+    :func:`replay`. `steps` > 1 asks it of a training loop: every budget
+    runs the step that many times in one pool (``replay(steps=N)``), feasible
+    when every step fits, and the fractions are of the peak of as many steps
+    without a budget. A pool that no longer starts empty can rank budgets
+    and settings otherwise than one step from an empty pool does
+    (docs/allocator.md, Note [one step or a loop])."""
     if method not in ("bisect", "scan"):
         raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
-    steps = _check_step(tolerance, "min_feasible_budget", "tolerance")
-    run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving)
+    points = _check_step(tolerance, "min_feasible_budget", "tolerance")
+    run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving, steps)
 
     def feasible(fraction: float) -> bool:
         return run_at(fraction).feasible
@@ -301,8 +315,8 @@ def min_feasible_budget(
         return None
     if method == "scan":
         lowest = 1.0
-        for k in range(steps - 1, 0, -1):
-            fraction = k / steps
+        for k in range(points - 1, 0, -1):
+            fraction = k / points
             if not feasible(fraction):
                 break
             lowest = fraction
@@ -319,7 +333,7 @@ def min_feasible_budget(
 
 def feasible_budgets(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, step: float = 0.005,
-    lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True,
+    lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True, steps: int = 1,
 ) -> dict[float, bool]:
     """Whether `policy` completes the trace at every budget fraction on the
     grid of `step`, from 1.0 down to `lowest` (say the trace's
@@ -328,38 +342,43 @@ def feasible_budgets(
     one: more memory, and the step ran out. One replay per grid point
     (:func:`overhead_grid` keeps what each one cost as well).
 
-    Fractions, `conf`, `reference_bytes` and `pin_outliving` as in
+    Fractions, `conf`, `reference_bytes`, `pin_outliving` and `steps` as in
     :func:`min_feasible_budget`."""
-    grid = _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "feasible_budgets")
+    grid = _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "feasible_budgets", steps)
     return {fraction: overhead is not None for fraction, overhead in grid.items()}
 
 
 def overhead_grid(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, step: float = 0.005,
-    lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True,
+    lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True, steps: int = 1,
 ) -> dict[float, Optional[float]]:
     """The grid of :func:`feasible_budgets` with what each budget costs:
     {fraction: the replay's ``compute_overhead``, or None where the step
     runs out}, highest first, from the same replays (one per grid point).
     An *overhead spike* is a budget that runs but recomputes far more than
-    one a little above it (bench/replay_recordings.py lists them).
+    one a little above it (bench/replay_recordings.py lists them). With
+    `steps` > 1 the overhead is the last step's (``last_step_compute_overhead``).
 
     Arguments as in :func:`feasible_budgets`."""
-    return _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "overhead_grid")
+    return _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "overhead_grid", steps)
 
 
-def _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, caller) -> dict[float, Optional[float]]:
-    steps = _check_step(step, caller, "step")
+def _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, caller,
+          steps: int = 1) -> dict[float, Optional[float]]:
+    points = _check_step(step, caller, "step")
     if not 0 <= lowest <= 1:
         raise ValueError(f"dtralloc.{caller}: lowest must be in [0, 1], not {lowest!r}")
-    run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving)
+    run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving, steps)
     out = {}
-    for k in range(steps, 0, -1):
-        fraction = k / steps
+    for k in range(points, 0, -1):
+        fraction = k / points
         if fraction < lowest:
             break
         result = run_at(fraction)
-        out[fraction] = result.compute_overhead if result.feasible else None
+        if not result.feasible:
+            out[fraction] = None
+        else:
+            out[fraction] = result.last_step_compute_overhead if steps > 1 else result.compute_overhead
     return out
 
 
