@@ -69,7 +69,7 @@ ABLATION_ARGS="--models ${GPU_SESSION_ABLATION_MODELS:-resnet50} --rounds 2 --pr
 [ -n "$REHEARSAL" ] && ABLATION_ARGS="--smoke --device cpu --rounds 1 --profile --models resnet50"
 # Steps recorded on the GPU at B and 3 B (op costs from CUDA events), replayed
 # under M there on the default settings, with max_split_size_mb:none (big
-# blocks split for smaller requests: a third to a sixth of the default's
+# blocks split for smaller requests: a quarter to a third of the default's
 # cudaFree at 3 B) and with arena:on (none), each against its recompute, and
 # kept in $OUT/traces: CPU sessions replay them to tune the policy on a GPU's
 # op costs (bench/recordings/ has CPU-recorded steps only).
