@@ -172,19 +172,22 @@ ReplayResult run_replay(const ReplayTrace& t, const ReplayOptions& options) {
       const bool last = out.steps == steps;
       settle(0);  // the GPU has caught up between steps: nothing of the step before is left to price
       const bool lag = options.cost_lag_ops > 0 && (out.steps == 1 || !options.lag_carried);
-      if (out.steps > 1) {
-        // What the step before made and kept dies as this one begins.
-        for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
-          if (alive[sid] && !t.initial[sid]) kill(static_cast<int>(sid));
-        check();
-      }
-      if (last) {
+      if (last) {  // before the step boundary: a cache emptied there is the last step's to pay
         const StatsReport at = allocator.stats_report();
         allocs_before = at.stats.num_device_alloc;
         device_frees_before = at.stats.num_device_free;
         evictions_before = engine.counters().evictions;
         base_before = engine.counters().base_cost;
         remat_before = engine.counters().remat_cost;
+      }
+      if (out.steps > 1) {
+        // What the step before made and kept dies as this one begins (in
+        // the pool's history, at this step's first op).
+        allocator.set_op_stamp(0);
+        for (std::size_t sid = 0; sid < t.nbytes.size(); ++sid)
+          if (alive[sid] && !t.initial[sid]) kill(static_cast<int>(sid));
+        if (options.empty_cache_between_steps) allocator.empty_cache();
+        check();
       }
       for (std::size_t i = 0; i < t.num_ops(); ++i) {
         out.oom_op = static_cast<int>(i);

@@ -80,6 +80,11 @@ struct ReplayOptions {
   std::size_t cost_lag_ops = 0;
   double lag_cost = 0;
   bool lag_carried = true;
+  // Between steps, give back every whole free cached segment, as a training
+  // loop that calls torch.cuda.empty_cache() after each step does: the next
+  // step starts from the cache the first one started from (docs/allocator.md,
+  // Note [one step or a loop]).
+  bool empty_cache_between_steps = false;
 };
 
 // The replay's scalar figures, declared once: the struct below and the

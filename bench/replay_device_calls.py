@@ -73,15 +73,16 @@ def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
     return int(sum(int(o) not in asked for o in frees_at))
 
 
-def measure(trace, budget, conf: str, steps: int = 1) -> dict:
+def measure(trace, budget, conf: str, steps: int = 1, empty: bool = False) -> dict:
     from dtralloc.replay import replay
 
     t = _load(trace)
     # A fraction of the default pool's peak, whatever `conf` says (a setting
     # that applies without a budget moves its own peak: Note [one step or a
     # loop], docs/allocator.md).
-    reference = replay(t, policy="none", steps=steps).peak_reserved_bytes
-    r = replay(t, budget=max(1, int(budget * reference)), policy="dtralloc", conf=conf, steps=steps, history=True)
+    reference = replay(t, policy="none", steps=steps, empty_cache_between_steps=empty).peak_reserved_bytes
+    r = replay(t, budget=max(1, int(budget * reference)), policy="dtralloc", conf=conf, steps=steps, history=True,
+               empty_cache_between_steps=empty)
     quiet = frees_without_eviction(r, len(t.ops), steps) if r.feasible else None
     if steps == 1:
         return {"feasible": r.feasible, "mallocs": r.device_alloc_calls, "frees": r.device_free_calls,
@@ -111,7 +112,7 @@ def break_even(base: dict, other: dict) -> str:
     return "always" if extra < 0 else "never"
 
 
-def report(rows: list, command: str, confs, steps: int = 1) -> str:
+def report(rows: list, command: str, confs, steps: int = 1, empty: bool = False) -> str:
     what = ("cudaMalloc / cudaFree in the step (from an empty pool: the first `segments (peak)` mallocs fill it), "
             "evictions, and the replay's recompute overhead (not counting the calls). OOM: the step did not fit."
             if steps == 1 else
@@ -119,6 +120,9 @@ def report(rows: list, command: str, confs, steps: int = 1) -> str:
             f"the next begins); cudaMalloc / cudaFree in the last step (the steady state), the most segments "
             f"at once, and the last step's evictions and recompute overhead (not counting the calls). OOM "
             f"(step k: calls so far): a step did not fit.")
+    if empty:
+        what += (" Between steps the cache is given back (replay(empty_cache_between_steps=True), as a loop calling "
+                 "torch.cuda.empty_cache() after each step): the last step's calls include those.")
     what += (" In brackets, of the cudaFree, those at ops that asked the evictor for nothing: the allocator "
              "giving back whole free segments to make one of another size (steps 3-4 of its ladder), not room "
              "made by evicting.")
@@ -167,12 +171,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3,
                         help="run the step this many times in one pool and count the last (default 3; 1: one "
                              "step from an empty pool)")
+    parser.add_argument("--empty-cache-between-steps", action="store_true",
+                        help="give back the cached segments between steps, as a loop calling torch.cuda.empty_cache() "
+                             "after each step does")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args(argv)
     if any(not 0 < b <= 1 for b in args.budgets):
         parser.error("--budgets are fractions of the peak in (0, 1]")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.empty_cache_between_steps and args.steps < 2:
+        parser.error("--empty-cache-between-steps needs --steps 2 or more (there is no step between)")
     import dtralloc.traces as bundled
 
     traces = args.traces or bundled.list_bundled()
@@ -181,9 +190,10 @@ def main(argv=None) -> int:
     for trace in traces:
         for budget in args.budgets:
             print(f"[replay_device_calls] {trace} at {budget:g}", file=sys.stderr, flush=True)
-            rows.append((os.path.basename(trace), budget, {c: measure(trace, budget, c, args.steps) for c in confs}))
+            cells = {c: measure(trace, budget, c, args.steps, args.empty_cache_between_steps) for c in confs}
+            rows.append((os.path.basename(trace), budget, cells))
     command = "python bench/replay_device_calls.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    emit(report(rows, command.strip(), confs, args.steps), args.out)
+    emit(report(rows, command.strip(), confs, args.steps, args.empty_cache_between_steps), args.out)
     return 0
 
 

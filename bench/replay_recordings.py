@@ -29,7 +29,9 @@ at more bytes than the default, and look better for it.
 one pool (replay(steps=N): what a step kept dies as the next begins), fits
 when every step does, and costs what the last step recomputes; fractions are
 of the peak of N steps. A pool that no longer starts empty can rank settings
-otherwise than one step from an empty pool does.
+otherwise than one step from an empty pool does. `--empty-cache-between-steps`
+gives the cache back between steps, as a loop calling torch.cuda.empty_cache()
+after each step does (docs/allocator.md, Note [one step or a loop]).
 
     python bench/replay_recordings.py --traces bundled bench/recordings/1 bench/recordings/2 [--jobs 2] [--out FILE]
     python bench/replay_recordings.py --record 2 --dir /tmp/recordings      # the bundled traces and 2 new recordings
@@ -91,10 +93,10 @@ def measure(job):
     import dtralloc
     from dtralloc.traces import load_bundled
 
-    trace_arg, policy, conf, steps = job
+    trace_arg, policy, conf, steps, empty = job
     t0 = time.perf_counter()
     trace = dtralloc.trace.load(trace_arg) if trace_arg.endswith(".dtrace") else load_bundled(trace_arg)
-    reference = dtralloc.replay(trace, policy="none", steps=steps).peak_reserved_bytes
+    reference = dtralloc.replay(trace, policy="none", steps=steps, empty_cache_between_steps=empty).peak_reserved_bytes
     floor = dtralloc.resident_floor(trace)  # a share of one step's peak
     if steps > 1:
         floor *= dtralloc.replay(trace, policy="none").peak_reserved_bytes / reference
@@ -102,13 +104,14 @@ def measure(job):
     # BUDGETS (on the grid: k * FINE_STEP, the same bytes as replay(budget=b))
     # and the spikes.
     on_grid = dtralloc.overhead_grid(trace, policy, conf=conf, step=FINE_STEP, lowest=max(0.0, floor - FINE_STEP),
-                                     reference_bytes=reference, steps=steps)
+                                     reference_bytes=reference, steps=steps, empty_cache_between_steps=empty)
     overhead = {}
     for b in BUDGETS:
         if b in on_grid:
             overhead[b] = on_grid[b]
         else:  # below the grid, under the floor: replayed all the same, not assumed to fail
-            r = dtralloc.replay(trace, budget=max(1, int(b * reference)), policy=policy, conf=conf, steps=steps)
+            r = dtralloc.replay(trace, budget=max(1, int(b * reference)), policy=policy, conf=conf, steps=steps,
+                                empty_cache_between_steps=empty)
             overhead[b] = (r.last_step_compute_overhead if steps > 1 else r.compute_overhead) if r.feasible else None
     grid = {f: o is not None for f, o in on_grid.items()}
     lowest = min((f for f, fits in grid.items() if fits), default=None)
@@ -150,7 +153,7 @@ def fmt_worst(t, worst, grid) -> str:
     return f"{'inf' if ratio == float('inf') else f'{ratio:.2f}'} at {b} ({mine:.3f} / {dtr:.3f})"
 
 
-def report(traces, results, conf, command, note=None, steps: int = 1) -> str:
+def report(traces, results, conf, command, note=None, steps: int = 1, empty: bool = False) -> str:
     import dtralloc
     from _report import header
 
@@ -164,7 +167,8 @@ def report(traces, results, conf, command, note=None, steps: int = 1) -> str:
                    f"step's no-eviction peak on the default settings\n")
     if steps > 1:
         out.append(f"each budget runs the step {steps} times in one pool, as a training loop: it fits when every "
-                   f"step does, its overhead is the last step's, and fractions are of the peak of {steps} steps\n")
+                   f"step does, its overhead is the last step's, and fractions are of the peak of {steps} steps"
+                   + (", the cache given back between steps" if empty else "") + "\n")
     out.append(
         f"Per trace: the resident floor; dtralloc's and dtr's scan minimum on the {FINE_STEP} grid (every budget "
         "from there up runs; the lowest that runs in brackets where a hole lies between); dtralloc's holes; "
@@ -242,6 +246,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1, metavar="N",
                         help="run each budget's step N times in one pool and judge the last (a training loop's "
                              "steady state; default 1: one step from an empty pool)")
+    parser.add_argument("--empty-cache-between-steps", action="store_true",
+                        help="with --steps: give back the cached segments between steps, as a loop calling "
+                             "torch.cuda.empty_cache() after each step does")
     parser.add_argument("--jobs", type=int, default=2, help="replays in parallel (worker processes)")
     parser.add_argument("--out", default=None, help="also write the report here")
     parser.add_argument("--note", default=None, help="a line for the report's header (what build, why)")
@@ -254,6 +261,8 @@ def main(argv=None) -> int:
         parser.error("--record must be 0 or more")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.empty_cache_between_steps and args.steps < 2:
+        parser.error("--empty-cache-between-steps needs --steps 2 or more (there is no step between)")
     if args.record and not args.dir:
         parser.error("--record needs --dir (where the recordings go)")
     sys.path.insert(0, HERE)
@@ -290,6 +299,7 @@ def main(argv=None) -> int:
             parser.error(f"--dtr-from {args.dtr_from}: {e}")
         model = dict(saved.get(MODEL_KEY) or {})
         saved_steps = model.pop("steps", 1)
+        saved_empty = model.pop("empty_cache_between_steps", False)
         if model != MODEL:
             parser.error(f"--dtr-from {args.dtr_from} was measured under another model of what the program "
                          f"holds ({saved.get(MODEL_KEY)} there, {MODEL} now: before 2026-11-23 what outlives the "
@@ -299,14 +309,18 @@ def main(argv=None) -> int:
         if saved_steps != args.steps:
             parser.error(f"--dtr-from {args.dtr_from} holds dtr's figures for {saved_steps} step(s) a budget, "
                          f"and --steps is {args.steps}: measure dtr with --steps {args.steps} (drop --dtr-from)")
+        if saved_empty != args.empty_cache_between_steps:
+            parser.error(f"--dtr-from {args.dtr_from} holds dtr's figures "
+                         f"{'with' if saved_empty else 'without'} the cache given back between steps: measure "
+                         f"dtr as this run does (drop --dtr-from)")
         for t in traces:
             r = saved.get(t, {}).get("dtr")
             if r is None:
                 parser.error(f"--dtr-from {args.dtr_from} has no dtr figures for {t}")
             r["overhead"] = {float(b): v for b, v in r["overhead"].items()}
             results[(t, "dtr")] = r
-    jobs = [(t, p, args.conf if p == "dtralloc" else None, args.steps) for t in traces for p in ("dtralloc", "dtr")
-            if (t, p) not in results]
+    jobs = [(t, p, args.conf if p == "dtralloc" else None, args.steps, args.empty_cache_between_steps)
+            for t in traces for p in ("dtralloc", "dtr") if (t, p) not in results]
     t0 = time.perf_counter()
     with Pool(max(1, args.jobs)) as pool:
         for done, (t, policy, r) in enumerate(pool.imap_unordered(measure, jobs), 1):
@@ -315,13 +329,14 @@ def main(argv=None) -> int:
             print(f"[{time.perf_counter() - t0:6.0f}s] {done}/{len(jobs)} {label(t)} {policy}: scan {scan}, "
                   f"{len(r['holes'])} holes ({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
     if args.save:
-        saved = {MODEL_KEY: dict(MODEL, **({"steps": args.steps} if args.steps > 1 else {}))}
+        saved = {MODEL_KEY: dict(MODEL, **({"steps": args.steps} if args.steps > 1 else {}),
+                                 **({"empty_cache_between_steps": True} if args.empty_cache_between_steps else {}))}
         for (t, policy), r in results.items():
             saved.setdefault(t, {})[policy] = r
         with open(args.save, "w") as f:
             json.dump(saved, f, indent=1)
     command = shlex.join(["python", "bench/replay_recordings.py", *(sys.argv[1:] if argv is None else argv)])
-    emit(report(traces, results, args.conf, command, args.note, args.steps), args.out)
+    emit(report(traces, results, args.conf, command, args.note, args.steps, args.empty_cache_between_steps), args.out)
     return 0
 
 

@@ -89,6 +89,11 @@ def test_dtr_figures_can_be_reused(tmp_path):
     # dtr's figures for one step a budget do not stand in for a loop's.
     proc = run("--traces", "mlp", "--steps", "2", "--dtr-from", str(saved))
     assert proc.returncode == 2 and "holds dtr's figures for 1 step(s) a budget, and --steps is 2" in proc.stderr
+    figures = json.loads(saved.read_text())
+    figures["_replay"].update(steps=2, empty_cache_between_steps=True)
+    saved.write_text(json.dumps(figures))
+    proc = run("--traces", "mlp", "--steps", "2", "--dtr-from", str(saved))
+    assert proc.returncode == 2 and "with the cache given back between steps" in proc.stderr
     # Figures saved before gradients were pinned (no model key) are refused.
     figures = json.loads(saved.read_text())
     del figures["_replay"]
@@ -115,8 +120,8 @@ def test_a_conf_is_judged_at_the_default_pools_bytes():
     the figures are the default's; fractions of its own peak would have put
     its lowest budget elsewhere."""
     rr, scan_of = _bench_module()
-    _, _, default = rr.measure(("convbn-compact", "dtralloc", None, 1))
-    _, _, same = rr.measure(("convbn-compact", "dtralloc", "segment_fit:on", 1))
+    _, _, default = rr.measure(("convbn-compact", "dtralloc", None, 1, False))
+    _, _, same = rr.measure(("convbn-compact", "dtralloc", "segment_fit:on", 1, False))
     for key in ("scan", "lowest", "holes", "overhead", "spikes"):
         assert same[key] == default[key], key
     own = dtralloc.overhead_grid("convbn-compact", conf="segment_fit:on", step=rr.FINE_STEP,
@@ -128,7 +133,7 @@ def test_steps_judge_a_training_loop():
     """--steps N: each budget runs N steps in one pool; fractions of N
     steps' peak; the overhead is the last step's."""
     rr, scan_of = _bench_module()
-    _, _, loop = rr.measure(("convbn-compact", "dtralloc", None, 2))
+    _, _, loop = rr.measure(("convbn-compact", "dtralloc", None, 2, False))
     reference = dtralloc.replay("convbn-compact", policy="none", steps=2).peak_reserved_bytes
     grid = dtralloc.overhead_grid("convbn-compact", step=rr.FINE_STEP, lowest=max(0.0, loop["floor"] - rr.FINE_STEP),
                                   reference_bytes=reference, steps=2)
@@ -137,6 +142,13 @@ def test_steps_judge_a_training_loop():
     assert loop["overhead"][0.7] == at.last_step_compute_overhead > 0
     proc = run("--steps", "0")
     assert proc.returncode == 2 and "--steps must be at least 1" in proc.stderr
+    proc = run("--empty-cache-between-steps")
+    assert proc.returncode == 2 and "--empty-cache-between-steps needs --steps 2 or more" in proc.stderr
+    # The cache given back between steps: convbn-compact's loop holes close (its GPU settings:
+    # tests/test_remat_replay.py), and on the replays' defaults the figures stay a loop's.
+    _, _, emptied = rr.measure(("convbn-compact", "dtralloc", "split_oversize:on,unmap_pages:off", 3, True))
+    _, _, kept = rr.measure(("convbn-compact", "dtralloc", "split_oversize:on,unmap_pages:off", 3, False))
+    assert kept["holes"] and not emptied["holes"] and emptied["scan"] < kept["scan"]
 
 
 def test_pinned_outliving_bench(tmp_path):

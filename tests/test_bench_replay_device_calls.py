@@ -67,6 +67,30 @@ def test_the_frees_the_ladder_makes_are_told_apart(tmp_path):
     assert "at ops that evicted nothing)" in default and "evicted nothing" not in arena
 
 
+def test_a_cache_given_back_between_steps_is_paid_for_in_calls(tmp_path, capsys):
+    """Between steps the cached segments go back (a loop calling
+    torch.cuda.empty_cache()); the last step makes them again: more calls on
+    the default pool, none more for the arena, which keeps its segment while
+    it holds the parameters."""
+    out = tmp_path / "calls.md"
+    assert rdc.main(["--traces", "resnet50", "--budgets", "0.5", "--steps", "2", "--empty-cache-between-steps",
+                     "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "Between steps the cache is given back" in text
+    emptied_default, emptied_arena = _cells(text)
+    assert rdc.main(["--traces", "resnet50", "--budgets", "0.5", "--steps", "2", "--out", str(out)]) == 0
+    kept_default, _ = _cells(out.read_text())
+
+    def frees(cell):
+        return int(cell.split(" calls")[0].split(" / ")[1])
+
+    assert frees(emptied_default) > frees(kept_default)
+    assert emptied_arena.startswith("0 / 0 calls")
+    with pytest.raises(SystemExit):
+        rdc.main(["--empty-cache-between-steps", "--steps", "1"])
+    assert "needs --steps 2 or more" in capsys.readouterr().err
+
+
 def _cell(mallocs, frees, overhead, feasible=True):
     return {"feasible": feasible, "mallocs": mallocs, "frees": frees, "overhead": overhead}
 

@@ -54,7 +54,7 @@ py::array_t<double> one_minus_ratio(const std::vector<std::int64_t>& a, const st
 ReplayResult replay(const ReplayTrace& trace, std::size_t budget_bytes, const std::string& policy,
                     const std::string& conf, bool check_invariants, bool series, bool measure_floor,
                     std::size_t history_entries, py::object progress, std::size_t steps,
-                    std::size_t cost_lag_ops, double lag_cost, bool lag_carried) {
+                    std::size_t cost_lag_ops, double lag_cost, bool lag_carried, bool empty_cache_between_steps) {
   if (steps < 1) throw std::invalid_argument("replay: steps must be at least 1");
   if (lag_cost < 0) throw std::invalid_argument("replay: lag_cost must be >= 0");
   ReplayOptions options;
@@ -62,6 +62,7 @@ ReplayResult replay(const ReplayTrace& trace, std::size_t budget_bytes, const st
   options.cost_lag_ops = cost_lag_ops;
   options.lag_cost = lag_cost;
   options.lag_carried = lag_carried;
+  options.empty_cache_between_steps = empty_cache_between_steps;
   options.config = parse_config(conf);
   options.policy = parse_policy(policy);
   options.budget_bytes = budget_bytes;
@@ -191,9 +192,11 @@ void bind_replay(py::module_& m) {
         py::arg("check_invariants") = false, py::arg("series") = true, py::arg("measure_floor") = false,
         py::arg("history_entries") = 0, py::arg("progress") = py::none(), py::arg("steps") = 1,
         py::arg("cost_lag_ops") = 0, py::arg("lag_cost") = 0.0, py::arg("lag_carried") = true,
+        py::arg("empty_cache_between_steps") = false,
         "Replay `trace` (a ReplayTrace) `steps` times through a fresh pool on the virtual backend "
         "under `budget_bytes` (0 = none) with eviction `policy`; cost_lag_ops > 0 prices each op at "
-        "lag_cost until that many ops later, as a GPU's timing events would (ReplayOptions).");
+        "lag_cost until that many ops later, as a GPU's timing events would; empty_cache_between_steps "
+        "gives back the whole free cached segments between steps (ReplayOptions).");
 
   m.def("policies", []() {
     py::list out;

@@ -26,6 +26,7 @@ def replay(
     cost_lag: int = 0,
     lag_cost: Optional[float] = None,
     carried_costs: bool = True,
+    empty_cache_between_steps: bool = False,
 ) -> ReplayResult:
     """Run `trace` through a fresh pool and measure it.
 
@@ -73,6 +74,14 @@ def replay(
             priced at its own cost from the start, as a live session prices
             it at the step before's (Note [carried costs]); False: every
             step as the first.
+        empty_cache_between_steps: with steps > 1, give back every whole
+            free cached segment between steps, as a loop calling
+            ``torch.cuda.empty_cache()`` after each step does (the no-eviction
+            reference too): each step starts from the cache the first started
+            from. A cache the steps before left can make a later step run out
+            at a budget the first fitted (docs/allocator.md, Note [one step or
+            a loop]); the segments given back and made again are counted in
+            the device calls.
     """
     _check_steps(steps, "replay")
     if isinstance(cost_lag, bool) or not isinstance(cost_lag, int) or cost_lag < 0:
@@ -93,14 +102,16 @@ def replay(
         if lag_cost is None:
             lag_cost = 0.05 * float(sum(columns.cost)) / max(1, columns.num_ops)
         lag = {"cost_lag_ops": cost_lag, "lag_cost": float(lag_cost), "lag_carried": bool(carried_costs)}
+    empty = {"empty_cache_between_steps": bool(empty_cache_between_steps)}
     if budget is None and policy == "none":  # the replay is its own no-eviction reference
-        result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries, steps=steps)
+        result = _run(columns, 0, "none", text, check_invariants, progress, history_entries=entries, steps=steps,
+                      **empty)
         result.no_eviction_peak_reserved_bytes = result.peak_reserved_bytes
     else:
-        reference = _run(columns, 0, "none", text, False, None, steps=steps).peak_reserved_bytes
+        reference = _run(columns, 0, "none", text, False, None, steps=steps, **empty).peak_reserved_bytes
         budget_bytes = 0 if budget is None else _resolve_budget(budget, reference)
         result = _run(columns, budget_bytes, policy, text, check_invariants, progress, history_entries=entries,
-                      steps=steps, **lag)
+                      steps=steps, **lag, **empty)
         result.no_eviction_peak_reserved_bytes = reference
     result.name = str(trace.meta.get("name", ""))
     result.conf = text
@@ -235,7 +246,7 @@ def _check_steps(steps, caller: str) -> int:
 
 
 def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int], caller: str,
-              pin_outliving: bool, steps: int = 1):
+              pin_outliving: bool, steps: int = 1, empty_cache_between_steps: bool = False):
     """run_at(fraction) -> ReplayResult for the budget searches, arguments
     checked. With `steps` > 1 each budget runs the step that many times in
     one pool (replay(steps=N)), a fraction being of the peak of as many
@@ -251,10 +262,12 @@ def _searcher(trace, policy: str, conf: ConfLike, reference_bytes: Optional[int]
     if reference_bytes is not None and (isinstance(reference_bytes, bool) or not isinstance(reference_bytes, int)
                                         or reference_bytes <= 0):
         raise ValueError(f"dtralloc.{caller}: reference_bytes must be a positive int, not {reference_bytes!r}")
-    reference = reference_bytes or _run(columns, 0, "none", text, False, None, steps=steps).peak_reserved_bytes
+    empty = {"empty_cache_between_steps": bool(empty_cache_between_steps)}
+    reference = reference_bytes or _run(columns, 0, "none", text, False, None, steps=steps,
+                                         **empty).peak_reserved_bytes
 
     def run_at(fraction: float) -> ReplayResult:
-        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None, steps=steps)
+        return _run(columns, max(1, int(fraction * reference)), policy, text, False, None, steps=steps, **empty)
 
     return run_at
 
@@ -268,6 +281,7 @@ def _check_step(step: float, caller: str, name: str) -> int:
 def min_feasible_budget(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, tolerance: float = 0.01,
     method: str = "bisect", reference_bytes: Optional[int] = None, pin_outliving: bool = True, steps: int = 1,
+    empty_cache_between_steps: bool = False,
 ) -> Optional[float]:
     """Smallest budget fraction (of the no-eviction peak reserved) at which
     `policy` completes the trace; None if even 1.0 fails.
@@ -302,11 +316,13 @@ def min_feasible_budget(
     when every step fits, and the fractions are of the peak of as many steps
     without a budget. A pool that no longer starts empty can rank budgets
     and settings otherwise than one step from an empty pool does
-    (docs/allocator.md, Note [one step or a loop])."""
+    (docs/allocator.md, Note [one step or a loop]);
+    `empty_cache_between_steps` as in :func:`replay`."""
     if method not in ("bisect", "scan"):
         raise ValueError(f"dtralloc.min_feasible_budget: method must be 'bisect' or 'scan', not {method!r}")
     points = _check_step(tolerance, "min_feasible_budget", "tolerance")
-    run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving, steps)
+    run_at = _searcher(trace, policy, conf, reference_bytes, "min_feasible_budget", pin_outliving, steps,
+                       empty_cache_between_steps)
 
     def feasible(fraction: float) -> bool:
         return run_at(fraction).feasible
@@ -334,6 +350,7 @@ def min_feasible_budget(
 def feasible_budgets(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, step: float = 0.005,
     lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True, steps: int = 1,
+    empty_cache_between_steps: bool = False,
 ) -> dict[float, bool]:
     """Whether `policy` completes the trace at every budget fraction on the
     grid of `step`, from 1.0 down to `lowest` (say the trace's
@@ -342,15 +359,17 @@ def feasible_budgets(
     one: more memory, and the step ran out. One replay per grid point
     (:func:`overhead_grid` keeps what each one cost as well).
 
-    Fractions, `conf`, `reference_bytes`, `pin_outliving` and `steps` as in
-    :func:`min_feasible_budget`."""
-    grid = _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "feasible_budgets", steps)
+    Fractions, `conf`, `reference_bytes`, `pin_outliving`, `steps` and
+    `empty_cache_between_steps` as in :func:`min_feasible_budget`."""
+    grid = _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "feasible_budgets", steps,
+                 empty_cache_between_steps)
     return {fraction: overhead is not None for fraction, overhead in grid.items()}
 
 
 def overhead_grid(
     trace: Union[Trace, str], policy: str = "dtralloc", conf: ConfLike = None, step: float = 0.005,
     lowest: float = 0.0, reference_bytes: Optional[int] = None, pin_outliving: bool = True, steps: int = 1,
+    empty_cache_between_steps: bool = False,
 ) -> dict[float, Optional[float]]:
     """The grid of :func:`feasible_budgets` with what each budget costs:
     {fraction: the replay's ``compute_overhead``, or None where the step
@@ -360,15 +379,16 @@ def overhead_grid(
     `steps` > 1 the overhead is the last step's (``last_step_compute_overhead``).
 
     Arguments as in :func:`feasible_budgets`."""
-    return _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "overhead_grid", steps)
+    return _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, "overhead_grid", steps,
+                 empty_cache_between_steps)
 
 
 def _grid(trace, policy, conf, step, lowest, reference_bytes, pin_outliving, caller,
-          steps: int = 1) -> dict[float, Optional[float]]:
+          steps: int = 1, empty_cache_between_steps: bool = False) -> dict[float, Optional[float]]:
     points = _check_step(step, caller, "step")
     if not 0 <= lowest <= 1:
         raise ValueError(f"dtralloc.{caller}: lowest must be in [0, 1], not {lowest!r}")
-    run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving, steps)
+    run_at = _searcher(trace, policy, conf, reference_bytes, caller, pin_outliving, steps, empty_cache_between_steps)
     out = {}
     for k in range(points, 0, -1):
         fraction = k / points
