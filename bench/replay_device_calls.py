@@ -35,15 +35,6 @@ DEFAULT_CONFS = ("split_oversize:on,unmap_pages:off", "arena:on")
 DEFAULT_BUDGETS = (0.7, 0.5, 0.35)
 
 
-def _load(trace):
-    import dtralloc
-    from dtralloc.traces import load_bundled
-
-    if not isinstance(trace, str):
-        return trace
-    return dtralloc.trace.load(trace) if trace.endswith(".dtrace") else load_bundled(trace)
-
-
 def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
     """Of the counted step's cudaFree calls (the last of `steps`), how many
     came at an op that asked the evictor for nothing: the allocator giving
@@ -75,8 +66,9 @@ def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
 
 def measure(trace, budget, conf: str, steps: int = 1, empty: bool = False) -> dict:
     from dtralloc.replay import replay
+    from dtralloc.replay.run import _as_trace  # replay()'s own loader: a Trace, a .dtrace path or a bundled name
 
-    t = _load(trace)
+    t = _as_trace(trace)
     # A fraction of the default pool's peak, whatever `conf` says (a setting
     # that applies without a budget moves its own peak: Note [one step or a
     # loop], docs/allocator.md).

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import dtralloc
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -51,7 +53,7 @@ def test_the_frees_the_ladder_makes_are_told_apart(tmp_path):
     step only (the function checks its count against the pool's)."""
     from dtralloc.replay import replay
 
-    t = rdc._load("resnet50")
+    t = dtralloc.traces.load_bundled("resnet50")
     for steps in (1, 2):
         r = replay(t, budget=0.5, policy="dtralloc", conf=rdc.DEFAULT_CONFS[0], steps=steps, history=True)
         frees = r.last_step_device_free_calls if steps > 1 else r.device_free_calls
