@@ -333,18 +333,18 @@ class CallTimer {
 };
 }  // namespace
 
-void* Allocator::backend_allocate(std::size_t bytes) {
+void* Allocator::backend_allocate(std::size_t bytes, Stream stream) {
   CallTimer timer(pool_.stats().device_alloc_ns);
-  return backend_->allocate(bytes);
+  return backend_->allocate(bytes, stream);
 }
 
-void Allocator::backend_release(std::uintptr_t addr, std::size_t bytes) {
+void Allocator::backend_release(std::uintptr_t addr, std::size_t bytes, Stream stream) {
   CallTimer timer(pool_.stats().device_free_ns);
-  backend_->release(reinterpret_cast<void*>(addr), bytes);
+  backend_->release(reinterpret_cast<void*>(addr), bytes, stream);
 }
 
 Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
-  void* ptr = backend_allocate(bytes);
+  void* ptr = backend_allocate(bytes, stream);
   if (!ptr) {
     device_limited_.store(true, std::memory_order_relaxed);  // callers ask only for what the budget allows
     return nullptr;
@@ -396,7 +396,7 @@ bool Allocator::cut_pages_for(std::size_t rounded, bool spare_homes) {
     assert(cut.size == n);
     // The pool forgot the range first: were the backend to fail, the bytes
     // would be lost to the budget's count, never handed out twice.
-    backend_release(cut.addr, cut.size);
+    backend_release(cut.addr, cut.size, s);
     ++pool_.stats().num_page_releases;
     record(TraceAction::kSegmentUnmap, cut.addr, cut.size, s);
     room += cut.size;
@@ -410,7 +410,7 @@ void Allocator::release_segment(Segment* seg) {
   const Stream stream = seg->stream;
   // Released first, forgotten second: when the backend fails, the segment
   // stays cached (whole and free) instead of leaking out of the pool's sight.
-  backend_release(addr, size);
+  backend_release(addr, size, stream);
   if (seg == arena_) arena_ = nullptr;
   pool_.remove_segment(seg);
   ++pool_.stats().num_device_free;
@@ -776,6 +776,9 @@ void Allocator::empty_cache() {
   stamp();
   synchronize_and_free_events();
   release_cached_segments();
+  // Async segments: what the frees gave the driver's pool goes to the device
+  // too, as a cudaFree'd segment's does.
+  backend_->trim();
 }
 
 void Allocator::complete_events() {
@@ -925,12 +928,14 @@ StatsReport Allocator::stats_report() {
   r.largest_free_bytes = pool_.largest_free_block();
   r.free_cached_bytes = pool_.free_bytes();
   r.max_split_size = config_.max_split_size_mb;
+  r.has_device_pool = backend_->device_pool_bytes(r.device_pool);
   return r;
 }
 
 void Allocator::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   pool_.stats().for_each_stat([](Stat& s) { s.reset_peak(); });
+  backend_->reset_device_pool_peak();
 }
 
 void Allocator::reset_accumulated_stats() {

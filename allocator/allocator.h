@@ -150,6 +150,11 @@ struct StatsReport {
   std::size_t largest_free_bytes;
   std::size_t free_cached_bytes;   // bytes in free blocks (reserved, unallocated, not pending)
   std::size_t max_split_size;      // kNoLimit = none
+  // Async segments (cuda, async_segments:on): what the driver's pool holds
+  // for this allocator, live segments and freed ones not yet given back
+  // (Backend::device_pool_bytes); has_device_pool false elsewhere.
+  bool has_device_pool = false;
+  Backend::DevicePoolBytes device_pool{};
 };
 
 class Allocator {
@@ -336,8 +341,8 @@ class Allocator {
   Block* new_segment(std::size_t bytes, Stream stream, PoolKind pool);
   // The backend's allocate and release, timed into device_alloc_ns and
   // device_free_ns (stats.h). Under mutex_.
-  void* backend_allocate(std::size_t bytes);
-  void backend_release(std::uintptr_t addr, std::size_t bytes);
+  void* backend_allocate(std::size_t bytes, Stream stream);
+  void backend_release(std::uintptr_t addr, std::size_t bytes, Stream stream);
   void release_segment(Segment* seg);
   void garbage_collect(std::size_t incoming_bytes);
   void apply_resolved(const Config& resolved);

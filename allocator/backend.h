@@ -34,16 +34,36 @@ class Backend {
 
   virtual const char* name() const = 0;
 
-  // A segment of exactly `bytes`, or nullptr when the device is out of memory.
-  // Never throws for out-of-memory; throws std::runtime_error for other errors.
-  virtual void* allocate(std::size_t bytes) = 0;
-  virtual void release(void* ptr, std::size_t bytes) = 0;
+  // A segment of exactly `bytes` for `stream` (the stream the pool gives
+  // the segment's blocks to), or nullptr when the device is out of memory.
+  // Never throws for out-of-memory; throws std::runtime_error for other
+  // errors. release() gets the segment's stream back: with async segments
+  // (cuda) the memory is freed in that stream's order, after the work the
+  // stream already has; the others ignore it.
+  virtual void* allocate(std::size_t bytes, Stream stream) = 0;
+  virtual void release(void* ptr, std::size_t bytes, Stream stream) = 0;
   // True when release() also takes any 2 MiB-aligned range inside a segment
   // (counted from the segment's start, whole pages of 2 MiB), the rest of
   // the segment staying valid where it is: unmap_pages needs it. The host
   // and virtual backends can; cuda can with VMM segments (memory from
   // cudaMalloc is freed whole).
   virtual bool releases_ranges() const { return false; }
+
+  // Async segments (cuda, async_segments:on): the device memory the driver's
+  // pool holds for this backend, live segments and freed ones it has not yet
+  // given back to the device (it does at the next synchronize), and the most
+  // it held since reset_device_pool_peak(). False where segments are freed
+  // at once (every other backend).
+  struct DevicePoolBytes {
+    std::size_t reserved = 0;
+    std::size_t peak = 0;
+  };
+  virtual bool device_pool_bytes(DevicePoolBytes& /*out*/) { return false; }
+  virtual void reset_device_pool_peak() {}
+  // Gives the device what the backend still holds of released segments
+  // (async segments: waits for the device, then trims the driver's pool);
+  // empty_cache() calls it. Nothing to do where release() frees at once.
+  virtual void trim() {}
 
   // Device capacity, for `budget:0.5` style fractions and for the OOM message.
   virtual std::size_t total_bytes() = 0;
@@ -103,9 +123,14 @@ std::string cuda_vmm_unavailable(int device);
 // ConfigError. With cudaMalloc'd segments the Allocator resolves
 // unmap_pages:auto off.
 struct Config;
+// With async_segments:on, segments come from a memory pool of the driver's
+// stream-ordered allocator instead (cudaMallocFromPoolAsync, cudaFreeAsync on
+// the segment's stream), so that neither waits for the device.
 std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device);
 // Throws ConfigError naming why unmap_pages:on cannot run on `device`.
 void check_cuda_unmap_pages(int device);
+// Throws ConfigError naming why async_segments:on cannot run on `device`.
+void check_cuda_async_segments(int device);
 
 // Number of CUDA devices the runtime reports (0 when none can be loaded).
 int cuda_device_count();

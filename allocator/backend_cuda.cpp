@@ -166,6 +166,11 @@ void resolve(void* handle, const char* symbol, const std::string& library,
   slot = reinterpret_cast<Fn*>(address);
 }
 
+template <typename Fn>
+void resolve_optional(void* handle, const char* symbol, Fn*& slot) {
+  slot = handle ? reinterpret_cast<Fn*>(dlsym(handle, symbol)) : nullptr;
+}
+
 void resolve_all(void* handle, const std::string& library,
                  CudaRuntimeApi& api) {
   resolve(handle, "cudaMalloc", library, api.Malloc);
@@ -188,6 +193,18 @@ void resolve_all(void* handle, const std::string& library,
   resolve(handle, "cudaGetLastError", library, api.GetLastError);
   resolve(handle, "cudaGetErrorString", library, api.GetErrorString);
   resolve(handle, "cudaRuntimeGetVersion", library, api.RuntimeGetVersion);
+  // The stream-ordered allocator: optional, all or none (async_segments).
+  CudaRuntimeApi::PoolApi& pools = api.pools;
+  resolve_optional(handle, "cudaDeviceGetAttribute", pools.DeviceGetAttribute);
+  resolve_optional(handle, "cudaMemPoolCreate", pools.MemPoolCreate);
+  resolve_optional(handle, "cudaMemPoolDestroy", pools.MemPoolDestroy);
+  resolve_optional(handle, "cudaMemPoolGetAttribute", pools.MemPoolGetAttribute);
+  resolve_optional(handle, "cudaMemPoolSetAttribute", pools.MemPoolSetAttribute);
+  resolve_optional(handle, "cudaMemPoolTrimTo", pools.MemPoolTrimTo);
+  resolve_optional(handle, "cudaMallocFromPoolAsync", pools.MallocFromPoolAsync);
+  resolve_optional(handle, "cudaFreeAsync", pools.FreeAsync);
+  if (!pools.complete()) pools = CudaRuntimeApi::PoolApi{};
+  dlerror();  // a miss above is an answer, not an error
 }
 
 // The driver's cuDevicePrimaryCtxGetState: from the runtime library itself
@@ -197,11 +214,6 @@ void resolve_all(void* handle, const std::string& library,
 //
 // The VMM functions (CudaRuntimeApi::VmmApi) come from the same library as
 // cuDevicePrimaryCtxGetState, all of them or none.
-template <typename Fn>
-void resolve_optional(void* handle, const char* symbol, Fn*& slot) {
-  slot = handle ? reinterpret_cast<Fn*>(dlsym(handle, symbol)) : nullptr;
-}
-
 void resolve_driver(void* runtime_handle, CudaRuntimeApi& api) {
   void* source = runtime_handle;
   if (dlsym(runtime_handle, "cuDevicePrimaryCtxGetState") == nullptr) {
@@ -357,19 +369,54 @@ std::string vmm_unavailable(const CudaRuntimeApi& api, int device) {
   return "";
 }
 
+// Why `device` cannot have async segments (a memory pool of the driver's
+// stream-ordered allocator), "" when it can. Creates no context.
+std::string async_unavailable(const CudaRuntimeApi& api, int device) {
+  const CudaRuntimeApi::PoolApi& pools = api.pools;
+  if (!pools.complete())
+    return "the CUDA runtime does not export the stream-ordered allocator (cudaMemPoolCreate, "
+           "cudaMallocFromPoolAsync, cudaFreeAsync, ...; CUDA 11.2 and later have it)";
+  int supported = 0;
+  const cudaError_t err = pools.DeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device);
+  if (err != cudaSuccess) {
+    const std::string why = describe(api, err);
+    api.GetLastError();
+    return "cudaDeviceGetAttribute(cudaDevAttrMemoryPoolsSupported) failed: " + why;
+  }
+  if (supported == 0) return "CUDA device " + std::to_string(device) + " does not support memory pools";
+  return "";
+}
+
+// Where a backend's segments come from.
+enum class Segments {
+  kMalloc,  // cudaMalloc and cudaFree (the default)
+  kVmm,     // reserved address ranges mapped a 2 MiB page at a time (unmap_pages:on)
+  kAsync,   // a memory pool of the stream-ordered allocator (async_segments:on)
+};
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CudaRuntimeApi& api, int device, bool vmm)
-      : api_(api), device_(device), vmm_(vmm), page_prop_(page_properties(device)) {}
+  CudaBackend(const CudaRuntimeApi& api, int device, Segments segments)
+      : api_(api), device_(device), vmm_(segments == Segments::kVmm), async_(segments == Segments::kAsync),
+        page_prop_(page_properties(device)) {}
+
+  ~CudaBackend() override {
+    // Segments still holding tensors (the Allocator leaks them at exit on
+    // purpose) keep the pool's memory: the driver destroys the pool once
+    // they are freed. A failure here (the runtime already unloading at
+    // process exit) leaves no error behind for anyone's next check.
+    if (pool_ && api_.pools.MemPoolDestroy(pool_) != cudaSuccess) api_.GetLastError();
+  }
 
   const char* name() const override { return "cuda"; }
 
   // With VMM segments, any whole 2 MiB pages of a segment can go back.
   bool releases_ranges() const override { return vmm_; }
 
-  void* allocate(std::size_t bytes) override {
+  void* allocate(std::size_t bytes, Stream stream) override {
     DeviceGuard guard(api_, device_);
     if (vmm_) return vmm_allocate(bytes);
+    if (async_) return async_allocate(bytes, stream);
     void* ptr = nullptr;
     cudaError_t err = api_.Malloc(&ptr, bytes);
     if (err == cudaErrorMemoryAllocation) {
@@ -382,13 +429,41 @@ class CudaBackend final : public Backend {
     return ptr;
   }
 
-  void release(void* ptr, std::size_t bytes) override {
+  void release(void* ptr, std::size_t bytes, Stream stream) override {
     DeviceGuard guard(api_, device_);
     if (vmm_) return vmm_release(ptr, bytes);
+    if (async_) return async_release(ptr, bytes, stream);
     cudaError_t err = api_.Free(ptr);
     if (err != cudaSuccess) {
       fail(err, "cudaFree of " + std::to_string(bytes) + " bytes");
     }
+  }
+
+  bool device_pool_bytes(DevicePoolBytes& out) override {
+    if (!async_) return false;
+    out = DevicePoolBytes{};
+    if (!pool_) return true;  // nothing allocated yet
+    out.reserved = pool_attribute(cudaMemPoolAttrReservedMemCurrent);
+    out.peak = pool_attribute(cudaMemPoolAttrReservedMemHigh);
+    return true;
+  }
+
+  void reset_device_pool_peak() override {
+    if (!pool_) return;
+    unsigned long long zero = 0;  // resets the watermark to the current value
+    cudaError_t err = api_.pools.MemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero);
+    if (err != cudaSuccess) fail(err, "cudaMemPoolSetAttribute(cudaMemPoolAttrReservedMemHigh)");
+  }
+
+  // Async segments: the frees enqueued so far complete once the device has
+  // run the work before them; then the pool can give their memory back.
+  void trim() override {
+    if (!pool_) return;
+    DeviceGuard guard(api_, device_);
+    cudaError_t err = api_.DeviceSynchronize();
+    if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize before cudaMemPoolTrimTo");
+    err = api_.pools.MemPoolTrimTo(pool_, 0);
+    if (err != cudaSuccess) fail(err, "cudaMemPoolTrimTo");
   }
 
   std::size_t total_bytes() override { return memory_info().total; }
@@ -600,10 +675,98 @@ class CudaBackend final : public Backend {
     if (r != cudrv::CUDA_SUCCESS) fail_driver(r, "cuMemAddressFree");
   }
 
+  // ---- async segments ----------------------------------------------------
+  //
+  // A segment is one allocation from a memory pool of the driver's
+  // stream-ordered allocator, made on the stream the segment is for and
+  // freed on it (cudaMallocFromPoolAsync, cudaFreeAsync). Neither waits for
+  // the device, where cudaMalloc and cudaFree do: under a budget the pool
+  // gives a segment back to make one of another size many times a step, and
+  // each cudaFree would stall the host until the device caught up. The
+  // driver reuses what a free on a stream gave back for the stream's next
+  // allocation at once, in stream order; what it cannot reuse it keeps until
+  // the next synchronize (release threshold 0), so the device may hold more
+  // than the pool's segments until then (device_pool_bytes). The blocks the
+  // pool hands out of a segment are used on other streams only after their
+  // record_stream events completed, so the free on the segment's stream
+  // comes after every use.
+  //
+  // The pool is the backend's own (cudaMemPoolCreate), not the device's
+  // default, so that its figures are the backend's alone. Its memory is
+  // accessible from its own device only (cudaMemPoolSetAccess would grant
+  // others) and has no IPC handle.
+
+  static cudaStream_t as_stream(Stream stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+  void ensure_pool() {
+    if (pool_) return;
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device_;
+    cudaMemPool_t pool = nullptr;
+    cudaError_t err = api_.pools.MemPoolCreate(&pool, &props);
+    if (err != cudaSuccess) fail(err, "cudaMemPoolCreate");
+    // 0 (the default, set to be sure): what frees gave back and no
+    // allocation reused goes back to the device at the next synchronize.
+    unsigned long long threshold = 0;
+    err = api_.pools.MemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+    if (err != cudaSuccess) {
+      api_.pools.MemPoolDestroy(pool);
+      fail(err, "cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)");
+    }
+    pool_ = pool;
+  }
+
+  std::size_t pool_attribute(int attribute) {
+    unsigned long long value = 0;
+    cudaError_t err = api_.pools.MemPoolGetAttribute(pool_, attribute, &value);
+    if (err != cudaSuccess) fail(err, "cudaMemPoolGetAttribute");
+    return static_cast<std::size_t>(value);
+  }
+
+  void* async_allocate(std::size_t bytes, Stream stream) {
+    ensure_pool();
+    void* ptr = nullptr;
+    cudaError_t err = api_.pools.MallocFromPoolAsync(&ptr, bytes, pool_, as_stream(stream));
+    if (err == cudaErrorMemoryAllocation) {
+      api_.GetLastError();
+      // Memory freed on other streams, or freed here but not where the
+      // driver could reuse it, is free once the device has run past the
+      // frees: wait once and ask again before answering out of memory.
+      err = api_.DeviceSynchronize();
+      if (err != cudaSuccess) fail(err, "cudaDeviceSynchronize after cudaMallocFromPoolAsync ran out of memory");
+      err = api_.pools.MallocFromPoolAsync(&ptr, bytes, pool_, as_stream(stream));
+      if (err == cudaErrorMemoryAllocation) {
+        api_.GetLastError();  // out of memory is an answer, not an error
+        return nullptr;
+      }
+    }
+    if (err != cudaSuccess) fail(err, "cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes");
+    return ptr;
+  }
+
+  void async_release(void* ptr, std::size_t bytes, Stream stream) {
+    // On a capturing stream the free would become a node of the graph
+    // instead of happening; cudaFree would fail there (the capture forbids
+    // it), and so does this.
+    if (stream_capturing(stream))
+      throw std::runtime_error("dtralloc: cudaFreeAsync of " + std::to_string(bytes) + " bytes on CUDA device " +
+                               std::to_string(device_) +
+                               ": its stream is capturing a CUDA graph, which would record the free instead of "
+                               "doing it. dtralloc does not support CUDA graph capture; capture in a process "
+                               "without dtralloc.install().");
+    cudaError_t err = api_.pools.FreeAsync(ptr, as_stream(stream));
+    if (err != cudaSuccess) fail(err, "cudaFreeAsync of " + std::to_string(bytes) + " bytes");
+  }
+
   const CudaRuntimeApi& api_;
   const int device_;
   const bool vmm_;
+  const bool async_;
   const cudrv::CUmemAllocationProp page_prop_;
+  cudaMemPool_t pool_ = nullptr;  // async segments: made at the first allocation
   // Each segment's address reservation, freed once all its pages are unmapped.
   RangeLedger reservations_;
 };
@@ -683,7 +846,7 @@ const LoadedRuntime& runtime_for_device(int device) {
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {
-  return std::make_unique<CudaBackend>(runtime_for_device(device).api, device, false);
+  return std::make_unique<CudaBackend>(runtime_for_device(device).api, device, Segments::kMalloc);
 }
 
 std::string cuda_vmm_unavailable(int device) {
@@ -696,6 +859,11 @@ namespace {
   throw ConfigError("DTRALLOC_CONF: unmap_pages:on gives back pages of CUDA memory through CUDA's virtual "
                     "memory API, and here it cannot: " + why +
                     ". Leave unmap_pages at auto or off (cudaMalloc'd segments).");
+}
+
+[[noreturn]] void refuse_async_segments(const std::string& why) {
+  throw ConfigError("DTRALLOC_CONF: async_segments:on makes segments with CUDA's stream-ordered allocator, and "
+                    "here it cannot: " + why + ". Leave async_segments off (cudaMalloc'd segments).");
 }
 
 }  // namespace
@@ -718,12 +886,24 @@ std::unique_ptr<Backend> make_cuda_backend_for(const Config& config, int device)
     const std::string why = vmm_unavailable(runtime.api, device);
     if (!why.empty()) refuse_unmap_pages(why);
   }
-  return std::make_unique<CudaBackend>(runtime.api, device, vmm);
+  // parse_config refuses async_segments:on beside unmap_pages:on.
+  const bool async = config.async_segments == Switch::kOn;
+  if (async) {
+    const std::string why = async_unavailable(runtime.api, device);
+    if (!why.empty()) refuse_async_segments(why);
+  }
+  return std::make_unique<CudaBackend>(runtime.api, device,
+                                       vmm ? Segments::kVmm : async ? Segments::kAsync : Segments::kMalloc);
 }
 
 void check_cuda_unmap_pages(int device) {
   const std::string why = cuda_vmm_unavailable(device);
   if (!why.empty()) refuse_unmap_pages(why);
+}
+
+void check_cuda_async_segments(int device) {
+  const std::string why = async_unavailable(runtime_for_device(device).api, device);
+  if (!why.empty()) refuse_async_segments(why);
 }
 
 }  // namespace dtralloc

@@ -94,7 +94,7 @@ class HostBackend final : public SimulatedBackend {
   const char* name() const override { return "host"; }
   bool host_accessible() const override { return true; }
   bool releases_ranges() const override { return true; }
-  void* allocate(std::size_t bytes) override {
+  void* allocate(std::size_t bytes, Stream) override {
     if (!reserve(bytes)) return nullptr;
     void* p = nullptr;
     // 512 B matches the pool's block alignment (and cudaMalloc's >= 256 B).
@@ -107,7 +107,7 @@ class HostBackend final : public SimulatedBackend {
   }
   // A range of an allocation (releases_ranges): host memory is freed when
   // the last of its bytes is released, as a device frees page by page.
-  void release(void* ptr, std::size_t bytes) override {
+  void release(void* ptr, std::size_t bytes, Stream) override {
     const RangeLedger::Allocation whole =
         allocations_.release(reinterpret_cast<std::uintptr_t>(ptr), bytes, name());
     if (whole.size) std::free(reinterpret_cast<void*>(whole.addr));
@@ -128,7 +128,7 @@ class VirtualBackend final : public SimulatedBackend {
   }
   const char* name() const override { return "virtual"; }
   bool releases_ranges() const override { return true; }
-  void* allocate(std::size_t bytes) override {
+  void* allocate(std::size_t bytes, Stream) override {
     for (auto it = holes_.begin(); it != holes_.end(); ++it) {
       if (it->second < bytes) continue;
       if (!reserve(bytes)) return nullptr;
@@ -140,7 +140,7 @@ class VirtualBackend final : public SimulatedBackend {
     }
     return nullptr;
   }
-  void release(void* ptr, std::size_t bytes) override {
+  void release(void* ptr, std::size_t bytes, Stream) override {
     unreserve(bytes);
     auto addr = reinterpret_cast<std::uintptr_t>(ptr);
     auto next = holes_.lower_bound(addr);

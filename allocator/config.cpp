@@ -330,6 +330,10 @@ Config parse_config(const std::string& text) {
       throw ConfigError("DTRALLOC_CONF: arena:on and unmap_pages:on exclude each other: the arena is kept whole "
                         "(reserving the budget once), unmap_pages gives pages of segments back. Choose one.");
   }
+  if (config.async_segments == Switch::kOn && config.unmap_pages == Switch::kOn)
+    throw ConfigError("DTRALLOC_CONF: async_segments:on and unmap_pages:on exclude each other on cuda: unmap_pages "
+                      "gives back pages of VMM segments, async_segments makes segments with the stream-ordered "
+                      "allocator, which frees them only whole. Choose one.");
   return config;
 }
 
@@ -389,6 +393,7 @@ Config resolve_config(Config config, bool releases_ranges) {
   const bool dtralloc_placement = config.policy == Policy::kDtralloc && !config.budget.none();
   // arena:on settles what it needs (the rules: parse_config).
   if (config.arena == Switch::kAuto) config.arena = Switch::kOff;
+  if (config.async_segments == Switch::kAuto) config.async_segments = Switch::kOff;
   if (config.arena == Switch::kOn) {  // parse_config refused what contradicts it
     config.max_split_size_mb = kNoLimit;
     config.small_in_large = Switch::kOn;

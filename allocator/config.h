@@ -129,6 +129,18 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "max_split_size_mb none (auto is), small_in_large on (auto is), "          \
     "unmap_pages off (auto is). off: segments per request size (torch); auto " \
     "= off (docs/allocator.md, Note [arena])")                                 \
+  X(async_segments, SwitchOption, Switch::kOff,                              \
+    "cuda: on: segments come from a memory pool of CUDA's stream-ordered "    \
+    "allocator (cudaMallocFromPoolAsync and cudaFreeAsync on the segment's "   \
+    "stream), so making or giving back a segment never waits for the device, " \
+    "as cudaMalloc and cudaFree do (under a budget the pool gives segments "   \
+    "back to make others, many times a step); the driver keeps what it could " \
+    "not reuse until the next synchronize, so the device may hold more than "  \
+    "the budget until then (memory_stats: device_pool_reserved_bytes); off: " \
+    "cudaMalloc (torch); auto = off (not yet measured on a GPU, "              \
+    "docs/allocator.md). No effect on host and virtual. Excludes "            \
+    "unmap_pages:on; leave it off where one GPU reads another's tensors or "   \
+    "CUDA tensors cross processes (pool memory is its device's only)")        \
   X(max_non_split_rounding_mb, SizeMbOption, 20 * kMiB,                        \
     "a request of max_split_size or more may take an unsplittable cached "     \
     "block up to this much (MB) larger than itself")                           \

@@ -9,8 +9,9 @@
 // include the real cuda_runtime.h without a clash. Two names need care there:
 //   * cudaEventDisableTiming is a macro in the real headers; we only declare
 //     our constant when that macro is absent (same value, use it unqualified).
-//   * cudaEventRecord, cudaStreamSynchronize, cudaStreamWaitEvent and
-//     cudaStreamIsCapturing become macros (the _ptsz variants) when
+//   * cudaEventRecord, cudaStreamSynchronize, cudaStreamWaitEvent,
+//     cudaStreamIsCapturing, cudaMallocFromPoolAsync and cudaFreeAsync
+//     become macros (the _ptsz variants) when
 //     CUDA_API_PER_THREAD_DEFAULT_STREAM is defined, which is why the table's
 //     fields drop the "cuda" prefix.
 #pragma once
@@ -55,6 +56,41 @@ typedef OpaqueEvent* cudaEvent_t;
 #ifndef cudaEventDisableTiming
 constexpr unsigned int cudaEventDisableTiming = 0x02;
 #endif
+
+// The stream-ordered allocator's memory pools (cudaMemPoolCreate,
+// cudaMallocFromPoolAsync, cudaFreeAsync; async_segments, backend_cuda.cpp).
+// Values as in driver_types.h (CUDA 12 and 13 agree).
+struct OpaqueMemPool;
+typedef OpaqueMemPool* cudaMemPool_t;
+// enum cudaDeviceAttr: cudaDevAttrMemoryPoolsSupported
+constexpr int cudaDevAttrMemoryPoolsSupported = 115;
+// enum cudaMemPoolAttr (each value a cuuint64_t, unsigned long long)
+constexpr int cudaMemPoolAttrReleaseThreshold = 0x4;
+constexpr int cudaMemPoolAttrReservedMemCurrent = 0x5;
+constexpr int cudaMemPoolAttrReservedMemHigh = 0x6;
+// enum cudaMemAllocationType, cudaMemAllocationHandleType, cudaMemLocationType
+constexpr int cudaMemAllocationTypePinned = 0x1;
+constexpr int cudaMemHandleTypeNone = 0x0;
+constexpr int cudaMemLocationTypeDevice = 1;
+
+struct cudaMemLocation {
+  int type;  // cudaMemLocationType
+  int id;
+};
+
+// CUDA 13's layout. CUDA 12.0 had 64 reserved bytes after
+// win32SecurityAttributes, which later versions turned into maxSize, usage
+// and 54 reserved: the same 88 bytes, and zero means the same in each.
+struct cudaMemPoolProps {
+  int allocType;    // cudaMemAllocationType
+  int handleTypes;  // cudaMemAllocationHandleType
+  cudaMemLocation location;
+  void* win32SecurityAttributes;
+  std::size_t maxSize;  // 0: the system's default
+  unsigned short usage;
+  unsigned char reserved[54];
+};
+static_assert(sizeof(cudaMemPoolProps) == 88, "cudaMemPoolProps layout differs from driver_types.h");
 
 }  // namespace cudart
 
@@ -148,6 +184,25 @@ struct CudaRuntimeApi {
   Err (*GetLastError)();
   const char* (*GetErrorString)(Err error);
   Err (*RuntimeGetVersion)(int* runtime_version);
+
+  // The stream-ordered allocator (CUDA 11.2 and later), optional: all of
+  // them or none (PoolApi::complete()); async_segments needs them.
+  struct PoolApi {
+    using Pool = cudart::cudaMemPool_t;
+    Err (*DeviceGetAttribute)(int* value, int attribute, int device);
+    Err (*MemPoolCreate)(Pool* pool, const cudart::cudaMemPoolProps* props);
+    Err (*MemPoolDestroy)(Pool pool);
+    Err (*MemPoolGetAttribute)(Pool pool, int attribute, void* value);
+    Err (*MemPoolSetAttribute)(Pool pool, int attribute, void* value);
+    Err (*MemPoolTrimTo)(Pool pool, std::size_t min_bytes_to_keep);
+    Err (*MallocFromPoolAsync)(void** ptr, std::size_t size, Pool pool, Stream stream);
+    Err (*FreeAsync)(void* dev_ptr, Stream stream);
+
+    bool complete() const {
+      return DeviceGetAttribute && MemPoolCreate && MemPoolDestroy && MemPoolGetAttribute && MemPoolSetAttribute &&
+             MemPoolTrimTo && MallocFromPoolAsync && FreeAsync;
+    }
+  } pools{};
 
   // From the driver API (cuda.h), optional: CUresult
   // cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active).

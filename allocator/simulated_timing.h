@@ -38,8 +38,8 @@ class SimulatedTimingBackend final : public Backend {
 
   const char* name() const override { return "simulated-timing"; }
   // Timing only: the session's memory is its pool's.
-  void* allocate(std::size_t) override { throw std::logic_error("dtralloc: the simulated timer has no memory"); }
-  void release(void*, std::size_t) override { throw std::logic_error("dtralloc: the simulated timer has no memory"); }
+  void* allocate(std::size_t, Stream) override { throw std::logic_error("dtralloc: the simulated timer has no memory"); }
+  void release(void*, std::size_t, Stream) override { throw std::logic_error("dtralloc: the simulated timer has no memory"); }
   std::size_t total_bytes() override { return 0; }
   std::size_t free_bytes() override { return 0; }
 

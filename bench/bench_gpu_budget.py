@@ -344,8 +344,19 @@ class Worker:
             # The pool's (or torch's) own peak since _clean(): a session's
             # peak_bytes counts reserved bytes at the ops it records only,
             # and dtr-forward records none of its backward.
-            peak = max(peak, self.torch.cuda.max_memory_reserved())
+            peak = max(peak, self.torch.cuda.max_memory_reserved(), self._device_pool_peak())
         return {"times": times, "peak": peak, "evictions": evictions, "remats": remats, "calls": calls}
+
+    def _device_pool_peak(self) -> int:
+        """async_segments:on: the most the driver's pool held since _clean(),
+        freed segments it had not given back yet included, which can pass
+        the pool's reserved bytes until a synchronize (docs/allocator.md,
+        Note [async segments]); 0 elsewhere."""
+        if not (self.cuda and self.config in DTR_CONFIGS + ("plain-dtralloc",)):
+            return 0
+        import dtralloc
+
+        return dtralloc.memory_stats().get("device_pool_reserved_bytes.peak", 0)
 
     def _device_calls(self):
         """dtralloc's pool so far: cudaMalloc + cudaFree calls, and the host
@@ -365,7 +376,12 @@ class Worker:
         try:
             batch = self.m.batch(size)
             r = self.run_steps(batch, 1 + self.timed_steps)
-            ok = not (not self.cuda and self.config not in DTR_CONFIGS and self.cap and r["peak"] > self.cap)
+            # CPU: plain and checkpoint fit when the mirror's peak is within M.
+            # CUDA: the budget holds dtralloc's pool within M, but with
+            # async segments the driver's pool may hold more until a
+            # synchronize, which must not count as fitting M either.
+            over = bool(self.cap and r["peak"] > self.cap + MiB)
+            ok = not over or (not self.cuda and self.config in DTR_CONFIGS)
             record.update(ok=ok, step_s=min(r["times"][1:]), peak_bytes=r["peak"], evictions=r["evictions"],
                           remats=r["remats"])
             timed = r["calls"][1:]  # the steps after the warm-up, as step_s
@@ -373,7 +389,9 @@ class Worker:
                 record.update(device_calls=sum(c for c, _ in timed) / len(timed),
                               device_ms=sum(ns for _, ns in timed) / len(timed) / 1e6)
             if not ok:
-                record["error"] = f"mirror peak {r['peak']} over the cap"
+                record["error"] = (f"the device held {r['peak']} bytes, over the cap (async segments: the "
+                                   "driver's pool held freed segments)" if self.cuda else
+                                   f"mirror peak {r['peak']} over the cap")
         except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is reported
             if not _is_oom(e):
                 raise

@@ -4,7 +4,7 @@ Each scenario runs in a fresh process: dtralloc.install() must come before
 torch's first CUDA allocation. It prints one JSON line with what it measured;
 the test asserts on it.
 
-    python _dtr_gpu_worker.py dropout | verify | generator | oom | device_thread | device_full | op_costs | long_lived | foreach | hf
+    python _dtr_gpu_worker.py dropout | verify | generator | oom | device_thread | device_full | op_costs | long_lived | async_segments | foreach | hf
     python _dtr_gpu_worker.py flash_dropout float16|bfloat16
     python _dtr_gpu_worker.py amp whole|forward
     python _dtr_gpu_worker.py opinfo [backward|forward-ad|modules] [DTYPE] [SAMPLES_PER_OP] [SECONDS]
@@ -69,6 +69,34 @@ def _settle(torch) -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def _mlp_workload(torch, dropout: float = 0.0):
+    """Eight Linear(1024) + ReLU (+ Dropout) layers on a 2048-row batch:
+    (build, batch, loss_fn), each build() seeded the same."""
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), *([nn.Dropout(dropout)] if dropout else []))
+                  for _ in range(8)]
+        return nn.Sequential(*layers).cuda()
+
+    def loss_fn(model, x):
+        return model(x).square().mean()
+
+    return build, torch.randn(2048, 1024, device="cuda"), loss_fn
+
+
+def _step_bytes(dtralloc, torch, build, batch, loss_fn) -> int:
+    """What one forward+backward of a fresh `build()` in a session without a
+    budget adds to what is allocated (activations, gradients, temporaries)."""
+    model = build()
+    before = dtralloc.memory_stats()["allocated_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()  # dtralloc's, once installed (torch_memory.py)
+    with dtralloc.dtr():
+        loss_fn(model, batch).backward()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def _identical(torch, got, want) -> list:
@@ -449,32 +477,16 @@ def long_lived(installed: str = "configured") -> dict:
     installed with neither ("plain": dtralloc.install(), then dtr(budget=...)),
     whose own settings resolve long_lived off."""
     dtralloc, torch = _setup({"configured": "policy:dtralloc,budget:0.9", "plain": ""}[installed])
-    from torch import nn
-
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(8)]).cuda()
-
-    batch = torch.randn(2048, 1024, device="cuda")
-
-    def loss_fn(model, x):
-        return model(x).square().mean()
+    build, batch, loss_fn = _mlp_workload(torch)
 
     def allocated():
         return dtralloc.memory_stats()["allocated_bytes.all.current"]
 
-    # What one forward+backward adds (activations, gradients, temporaries),
-    # and each session's budget 60% of that over what is allocated when it
-    # starts: the parameters, AdamW's state and the results of the plain runs
-    # before it. A budget of 60% of the first session's peak alone (before
-    # 2026-11-27) sat below that on a GPU: 121 MiB against 294 allocated.
-    model = build()
-    before = allocated()
-    torch.cuda.reset_peak_memory_stats()  # dtralloc's, once installed (torch_memory.py)
-    with dtralloc.dtr():
-        loss_fn(model, batch).backward()
-    step_bytes = torch.cuda.max_memory_allocated() - before
-    del model
+    # Each session's budget 60% of what one step adds over what is allocated
+    # when it starts: the parameters, AdamW's state and the results of the
+    # plain runs before it. A budget of 60% of the first session's peak alone
+    # (before 2026-11-27) sat below that on a GPU: 121 MiB against 294 allocated.
+    step_bytes = _step_bytes(dtralloc, torch, build, batch, loss_fn)
     sessions = []
 
     def session():
@@ -489,6 +501,47 @@ def long_lived(installed: str = "configured") -> dict:
     stats = [s.stats() for s in sessions]
     return {"control_diffs": control, "diffs": diffs, "long_lived": [x["long_lived"] for x in stats],
             "evictions": [x["evictions"] for x in stats], "params": len(list(build().parameters())),
+            "pool_ok": _pool_ok(dtralloc)}
+
+
+def async_segments() -> dict:
+    """async_segments:on (docs/allocator.md, Note [async segments]): under a
+    budget the sessions evict and the pool gives segments back and makes
+    others with cudaFreeAsync and cudaMallocFromPoolAsync on the stream; the
+    step stays bit-exact, and memory_stats() reports what the driver's pool
+    holds, which empty_cache() (a synchronize and a trim) brings back to the
+    pool's own segments."""
+    dtralloc, torch = _setup("policy:dtralloc,async_segments:on")
+    build, batch, loss_fn = _mlp_workload(torch, dropout=0.1)
+
+    def allocated():
+        return dtralloc.memory_stats()["allocated_bytes.all.current"]
+
+    step_bytes = _step_bytes(dtralloc, torch, build, batch, loss_fn)
+    _settle(torch)
+    sessions = []
+
+    def session():
+        s = dtralloc.dtr(budget=allocated() + int(step_bytes * 0.5))
+        sessions.append(s)
+        return s
+
+    frees_before = dtralloc.memory_stats()["num_device_free"]
+    control, diffs, _ = _plain_twice_and_live(torch, build, batch, loss_fn, 3, session)
+    stats = dtralloc.memory_stats()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    after = dtralloc.memory_stats()
+    return {"control_diffs": control, "diffs": diffs,
+            "evictions": [x.stats()["evictions"] for x in sessions],
+            "device_calls": [x.stats()["device_calls"] for x in sessions],
+            "device_call_seconds": [x.stats()["device_call_seconds"] for x in sessions],
+            "device_frees": stats["num_device_free"] - frees_before,
+            "budgets": [x.stats()["budget_bytes"] for x in sessions],
+            "reserved_peak": stats["reserved_bytes.all.peak"],
+            "device_pool_peak": stats.get("device_pool_reserved_bytes.peak"),
+            "reserved_after_empty": after["reserved_bytes.all.current"],
+            "device_pool_after_empty": after.get("device_pool_reserved_bytes.current"),
             "pool_ok": _pool_ok(dtralloc)}
 
 
@@ -776,6 +829,7 @@ SCENARIOS = {
     "oom": oom,
     "device_thread": device_thread,
     "long_lived": long_lived,
+    "async_segments": async_segments,
     "hf": hf,
 }
 

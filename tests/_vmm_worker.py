@@ -18,7 +18,6 @@ import threading
 import _scenario_main
 import dtralloc
 from dtralloc import _core
-from dtralloc._native import library_path
 from dtralloc.testing import FakeCudaRuntime
 
 MiB = 1 << 20
@@ -198,11 +197,7 @@ def scenario_a_thread_without_a_context_allocates():
 def scenario_torch_entry_points_get_vmm_segments():
     """The process-wide allocator behind libdtralloc.so (what install() hands
     torch) makes VMM segments under DTRALLOC_CONF=...,unmap_pages:on"""
-    lib = ctypes.CDLL(library_path())
-    malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
-        ctypes.cast(lib.dtralloc_malloc, ctypes.c_void_p).value)
-    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
-        ctypes.cast(lib.dtralloc_free, ctypes.c_void_p).value)
+    malloc, free = _scenario_main.global_malloc_free()
     ptr = malloc(5 * MiB, 0, None)
     check(ptr is not None, "dtralloc_malloc returned NULL")
     ctypes.memset(ptr, 3, 5 * MiB)

@@ -280,3 +280,34 @@ def test_model_step_runs_only_the_forward_in_forward_in():
     loss = m.step(batch, forward_in=Spy())
     assert seen == [("enter", False), ("exit", False)]  # no gradient yet when the block ends: backward runs after
     assert loss.requires_grad is False and all(p.grad is not None for p in m.model.parameters())
+
+
+def test_a_cuda_probe_whose_device_held_more_than_m_does_not_fit(monkeypatch):
+    """async_segments: the budget holds dtralloc's pool within M, but the
+    driver's pool may hold freed segments beyond it until a synchronize
+    (docs/allocator.md, Note [async segments]). run_steps counts that in the
+    probe's peak, and a probe over M does not fit, whatever its config."""
+    bench = _bench()
+
+    class M:
+        class optimizer:  # noqa: N801 - stands in for the model's optimizer
+            @staticmethod
+            def zero_grad(set_to_none=True):
+                pass
+
+        @staticmethod
+        def batch(size):
+            return size
+
+    cap = 100 << 20
+    for config, peak, fits in (("dtr", cap, True), ("dtr", cap + (40 << 20), False),
+                               ("plain-dtralloc", cap + (40 << 20), False), ("plain", cap, True)):
+        worker = object.__new__(bench.Worker)
+        worker.cuda, worker.config, worker.cap, worker.timed_steps, worker.m = True, config, cap, 2, M
+        monkeypatch.setattr(worker, "_clean", lambda: None, raising=False)
+        monkeypatch.setattr(worker, "run_steps", lambda batch, steps, peak=peak: {
+            "times": [0.3, 0.2, 0.2], "peak": peak, "evictions": 0, "remats": 0, "calls": []}, raising=False)
+        record = worker.probe(8)
+        assert record["ok"] is fits, (config, peak, record)
+        if not fits:
+            assert "over the cap" in record["error"] and "driver's pool" in record["error"], record

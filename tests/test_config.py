@@ -27,6 +27,7 @@ OPTION_NAMES = [
     "unmap_pages",
     "split_oversize",
     "arena",
+    "async_segments",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",

@@ -5,12 +5,10 @@ loaded once per process. tests/test_gpu.py runs the same path on a GPU."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from dtralloc.testing import fake_cudart_path
+from _scenario_main import run_in_fresh_process
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vmm_worker.py")
 
@@ -26,11 +24,4 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_vmm_segments(scenario):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRALLOC_")}
-    env["DTRALLOC_CUDART"] = fake_cudart_path()
-    if SCENARIOS[scenario] is not None:
-        env["DTRALLOC_CONF"] = SCENARIOS[scenario]
-    proc = subprocess.run([sys.executable, WORKER, scenario], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and f"PASS {scenario}" in proc.stdout, (
-        f"scenario {scenario!r} failed (exit {proc.returncode})\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    )
+    run_in_fresh_process(WORKER, scenario, SCENARIOS[scenario])

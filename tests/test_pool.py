@@ -701,6 +701,34 @@ def test_arena_refuses_settings_that_would_break_it(make_pool, conf, names):
         make_pool(backend="virtual", conf=f"budget:100M,{conf}")
 
 
+def test_async_segments_is_refused_beside_unmap_pages_and_auto_is_off(make_pool):
+    """async_segments (cuda: the stream-ordered allocator; tests/test_cuda_async.py
+    runs it over the fake runtime) frees segments only whole, so unmap_pages:on
+    beside it is a ConfigError wherever the settings are read; auto resolves off."""
+    for conf in ("async_segments:on,unmap_pages:on", "unmap_pages:on,async_segments:on"):
+        with pytest.raises(dtralloc.ConfigError, match="async_segments:on and unmap_pages:on exclude each other"):
+            dtralloc.describe_config(f"budget:100M,{conf}")
+        with pytest.raises(dtralloc.ConfigError, match="exclude each other"):
+            make_pool(backend="virtual", conf=f"budget:100M,{conf}")
+    options = {o["name"]: o for o in dtralloc.describe_config("async_segments:auto")}
+    assert options["async_segments"]["value"] == "auto" and options["async_segments"]["default"] == "off"
+    assert dtralloc.effective_config("policy:dtralloc,budget:1G")["async_segments"] == "off"
+    assert dtralloc.effective_config("async_segments:on")["async_segments"] == "on"
+
+
+def test_async_segments_changes_nothing_on_the_simulated_backends():
+    """Host and virtual segments never wait for a device: a replay (virtual)
+    with async_segments:on evicts and places exactly as without it."""
+    from dtralloc.replay import replay
+
+    base = replay("resnet50", budget=0.5, policy="dtralloc", conf="split_oversize:on,unmap_pages:off")
+    on = replay("resnet50", budget=0.5, policy="dtralloc", conf="split_oversize:on,unmap_pages:off,async_segments:on")
+    assert base.feasible and base.evictions > 0
+    assert (on.evictions, on.remats, on.device_alloc_calls, on.device_free_calls, on.peak_reserved_bytes) == \
+        (base.evictions, base.remats, base.device_alloc_calls, base.device_free_calls, base.peak_reserved_bytes)
+    assert on.remat_cost == base.remat_cost
+
+
 def test_arena_runs_a_replay_under_its_budget_with_no_segment_given_back():
     """The evictor makes room by windows of the arena and never plans to
     give it back; the GPU's default pool settings (cudaMalloc'd segments)

@@ -39,11 +39,14 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("text"), "Parse DTRALLOC_CONF text; list every option with its effective value.");
   // install(): refuse, before torch's allocator is swapped, what creating
   // the cuda backend would refuse at the first allocation
-  // (make_cuda_backend_for: unmap_pages:on where no device has VMM).
+  // (make_cuda_backend_for: unmap_pages:on where no device has VMM,
+  // async_segments:on where none has memory pools).
   m.def("check_cuda_config", [](const std::string& text) {
     const Config config = parse_config(text);
-    if (config.unmap_pages != Switch::kOn) return;
-    for (int device = 0; device < cuda_device_count(); ++device) check_cuda_unmap_pages(device);
+    for (int device = 0; device < cuda_device_count(); ++device) {
+      if (config.unmap_pages == Switch::kOn) check_cuda_unmap_pages(device);
+      if (config.async_segments == Switch::kOn) check_cuda_async_segments(device);
+    }
   }, py::arg("text"), "Raise ConfigError if the cuda backend cannot run these settings.");
   m.def("cuda_vmm_unavailable", &cuda_vmm_unavailable, py::arg("device"),
         "Why CUDA device `device` cannot have VMM segments (unmap_pages); empty when it can.");

@@ -49,6 +49,12 @@ py::dict stats_dict(const StatsReport& r) {
   d["fragmentation.reserved_unallocated_bytes"] = reserved - allocated;
   d["fragmentation.external"] =
       r.free_cached_bytes ? 1.0 - double(r.largest_free_bytes) / double(r.free_cached_bytes) : 0.0;
+  // async_segments: the device memory the driver's pool holds, which can
+  // pass reserved_bytes until the next synchronize (backend_cuda.cpp).
+  if (r.has_device_pool) {
+    d["device_pool_reserved_bytes.current"] = r.device_pool.reserved;
+    d["device_pool_reserved_bytes.peak"] = r.device_pool.peak;
+  }
   return d;
 }
 

@@ -69,6 +69,24 @@
 //     thread (CUDA_ERROR_INVALID_CONTEXT): cudaSetDevice, or a runtime call
 //     that works on the current device, makes that device's context current.
 //
+//   * Memory pools of the stream-ordered allocator (cudaMemPoolCreate,
+//     cudaMallocFromPoolAsync, cudaFreeAsync, cudaMemPoolTrimTo, the
+//     attributes ReleaseThreshold, ReservedMemCurrent and ReservedMemHigh):
+//     a pool's memory counts against its device's capacity. cudaFreeAsync
+//     never waits: the pool holds the freed memory, which an allocation on
+//     the same stream reuses at once (the smallest that fits, whole: what it
+//     has beyond the request stays reserved with it), any stream once a
+//     synchronize or fakecuda_complete_events completed the free.
+//     cudaStreamSynchronize (the frees on that stream) and
+//     cudaDeviceSynchronize (the device's) complete frees and give them
+//     back to the device down to the release threshold (default 0);
+//     cudaMemPoolTrimTo gives back completed ones only, as documented. An
+//     allocation past the capacity first gives back the pool's completed
+//     frees. The pool calls are refused on a capturing stream (on a GPU they
+//     would become graph nodes; dtralloc must never make them there), and
+//     cudaFree of a pool's allocation, which dtralloc never does, is refused.
+//     fakecuda_set_memory_pools(0) makes devices report no support.
+//
 // No std containers, std::mutex or std::atomic here, on purpose: at -O0 their
 // inline members are emitted as weak symbols with default visibility and would
 // be exported next to the CUDA API, and `nm -D` must show only the API and the
@@ -100,6 +118,7 @@ constexpr int kRuntimeVersion = 13000;
 // a destroyed handle is never reissued, so using it is reported, not aliased.
 constexpr std::uintptr_t kEventHandleBase = 0x7e000000;
 constexpr std::uintptr_t kMemHandleBase = 0x6d000000;  // same, for cuMemCreate
+constexpr std::uintptr_t kPoolHandleBase = 0x6c000000;  // same, for cudaMemPoolCreate
 constexpr std::size_t kDefaultVmmGranularity = std::size_t{2} << 20;
 
 enum Function {
@@ -111,6 +130,8 @@ enum Function {
   kDeviceGet, kDeviceGetAttribute, kCtxGetCurrent, kMemGetAllocationGranularity,
   kMemAddressReserve, kMemAddressFree, kMemCreate, kMemRelease, kMemMap,
   kMemUnmap, kMemSetAccess, kDriverGetErrorString,
+  kRtDeviceGetAttribute, kMemPoolCreate, kMemPoolDestroy, kMemPoolGetAttribute,
+  kMemPoolSetAttribute, kMemPoolTrimTo, kMallocFromPoolAsync, kFreeAsync,
   kFunctionCount
 };
 
@@ -124,7 +145,10 @@ constexpr const char* kFunctionNames[kFunctionCount] = {
     "cuDevicePrimaryCtxGetState", "cuDeviceGet", "cuDeviceGetAttribute",
     "cuCtxGetCurrent", "cuMemGetAllocationGranularity", "cuMemAddressReserve",
     "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap",
-    "cuMemSetAccess", "cuGetErrorString"};
+    "cuMemSetAccess", "cuGetErrorString", "cudaDeviceGetAttribute",
+    "cudaMemPoolCreate", "cudaMemPoolDestroy", "cudaMemPoolGetAttribute",
+    "cudaMemPoolSetAttribute", "cudaMemPoolTrimTo", "cudaMallocFromPoolAsync",
+    "cudaFreeAsync"};
 
 // Open-addressing hash map from pointer to a trivially copyable value, with
 // linear probing. Deleting re-places the rest of the probe run, which keeps
@@ -164,6 +188,13 @@ class PointerMap {
   void for_each(Fn fn) {
     for (std::size_t i = 0; i < capacity_; ++i) {
       if (slots_[i].key != nullptr) fn(slots_[i].value);
+    }
+  }
+
+  template <typename Fn>
+  void for_each_key(Fn fn) {
+    for (std::size_t i = 0; i < capacity_; ++i) {
+      if (slots_[i].key != nullptr) fn(slots_[i].key, slots_[i].value);
     }
   }
 
@@ -213,6 +244,31 @@ class PointerMap {
 struct Allocation {
   int device;
   std::size_t bytes;
+  // Memory pools: the pool's handle (0 for cudaMalloc) and the bytes the
+  // pool holds for it (more than `bytes` where it reused a larger free).
+  std::uintptr_t pool;
+  std::size_t chunk;
+};
+
+// A memory pool of the stream-ordered allocator.
+struct MemPool {
+  int device;
+  std::size_t reserved;  // its live allocations' chunks and its held frees
+  std::size_t high;      // cudaMemPoolAttrReservedMemHigh
+  unsigned long long threshold;  // cudaMemPoolAttrReleaseThreshold
+  int live;              // allocations not yet freed
+  bool destroyed;        // cudaMemPoolDestroy came while allocations lived
+};
+
+// What a cudaFreeAsync gave a pool back: reusable at once by an allocation
+// on the same stream, by any stream once completed (a synchronize, or
+// fakecuda_complete_events), and given back to the device by a synchronize
+// or cudaMemPoolTrimTo once completed.
+struct HeldFree {
+  std::uintptr_t pool;
+  std::size_t chunk;
+  cudaStream_t stream;
+  bool completed;
 };
 
 // VMM (driver API): a reserved address range, a physical allocation
@@ -273,6 +329,11 @@ struct State {
   long long free_wait_ns = 0;      // fakecuda_set_free_wait_ns
   PointerMap<Allocation> allocations;
   PointerMap<EventState> events;
+  // Memory pools
+  bool pools_supported = true;
+  std::uintptr_t pools_created = 0;
+  PointerMap<MemPool> pools;        // by handle value
+  PointerMap<HeldFree> held_frees;  // by address
   // VMM
   bool vmm_supported = true;
   std::size_t vmm_granularity = kDefaultVmmGranularity;
@@ -380,6 +441,44 @@ bool exceeds_capacity(std::size_t used, std::size_t size) {
   return used > capacity || size > capacity - used;
 }
 
+MemPool* find_pool(std::uintptr_t handle) { return g_state.pools.find(reinterpret_cast<void*>(handle)); }
+
+// Gives the device the completed frees `pool` holds until it holds at most
+// `keep` bytes, as a synchronize (keep = the release threshold) or
+// cudaMemPoolTrimTo does (caller holds the lock).
+void release_held(std::uintptr_t handle, std::size_t keep) {
+  MemPool* pool = find_pool(handle);
+  if (pool == nullptr) return;
+  while (pool->reserved > keep) {
+    void* address = nullptr;
+    std::size_t chunk = 0;
+    g_state.held_frees.for_each_key([&](const void* key, HeldFree& f) {
+      if (address == nullptr && f.pool == handle && f.completed) {
+        address = const_cast<void*>(key);
+        chunk = f.chunk;
+      }
+    });
+    if (address == nullptr) return;
+    g_state.held_frees.erase(address);
+    std::free(address);
+    pool->reserved -= chunk;
+    g_state.used[pool->device] -= chunk;
+  }
+}
+
+// The frees held for `matches` streams have run: reusable by any stream,
+// and given back down to each pool's release threshold (caller holds the
+// lock).
+template <typename Predicate>
+void synchronize_frees_where(Predicate matches) {
+  g_state.held_frees.for_each([&](HeldFree& f) {
+    if (matches(f)) f.completed = true;
+  });
+  g_state.pools.for_each_key([](const void* key, MemPool& pool) {
+    release_held(reinterpret_cast<std::uintptr_t>(key), pool.threshold);
+  });
+}
+
 const char* error_string(cudaError_t err) {
   switch (err) {
     case cudaSuccess: return "cudaSuccess: no error";
@@ -429,7 +528,7 @@ FAKECUDA_EXPORT cudaError_t cudaMalloc(void** dev_ptr, std::size_t size) {
   if (posix_memalign(&memory, kAlignment, size) != 0) {
     return fail(cudaErrorMemoryAllocation);
   }
-  if (!g_state.allocations.insert(memory, Allocation{t_device, size})) {
+  if (!g_state.allocations.insert(memory, Allocation{t_device, size, 0, size})) {
     std::free(memory);
     return fail(cudaErrorMemoryAllocation);
   }
@@ -446,6 +545,9 @@ FAKECUDA_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   if (cudaError_t err = capture_forbids()) return fail(err);
   const Allocation* allocation = g_state.allocations.find(dev_ptr);
   if (allocation == nullptr) return fail(cudaErrorInvalidValue);
+  // A pool's allocation may be freed by cudaFree (the driver then assumes
+  // the device is done with it); dtralloc never does, so the fake refuses.
+  if (allocation->pool != 0) return fail(cudaErrorInvalidValue);
   if (g_state.free_wait_ns > 0) {  // the device finishing what was launched before
     const timespec wait{static_cast<time_t>(g_state.free_wait_ns / 1000000000),
                         static_cast<long>(g_state.free_wait_ns % 1000000000)};
@@ -505,6 +607,10 @@ FAKECUDA_EXPORT cudaError_t cudaDeviceSynchronize() {
   const int device = t_device;
   complete_events_where(
       [device](const EventState& event) { return event.device == device; });
+  synchronize_frees_where([device](const HeldFree& f) {
+    const MemPool* pool = find_pool(f.pool);
+    return pool != nullptr && pool->device == device;
+  });
   return cudaSuccess;
 }
 
@@ -517,6 +623,10 @@ FAKECUDA_EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   complete_events_where([stream, device](const EventState& event) {
     return event.stream == stream &&
            (stream != nullptr || event.device == device);
+  });
+  synchronize_frees_where([stream, device](const HeldFree& f) {
+    const MemPool* pool = find_pool(f.pool);
+    return f.stream == stream && pool != nullptr && (stream != nullptr || pool->device == device);
   });
   return cudaSuccess;
 }
@@ -651,6 +761,190 @@ FAKECUDA_EXPORT cudaError_t cudaRuntimeGetVersion(int* runtime_version) {
   count_call(kRuntimeGetVersion);
   if (runtime_version == nullptr) return fail(cudaErrorInvalidValue);
   *runtime_version = kRuntimeVersion;
+  return cudaSuccess;
+}
+
+// ---- The stream-ordered allocator (memory pools) ---------------------------
+
+// Answers cudaDevAttrMemoryPoolsSupported (fakecuda_set_memory_pools); any
+// other attribute reads 0.
+FAKECUDA_EXPORT cudaError_t cudaDeviceGetAttribute(int* value, int attribute, int device) {
+  count_call(kRtDeviceGetAttribute);
+  if (value == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  if (g_state.device_count == 0) return fail(cudaErrorNoDevice);
+  if (device < 0 || device >= g_state.device_count) return fail(cudaErrorInvalidDevice);
+  *value = attribute == cudaDevAttrMemoryPoolsSupported && g_state.pools_supported;
+  return cudaSuccess;
+}
+
+// Checked as documented: pinned memory on an existing device, no IPC handle
+// types (the fake has none); devices without memory pools refuse.
+FAKECUDA_EXPORT cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props) {
+  count_call(kMemPoolCreate);
+  if (pool == nullptr || props == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  if (g_state.device_count == 0) return fail(cudaErrorNoDevice);
+  if (props->allocType != cudaMemAllocationTypePinned || props->handleTypes != cudaMemHandleTypeNone ||
+      props->location.type != cudaMemLocationTypeDevice)
+    return fail(cudaErrorInvalidValue);
+  if (props->location.id < 0 || props->location.id >= g_state.device_count) return fail(cudaErrorInvalidDevice);
+  if (!g_state.pools_supported) return fail(cudaErrorInvalidValue);
+  const std::uintptr_t handle = kPoolHandleBase + ++g_state.pools_created * 16;
+  if (!g_state.pools.insert(reinterpret_cast<void*>(handle), MemPool{props->location.id, 0, 0, 0, 0, false}))
+    return fail(cudaErrorMemoryAllocation);
+  *pool = reinterpret_cast<cudaMemPool_t>(handle);
+  return cudaSuccess;
+}
+
+// With allocations still live the pool goes once the last is freed, as
+// documented; what it holds of freed ones goes now.
+FAKECUDA_EXPORT cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool) {
+  count_call(kMemPoolDestroy);
+  Lock lock;
+  const auto handle = reinterpret_cast<std::uintptr_t>(pool);
+  MemPool* state = find_pool(handle);
+  if (state == nullptr || state->destroyed) return fail(cudaErrorInvalidValue);
+  g_state.held_frees.for_each([&](HeldFree& f) {
+    if (f.pool == handle) f.completed = true;
+  });
+  release_held(handle, 0);
+  if (state->live > 0) {
+    state->destroyed = true;
+  } else {
+    g_state.pools.erase(pool);
+  }
+  return cudaSuccess;
+}
+
+FAKECUDA_EXPORT cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, int attribute, void* value) {
+  count_call(kMemPoolGetAttribute);
+  if (value == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  const MemPool* state = find_pool(reinterpret_cast<std::uintptr_t>(pool));
+  if (state == nullptr || state->destroyed) return fail(cudaErrorInvalidValue);
+  auto* out = static_cast<unsigned long long*>(value);
+  switch (attribute) {
+    case cudaMemPoolAttrReleaseThreshold: *out = state->threshold; return cudaSuccess;
+    case cudaMemPoolAttrReservedMemCurrent: *out = state->reserved; return cudaSuccess;
+    case cudaMemPoolAttrReservedMemHigh: *out = state->high; return cudaSuccess;
+    default: return fail(cudaErrorInvalidValue);
+  }
+}
+
+// The release threshold, or the high watermark (any value resets it to
+// the current reserved bytes, as documented).
+FAKECUDA_EXPORT cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, int attribute, void* value) {
+  count_call(kMemPoolSetAttribute);
+  if (value == nullptr) return fail(cudaErrorInvalidValue);
+  Lock lock;
+  MemPool* state = find_pool(reinterpret_cast<std::uintptr_t>(pool));
+  if (state == nullptr || state->destroyed) return fail(cudaErrorInvalidValue);
+  switch (attribute) {
+    case cudaMemPoolAttrReleaseThreshold: state->threshold = *static_cast<unsigned long long*>(value); return cudaSuccess;
+    case cudaMemPoolAttrReservedMemHigh: state->high = state->reserved; return cudaSuccess;
+    default: return fail(cudaErrorInvalidValue);
+  }
+}
+
+// Gives back only completed frees: one not yet observed by a synchronize
+// counts as outstanding, as documented.
+FAKECUDA_EXPORT cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, std::size_t min_bytes_to_keep) {
+  count_call(kMemPoolTrimTo);
+  Lock lock;
+  const auto handle = reinterpret_cast<std::uintptr_t>(pool);
+  const MemPool* state = find_pool(handle);
+  if (state == nullptr || state->destroyed) return fail(cudaErrorInvalidValue);
+  release_held(handle, min_bytes_to_keep);
+  return cudaSuccess;
+}
+
+// Reuses the smallest held free of the pool that fits and that this stream
+// may take (freed on it, or completed); otherwise new memory, past the
+// device's capacity only after giving back completed frees. Never waits.
+// A capturing stream (or any, for the legacy stream 0, while one captures)
+// is refused: on a GPU the allocation would become a node of the graph,
+// which dtralloc must never ask for.
+FAKECUDA_EXPORT cudaError_t cudaMallocFromPoolAsync(void** ptr, std::size_t size, cudaMemPool_t pool,
+                                                    cudaStream_t stream) {
+  count_call(kMallocFromPoolAsync);
+  if (ptr == nullptr) return fail(cudaErrorInvalidValue);
+  *ptr = nullptr;
+  Lock lock;
+  const auto handle = reinterpret_cast<std::uintptr_t>(pool);
+  MemPool* state = find_pool(handle);
+  if (state == nullptr || state->destroyed) return fail(cudaErrorInvalidValue);
+  for (const Capture& c : g_state.captures)
+    if (c.stream != nullptr && c.device == state->device && (c.stream == stream || stream == nullptr))
+      return fail(cudaErrorStreamCaptureUnsupported);
+  if (size == 0) return cudaSuccess;
+  void* reuse = nullptr;
+  std::size_t chunk = 0;
+  g_state.held_frees.for_each_key([&](const void* key, HeldFree& f) {
+    if (f.pool != handle || f.chunk < size || !(f.stream == stream || f.completed)) return;
+    if (reuse == nullptr || f.chunk < chunk) {
+      reuse = const_cast<void*>(key);
+      chunk = f.chunk;
+    }
+  });
+  if (reuse != nullptr) {
+    g_state.held_frees.erase(reuse);
+    if (!g_state.allocations.insert(reuse, Allocation{state->device, size, handle, chunk})) {
+      std::free(reuse);
+      state->reserved -= chunk;
+      g_state.used[state->device] -= chunk;
+      return fail(cudaErrorMemoryAllocation);
+    }
+    ++state->live;
+    *ptr = reuse;
+    return cudaSuccess;
+  }
+  std::size_t& used = g_state.used[state->device];
+  if (exceeds_capacity(used, size)) release_held(handle, 0);
+  if (exceeds_capacity(used, size)) return fail(cudaErrorMemoryAllocation);
+  void* memory = nullptr;
+  if (posix_memalign(&memory, kAlignment, size) != 0) return fail(cudaErrorMemoryAllocation);
+  if (!g_state.allocations.insert(memory, Allocation{state->device, size, handle, size})) {
+    std::free(memory);
+    return fail(cudaErrorMemoryAllocation);
+  }
+  used += size;
+  state->reserved += size;
+  if (state->reserved > state->high) state->high = state->reserved;
+  ++state->live;
+  *ptr = memory;
+  return cudaSuccess;
+}
+
+// Pool allocations only (a cudaMalloc'd pointer would be legal on a GPU;
+// dtralloc never frees one this way, so the fake refuses it). The memory
+// stays with the pool (HeldFree) and the call never waits.
+FAKECUDA_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t stream) {
+  count_call(kFreeAsync);
+  if (dev_ptr == nullptr) return cudaSuccess;
+  Lock lock;
+  const Allocation* allocation = g_state.allocations.find(dev_ptr);
+  if (allocation == nullptr || allocation->pool == 0) return fail(cudaErrorInvalidValue);
+  const std::uintptr_t handle = allocation->pool;
+  const std::size_t chunk = allocation->chunk;
+  MemPool* state = find_pool(handle);
+  for (const Capture& c : g_state.captures)
+    if (c.stream != nullptr && c.device == state->device && (c.stream == stream || stream == nullptr))
+      return fail(cudaErrorStreamCaptureUnsupported);
+  g_state.allocations.erase(dev_ptr);
+  --state->live;
+  if (state->destroyed) {  // its last allocations take the pool with them
+    std::free(dev_ptr);
+    state->reserved -= chunk;
+    g_state.used[state->device] -= chunk;
+    if (state->live == 0) g_state.pools.erase(reinterpret_cast<void*>(handle));
+    return cudaSuccess;
+  }
+  if (!g_state.held_frees.insert(dev_ptr, HeldFree{handle, chunk, stream, false})) {
+    std::free(dev_ptr);  // the fake's own table is full: give it back at once
+    state->reserved -= chunk;
+    g_state.used[state->device] -= chunk;
+  }
   return cudaSuccess;
 }
 
@@ -935,6 +1229,23 @@ FAKECUDA_EXPORT void fakecuda_set_vmm(int supported, std::size_t granularity) {
   g_state.vmm_granularity = granularity;
 }
 
+// Whether devices support memory pools (cudaDevAttrMemoryPoolsSupported;
+// when not, cudaMemPoolCreate fails with cudaErrorInvalidValue).
+FAKECUDA_EXPORT void fakecuda_set_memory_pools(int supported) {
+  Lock lock;
+  g_state.pools_supported = supported != 0;
+}
+
+// Memory pools, for leak checks: "pools" (created, not gone), "held" (freed
+// allocations a pool still holds); -1 for other names.
+FAKECUDA_EXPORT int fakecuda_pool_live(const char* what) {
+  if (what == nullptr) return -1;
+  Lock lock;
+  if (std::strcmp(what, "pools") == 0) return static_cast<int>(g_state.pools.size());
+  if (std::strcmp(what, "held") == 0) return static_cast<int>(g_state.held_frees.size());
+  return -1;
+}
+
 // The next `n` cuMemCreate calls fail with CUDA_ERROR_OUT_OF_MEMORY.
 FAKECUDA_EXPORT void fakecuda_fail_next_mem_creates(int n) {
   Lock lock;
@@ -1049,9 +1360,13 @@ FAKECUDA_EXPORT void fakecuda_set_free_wait_ns(long long ns) {
   g_state.free_wait_ns = ns;
 }
 
+// Everything enqueued has run: events complete, and frees held by pools
+// become reusable by any stream (they go back to the device at the next
+// synchronize, as on a GPU).
 FAKECUDA_EXPORT void fakecuda_complete_events() {
   Lock lock;
   complete_events_where([](const EventState&) { return true; });
+  g_state.held_frees.for_each([](HeldFree& f) { f.completed = true; });
 }
 
 // Back to the defaults, except that live allocations, events and VMM objects
@@ -1068,6 +1383,7 @@ FAKECUDA_EXPORT void fakecuda_reset() {
   g_state.failing_creates = 0;
   g_state.vmm_supported = true;
   g_state.vmm_granularity = kDefaultVmmGranularity;
+  g_state.pools_supported = true;
   g_state.frozen_clock_ns = -1;
   g_state.free_wait_ns = 0;
   for (bool& context : g_state.context) context = false;

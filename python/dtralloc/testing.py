@@ -3,7 +3,8 @@
 The fake implements exactly the CUDA runtime functions dtralloc resolves (and
 the driver's cuDevicePrimaryCtxGetState), on host memory, plus controls:
 capacity, injected cudaMalloc failures, call counters, deferred events, stream
-capture, and which devices have a primary context. Point dtralloc at it with
+capture, which devices have a primary context, the driver's VMM calls and
+the stream-ordered allocator's memory pools. Point dtralloc at it with
 ``DTRALLOC_CUDART=dtralloc.testing.fake_cudart_path()`` before the first use
 of the cuda backend in the process.
 """
@@ -48,6 +49,9 @@ class FakeCudaRuntime:
         lib.fakecuda_vmm_accessible.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
         lib.fakecuda_vmm_accessible.restype = ctypes.c_int
         lib.fakecuda_set_free_wait_ns.argtypes = [ctypes.c_longlong]
+        lib.fakecuda_set_memory_pools.argtypes = [ctypes.c_int]
+        lib.fakecuda_pool_live.argtypes = [ctypes.c_char_p]
+        lib.fakecuda_pool_live.restype = ctypes.c_int
 
     def reset(self) -> None:
         self.lib.fakecuda_reset()
@@ -112,3 +116,13 @@ class FakeCudaRuntime:
     def vmm_accessible(self, address: int, nbytes: int) -> bool:
         """Whether every byte of the range is mapped and readable/writable."""
         return self.lib.fakecuda_vmm_accessible(address, nbytes) == 1
+
+    def set_memory_pools(self, supported: bool) -> None:
+        """Whether devices support the stream-ordered allocator's memory pools
+        (cudaDevAttrMemoryPoolsSupported; async_segments needs them)."""
+        self.lib.fakecuda_set_memory_pools(int(supported))
+
+    def pool_live(self) -> dict:
+        """Memory pools not yet gone, and the freed allocations they still hold
+        (given back to the device at a synchronize or a trim)."""
+        return {k: self.lib.fakecuda_pool_live(k.encode()) for k in ("pools", "held")}

@@ -190,7 +190,7 @@ void test_basics() {
 void test_allocate_release(const FakeControls& fake) {
   fake.reset();
   auto backend = make_cuda_backend(0);
-  void* ptr = backend->allocate(kMiB);
+  void* ptr = backend->allocate(kMiB, 0);
   CHECK(ptr != nullptr);
   CHECK(reinterpret_cast<std::uintptr_t>(ptr) % 512 == 0);
   std::memset(ptr, 0xAB, kMiB);  // the fake's device memory is host memory
@@ -198,7 +198,7 @@ void test_allocate_release(const FakeControls& fake) {
   CHECK(fake.used_bytes(0) == kMiB);
   CHECK(fake.live_allocations() == 1);
   CHECK(backend->free_bytes() == 1023 * kMiB);
-  backend->release(ptr, kMiB);
+  backend->release(ptr, kMiB, 0);
   CHECK(fake.used_bytes(0) == 0);
   CHECK(fake.live_allocations() == 0);
 }
@@ -209,16 +209,16 @@ void test_capacity_exhaustion(const FakeControls& fake) {
   const CudaRuntimeApi& api = cuda_runtime();
   auto backend = make_cuda_backend(0);
   CHECK(backend->total_bytes() == 4 * kMiB);
-  void* big = backend->allocate(3 * kMiB);
+  void* big = backend->allocate(3 * kMiB, 0);
   CHECK(big != nullptr);
   CHECK(backend->free_bytes() == kMiB);
-  CHECK(backend->allocate(2 * kMiB) == nullptr);  // out of memory: no throw
+  CHECK(backend->allocate(2 * kMiB, 0) == nullptr);  // out of memory: no throw
   CHECK(api.GetLastError() == cudaSuccess);       // and no error left behind
-  void* small = backend->allocate(kMiB);
+  void* small = backend->allocate(kMiB, 0);
   CHECK(small != nullptr);
   CHECK(backend->free_bytes() == 0);
-  backend->release(big, 3 * kMiB);
-  backend->release(small, kMiB);
+  backend->release(big, 3 * kMiB, 0);
+  backend->release(small, kMiB, 0);
   CHECK(fake.used_bytes(0) == 0);
 }
 
@@ -227,13 +227,13 @@ void test_injected_failures(const FakeControls& fake) {
   const CudaRuntimeApi& api = cuda_runtime();
   auto backend = make_cuda_backend(0);
   fake.fail_next_mallocs(2);
-  CHECK(backend->allocate(4096) == nullptr);
-  CHECK(backend->allocate(4096) == nullptr);
+  CHECK(backend->allocate(4096, 0) == nullptr);
+  CHECK(backend->allocate(4096, 0) == nullptr);
   CHECK(api.GetLastError() == cudaSuccess);
-  void* ptr = backend->allocate(4096);
+  void* ptr = backend->allocate(4096, 0);
   CHECK(ptr != nullptr);
   CHECK(fake.call_count("cudaMalloc") == 3);
-  backend->release(ptr, 4096);
+  backend->release(ptr, 4096, 0);
 }
 
 void test_events(const FakeControls& fake) {
@@ -393,7 +393,7 @@ void test_device_guard(const FakeControls& fake) {
   auto on1 = make_cuda_backend(1);
   CHECK(api.SetDevice(0) == cudaSuccess);  // the caller works on device 0
   long sets = fake.call_count("cudaSetDevice");
-  void* ptr = on1->allocate(8192);
+  void* ptr = on1->allocate(8192, 0);
   CHECK(fake.used_bytes(1) == 8192);
   CHECK(fake.used_bytes(0) == 0);
   CHECK(fake.call_count("cudaSetDevice") == sets + 2);  // switch and restore
@@ -409,12 +409,12 @@ void test_device_guard(const FakeControls& fake) {
   on1->destroy_event(event);
 
   CHECK(api.SetDevice(1) == cudaSuccess);
-  void* on_device0 = on0->allocate(4096);
+  void* on_device0 = on0->allocate(4096, 0);
   CHECK(fake.used_bytes(0) == 4096);
   CHECK(api.GetDevice(&current) == cudaSuccess && current == 1);
   CHECK(api.SetDevice(0) == cudaSuccess);
-  on0->release(on_device0, 4096);
-  on1->release(ptr, 8192);
+  on0->release(on_device0, 4096, 0);
+  on1->release(ptr, 8192, 0);
   CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
 }
 
@@ -429,14 +429,14 @@ void test_device_guard_makes_no_stray_context(const FakeControls& fake) {
   CHECK(!fake.has_context(0) && !fake.has_context(1));
   std::thread fresh([&] {
     auto on1 = make_cuda_backend(1);
-    void* ptr = on1->allocate(4096);
+    void* ptr = on1->allocate(4096, 0);
     EventHandle event = on1->create_event();
     on1->record_event(event, 0);
     on1->synchronize_event(event);
     on1->destroy_event(event);
     on1->synchronize_device();
     CHECK(on1->total_bytes() == 1024 * kMiB);
-    on1->release(ptr, 4096);
+    on1->release(ptr, 4096, 0);
   });
   fresh.join();
   CHECK(fake.has_context(1));
@@ -446,8 +446,8 @@ void test_device_guard_makes_no_stray_context(const FakeControls& fake) {
   std::thread chose0([&] {
     CHECK(api.SetDevice(0) == cudaSuccess);
     auto on1 = make_cuda_backend(1);
-    void* ptr = on1->allocate(4096);
-    on1->release(ptr, 4096);
+    void* ptr = on1->allocate(4096, 0);
+    on1->release(ptr, 4096, 0);
     int current = -1;
     CHECK(api.GetDevice(&current) == cudaSuccess && current == 0);
   });
@@ -571,7 +571,7 @@ void test_runtime_errors_throw(const FakeControls& fake) {
   auto backend = make_cuda_backend(0);
   int not_device_memory = 0;
   std::string message =
-      thrown_message<std::runtime_error>([&] { backend->release(&not_device_memory, 4); });
+      thrown_message<std::runtime_error>([&] { backend->release(&not_device_memory, 4, 0); });
   CHECK_CONTAINS(message, "cudaFree");
   CHECK_CONTAINS(message, "cudaErrorInvalidValue");
   CHECK(cuda_runtime().GetLastError() == cudaSuccess);
@@ -581,8 +581,8 @@ void test_call_counters(const FakeControls& fake) {
   fake.reset();
   auto backend = make_cuda_backend(0);
   fake.reset();
-  void* ptr = backend->allocate(4096);
-  backend->release(ptr, 4096);
+  void* ptr = backend->allocate(4096, 0);
+  backend->release(ptr, 4096, 0);
   backend->total_bytes();
   CHECK(fake.call_count("cudaMalloc") == 1);
   CHECK(fake.call_count("cudaFree") == 1);
@@ -604,13 +604,13 @@ void test_call_counters(const FakeControls& fake) {
 void test_reset_keeps_allocations(const FakeControls& fake) {
   fake.reset();
   auto backend = make_cuda_backend(0);
-  void* ptr = backend->allocate(kMiB);
+  void* ptr = backend->allocate(kMiB, 0);
   fake.set_capacity(16 * kMiB);
   fake.reset();
   CHECK(fake.live_allocations() == 1);
   CHECK(fake.used_bytes(0) == kMiB);
   CHECK(backend->total_bytes() == 1024 * kMiB);
-  backend->release(ptr, kMiB);
+  backend->release(ptr, kMiB, 0);
   CHECK(fake.live_allocations() == 0);
 }
 
@@ -626,13 +626,13 @@ void test_threads(const FakeControls& fake) {
       auto backend = make_cuda_backend(t % 2);
       for (int i = 0; i < 300; ++i) {
         std::size_t bytes = 512 * static_cast<std::size_t>(i % 7 + 1);
-        void* ptr = backend->allocate(bytes);
+        void* ptr = backend->allocate(bytes, 0);
         if (ptr == nullptr) ++failures[t];
         EventHandle event = backend->create_event();
         backend->record_event(event, 0);
         backend->synchronize_event(event);
         backend->destroy_event(event);
-        backend->release(ptr, bytes);
+        backend->release(ptr, bytes, 0);
       }
     });
   }
@@ -642,6 +642,62 @@ void test_threads(const FakeControls& fake) {
   CHECK(fake.live_events() == 0);
   CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
   CHECK(fake.call_count("cudaMalloc") == 8 * 300);
+  fake.reset();
+}
+
+// Async segments (async_segments:on) from threads on two devices, each with
+// a backend (so a pool) and a stream of its own: every allocation after a
+// thread's first reuses what its last free gave the pool on that stream,
+// nothing waits for the device, and when the backends go, so do their pools.
+void test_async_segments_threads(const FakeControls& fake) {
+  fake.reset();
+  fake.set_device_count(2);
+  const Config config = parse_config("async_segments:on");
+  std::vector<std::thread> threads;
+  std::vector<int> failures(8, 0);
+  std::vector<std::unique_ptr<Backend>> backends;
+  for (int t = 0; t < 8; ++t) backends.push_back(make_cuda_backend_for(config, t % 2));
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([t, &failures, &backends] {
+      Backend& backend = *backends[t];
+      const Stream stream = 0x1000 + 0x100 * static_cast<Stream>(t);
+      for (int i = 0; i < 300; ++i) {
+        const std::size_t bytes = 4096 * static_cast<std::size_t>(7 - i % 7);  // shrinking: each fits the last
+        void* ptr = backend.allocate(bytes, stream);
+        if (ptr == nullptr) {
+          ++failures[t];
+          continue;
+        }
+        std::memset(ptr, t, bytes);
+        backend.release(ptr, bytes, stream);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int count : failures) CHECK(count == 0);
+  CHECK(fake.call_count("cudaMallocFromPoolAsync") == 8 * 300);
+  CHECK(fake.call_count("cudaFreeAsync") == 8 * 300);
+  CHECK(fake.call_count("cudaMalloc") == 0 && fake.call_count("cudaFree") == 0);
+  CHECK(fake.call_count("cudaDeviceSynchronize") == 0 && fake.call_count("cudaStreamSynchronize") == 0);
+  // Each pool holds its largest block (28 KiB), reused all along.
+  for (auto& backend : backends) {
+    Backend::DevicePoolBytes bytes;
+    CHECK(backend->device_pool_bytes(bytes));
+    CHECK(bytes.reserved == 7 * 4096 && bytes.peak == 7 * 4096);
+  }
+  // A trim synchronizes its device, which gives back what every pool there holds.
+  for (auto& backend : backends) {
+    backend->trim();
+    Backend::DevicePoolBytes bytes;
+    CHECK(backend->device_pool_bytes(bytes) && bytes.reserved == 0 && bytes.peak == 7 * 4096);
+  }
+  CHECK(fake.used_bytes(0) == 0 && fake.used_bytes(1) == 0);
+  backends.clear();
+  CHECK(fake.call_count("cudaMemPoolDestroy") == 8);
+  CHECK(fake.live_allocations() == 0);
+  // A backend without async segments reports no driver pool.
+  Backend::DevicePoolBytes none;
+  CHECK(!make_cuda_backend(0)->device_pool_bytes(none));
   fake.reset();
 }
 
@@ -689,6 +745,7 @@ int main(int argc, char** argv) {
   test_call_counters(fake);
   test_reset_keeps_allocations(fake);
   test_threads(fake);
+  test_async_segments_threads(fake);
 
   return check_summary("test_cuda_backend");
 }

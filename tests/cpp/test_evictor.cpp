@@ -278,14 +278,14 @@ class SharedDevice final : public Backend {
  public:
   SharedDevice(std::size_t total, std::size_t limit) : inner_(make_virtual_backend(total)), limit_(limit) {}
   const char* name() const override { return "shared-device"; }
-  void* allocate(std::size_t bytes) override {
+  void* allocate(std::size_t bytes, Stream stream) override {
     if (used_ + bytes > limit_) return nullptr;
-    void* p = inner_->allocate(bytes);
+    void* p = inner_->allocate(bytes, stream);
     if (p) used_ += bytes;
     return p;
   }
-  void release(void* ptr, std::size_t bytes) override {
-    inner_->release(ptr, bytes);
+  void release(void* ptr, std::size_t bytes, Stream stream) override {
+    inner_->release(ptr, bytes, stream);
     used_ -= bytes;
   }
   std::size_t total_bytes() override { return inner_->total_bytes(); }

@@ -55,13 +55,13 @@ class FaultyBackend final : public Backend {
 
   const char* name() const override { return "faulty-host"; }
   bool host_accessible() const override { return true; }
-  void* allocate(std::size_t bytes) override {
+  void* allocate(std::size_t bytes, Stream stream) override {
     maybe_fail(kAllocate);
-    return inner_->allocate(bytes);
+    return inner_->allocate(bytes, stream);
   }
-  void release(void* ptr, std::size_t bytes) override {
+  void release(void* ptr, std::size_t bytes, Stream stream) override {
     maybe_fail(kRelease);
-    inner_->release(ptr, bytes);
+    inner_->release(ptr, bytes, stream);
   }
   std::size_t total_bytes() override { return inner_->total_bytes(); }
   std::size_t free_bytes() override { return inner_->free_bytes(); }
