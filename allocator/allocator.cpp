@@ -350,9 +350,26 @@ Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
     return nullptr;
   }
   ++pool_.stats().num_device_alloc;
+  settle_device_pool();
   auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   record(TraceAction::kSegmentAlloc, addr, bytes, stream);
   return pool_.add_segment(addr, bytes, stream, pool);
+}
+
+// Async segments (Note [async segments]): the driver reuses what a free
+// gave back for the next allocation on the stream when it fits; when it
+// could not and grew past the budget instead, the device holds more than
+// the budget until the next synchronize, and every segment made before that
+// could add to it. Waiting for the device here (once: the frees then run
+// and go back) keeps the excess to this one allocation, at the price of the
+// wait cudaFree would have cost.
+void Allocator::settle_device_pool() {
+  if (budget_bytes_ >= capacity_bytes_) return;  // no budget to hold
+  Backend::DevicePoolBytes held;
+  if (!backend_->device_pool_bytes(held) || held.reserved <= std::max<std::size_t>(budget_bytes_, reserved_bytes())) return;
+  ++pool_.stats().num_device_pool_waits;
+  CallTimer timer(pool_.stats().device_free_ns);
+  backend_->trim();
 }
 
 Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,

@@ -341,6 +341,7 @@ class Allocator {
   Block* new_segment(std::size_t bytes, Stream stream, PoolKind pool);
   // The backend's allocate and release, timed into device_alloc_ns and
   // device_free_ns (stats.h). Under mutex_.
+  void settle_device_pool();
   void* backend_allocate(std::size_t bytes, Stream stream);
   void backend_release(std::uintptr_t addr, std::size_t bytes, Stream stream);
   void release_segment(Segment* seg);

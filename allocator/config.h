@@ -134,9 +134,10 @@ struct SizeOption { using value_type = std::size_t; };      // bytes
     "allocator (cudaMallocFromPoolAsync and cudaFreeAsync on the segment's "   \
     "stream), so making or giving back a segment never waits for the device, " \
     "as cudaMalloc and cudaFree do (under a budget the pool gives segments "   \
-    "back to make others, many times a step); the driver keeps what it could " \
-    "not reuse until the next synchronize, so the device may hold more than "  \
-    "the budget until then (memory_stats: device_pool_reserved_bytes); off: " \
+    "back to make others, many times a step); where the driver grew past the " \
+    "budget rather than reuse what was given back, the pool waits for the "   \
+    "device once, so the excess lasts one allocation (memory_stats: "          \
+    "device_pool_reserved_bytes, num_device_pool_waits); off: "               \
     "cudaMalloc (torch); auto = off (not yet measured on a GPU, "              \
     "docs/allocator.md). No effect on host and virtual. Excludes "            \
     "unmap_pages:on; leave it off where one GPU reads another's tensors or "   \

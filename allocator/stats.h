@@ -77,6 +77,10 @@ using StatArray = std::array<Stat, kNumStatIndices>;
 //   num_split_limit_overrides  requests that split a block max_split_size_mb
 //                        kept from them, where the alternative was an OOM
 //                        (Allocator::split_any_block)
+//   num_device_pool_waits  async_segments: times the driver's pool, having
+//                        grown past the budget rather than reuse what the
+//                        pool gave back, was made to give that back (a
+//                        device synchronize: Allocator::new_segment)
 //   device_alloc_ns      host time inside the backend's allocations, failed
 //                        ones included (cudaMalloc; VMM: create and map)
 //   device_free_ns       host time inside the backend's releases, segments
@@ -96,6 +100,7 @@ using StatArray = std::array<Stat, kNumStatIndices>;
   X(num_page_releases)       \
   X(num_long_lived)          \
   X(num_split_limit_overrides) \
+  X(num_device_pool_waits)     \
   X(device_alloc_ns)           \
   X(device_free_ns)
 

@@ -71,6 +71,7 @@ DTRALLOC_EXTRA_KEYS = frozenset(
         "num_page_releases",
         "num_long_lived",
         "num_split_limit_overrides",
+        "num_device_pool_waits",
         "device_alloc_ns",
         "device_free_ns",
         "fragmentation.largest_free_bytes",
