@@ -362,14 +362,20 @@ Block* Allocator::new_segment(std::size_t bytes, Stream stream, PoolKind pool) {
 // the budget until the next synchronize, and every segment made before that
 // could add to it. Waiting for the device here (once: the frees then run
 // and go back) keeps the excess to this one allocation, at the price of the
-// wait cudaFree would have cost.
+// wait cudaFree would have cost. What the driver still holds beyond the
+// pool's segments after a wait (its own granularity: nothing a wait gives
+// back) is remembered, so that it does not make every later segment wait.
 void Allocator::settle_device_pool() {
   if (budget_bytes_ >= capacity_bytes_) return;  // no budget to hold
   Backend::DevicePoolBytes held;
-  if (!backend_->device_pool_bytes(held) || held.reserved <= std::max<std::size_t>(budget_bytes_, reserved_bytes())) return;
+  if (!backend_->device_pool_bytes(held)) return;
+  const std::size_t ours = reserved_bytes();
+  if (held.reserved <= std::max<std::size_t>(budget_bytes_, ours) + device_pool_overhead_) return;
   ++pool_.stats().num_device_pool_waits;
   CallTimer timer(pool_.stats().device_free_ns);
   backend_->trim();
+  if (backend_->device_pool_bytes(held) && held.reserved > ours)
+    device_pool_overhead_ = std::max(device_pool_overhead_, held.reserved - ours);
 }
 
 Block* Allocator::release_free_pages(std::size_t rounded, std::size_t requested, Stream stream,

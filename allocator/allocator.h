@@ -341,9 +341,11 @@ class Allocator {
   Block* new_segment(std::size_t bytes, Stream stream, PoolKind pool);
   // The backend's allocate and release, timed into device_alloc_ns and
   // device_free_ns (stats.h). Under mutex_.
-  void settle_device_pool();
   void* backend_allocate(std::size_t bytes, Stream stream);
   void backend_release(std::uintptr_t addr, std::size_t bytes, Stream stream);
+  // Async segments: after a new segment, waits for the device where the
+  // driver's pool holds more than the budget (allocator.cpp). Under mutex_.
+  void settle_device_pool();
   void release_segment(Segment* seg);
   void garbage_collect(std::size_t incoming_bytes);
   void apply_resolved(const Config& resolved);
@@ -413,6 +415,9 @@ class Allocator {
   void refresh_budget();            // under mutex_
   std::shared_ptr<EvictionHook> hook_;
   std::atomic<bool> tight_segments_{false};  // set_tight_segments
+  // Async segments: what the driver's pool held beyond the pool's segments
+  // even after a wait and a trim (settle_device_pool). Under mutex_.
+  std::size_t device_pool_overhead_ = 0;
   Segment* arena_ = nullptr;      // arena:on, once made; nullptr again once given back
   bool arena_refused_ = false;    // the device refused it at this budget: not asked again until the budget changes
   std::atomic<bool> device_limited_{false};  // the device refused a segment the budget allowed (limit_locked)
