@@ -29,7 +29,8 @@
 #                           # configurations install() these settings (here: VMM segments, not cudaMalloc)
 #   GPU_SESSION_BENCH_ALSO="async_segments:on arena:on" bash bench/gpu_session.sh  # the budget bench also
 #                           # runs its dtr search on each of these settings (space-separated), as
-#                           # "dtr [arena:on]" beside dtr (default: these two; empty: none)
+#                           # "dtr [arena:on]" beside dtr (default: async_segments:on,max_split_size_mb:none,
+#                           # async_segments:on and arena:on; empty: none)
 #   GPU_SESSION_BENCH_CONFIGS=plain,checkpoint,dtr,dtr-forward bash bench/gpu_session.sh  # the budget
 #                           # bench's configurations (default: plain,checkpoint,dtr)
 #   GPU_SESSION_PYTEST_WORKERS=0 bash bench/gpu_session.sh  # the GPU tests one at a time (default: 4
@@ -65,10 +66,14 @@ BENCH_ARGS="--configs ${GPU_SESSION_BENCH_CONFIGS:-plain,checkpoint,dtr}"
 # 70 segments each on the default settings, each cudaFree (and cudaMalloc)
 # waiting for the device (bench/results/predict_reach-2026-11-30-cpu.md).
 # async_segments:on makes the same segments with calls that do not wait
-# (Note [async segments]); arena:on makes none, for recompute that is the
-# same (ResNet-50) or a few points of compute more (GPT-2) and a higher
-# lowest budget (Note [arena]). Which costs least, only a GPU says.
-BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-async_segments:on arena:on}"
+# (Note [async segments]): replayed, a model of the driver's reuse leaves
+# 26 (ResNet-50) and 42 (GPT-2) waits a step of the 120-160 calls, and with
+# max_split_size_mb:none 0 and 8 for recompute that is the same (ResNet-50)
+# or 2 points more (GPT-2) (bench/results/predict_reach-2026-11-30c-async-
+# cpu.md). arena:on makes no call, for recompute that is the same (ResNet-50)
+# or a few points more (GPT-2) and a higher lowest budget (Note [arena]).
+# Which costs least, only a GPU says.
+BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-async_segments:on,max_split_size_mb:none async_segments:on arena:on}"
 [ -n "$REHEARSAL" ] && BENCH_ALSO=""  # --also-conf is GPU only
 ALSO_ARGS=""
 for conf in $BENCH_ALSO; do ALSO_ARGS="$ALSO_ARGS --also-conf '$conf'"; done

@@ -69,7 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _report import emit, header, write  # noqa: E402
 from bench_gpu_budget import BASE_BATCH, GPT2_LOSS_CHUNKS, SMOKE_BATCH, Model  # noqa: E402
-from replay_device_calls import frees_without_eviction  # noqa: E402
+from replay_device_calls import async_waits, frees_without_eviction  # noqa: E402
 
 MODELS = ("gpt2", "resnet50")
 # Base batches on CPU: large enough that the step's activations, not the
@@ -209,7 +209,8 @@ def predict(traces: dict, base: int, policies, confs=("",), steps: int = 2) -> d
                                  "fits": bool(r.feasible),
                                  "evictions": r.last_step_evictions if r.feasible else r.evictions,
                                  "calls": (r.last_step_device_alloc_calls, r.last_step_device_free_calls,
-                                           frees_without_eviction(r, len(trace.ops), steps))
+                                           frees_without_eviction(r, len(trace.ops), steps),
+                                           async_waits(r, steps))
                                  if r.feasible else None,
                                  "overhead": r.last_step_compute_overhead if r.feasible else None,
                                  "oom": "" if r.feasible else _first_sentences(r.oom_message or "")})
@@ -262,7 +263,11 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
                  f"settings of a CUDA device under a budget (`{GPU_CONF}`). Each batch's step replayed twice in "
                  f"one pool with budget M; the last step's evictions, segments made / given back (cudaMalloc / "
                  f"cudaFree on a GPU; in brackets, of the cudaFree, those at ops where nothing was evicted: "
-                 f"whole free segments given back to make one of another size, bench/replay_device_calls.py) "
+                 f"whole free segments given back to make one of another size, bench/replay_device_calls.py; "
+                 f"after it, how many of the step's segments would make the pool wait for the device on "
+                 f"`async_segments:on`, for a model of the driver's pool that reuses a freed segment only whole "
+                 f"and holds the rest until a synchronize: replay_device_calls.async_waits; each cudaMalloc and "
+                 f"cudaFree waits otherwise) "
                  f"and recompute overhead (recorded cost of what it recomputed / the step's own: compute, not "
                  f"step time; where a batch does not fit, the evictions until it ran out). "
                  f"Reach: the largest recorded batch that fits, every smaller one "
@@ -300,6 +305,9 @@ def report(models: list[dict], args, command: str, device_line: str) -> str:
             quiet = [r["calls"][2] for r in fitted if r["calls"][1] and r["calls"][2] is not None]
             if quiet:
                 calls += f" ({_spread(quiet, '{:.0f}')} where nothing was evicted)"
+            waits = [r["calls"][3] for r in fitted if r["calls"][0] and r["calls"][3] is not None]
+            if waits:
+                calls += f"; async segments: {_spread(waits, '{:.0f}')} waits"
             overhead = _spread([r["overhead"] for r in fitted], "{:.3f}")
             peak = _spread([r["plain_peak"] / GiB for r in rs], "{:.3f}")
             lines.append(f"| {b} | {rs[0]['multiple']:.2f} | {peak} |" + (f" {_settings(conf)} |" if several else "")

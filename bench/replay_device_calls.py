@@ -64,6 +64,52 @@ def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
     return int(sum(int(o) not in asked for o in frees_at))
 
 
+def async_waits(r, steps: int) -> int | None:
+    """Of the counted step's segments made (the last of `steps`), how many
+    would make the pool wait for the device under async_segments:on
+    (docs/allocator.md, Note [async segments]), for a model of the driver's
+    pool: it reuses a freed segment for a later one only whole (the smallest
+    that fits), holds the rest until a synchronize (each step's start, and
+    each wait), and a segment it had to make new waits where the driver would
+    then hold more than the budget and the pool's segments. The fake runtime
+    reuses the same way; a real driver may reuse more (it can split and join
+    what it holds) or less. `r` is a replay with history=True; None where its
+    history ring wrapped or pages were given back (unmap_pages: no async
+    segments there)."""
+    if r.history_wrapped:
+        return None
+    import numpy as np
+
+    h = r.history
+    names = list(h["action_names"])
+    action = np.asarray(h["action"])
+    if (action == names.index("segment_unmap")).any():
+        return None
+    op = np.asarray(h["op"])
+    restarts = set((np.flatnonzero((op[1:] < op[:-1]) & (op[1:] >= 0)) + 1).tolist())
+    counted_from = max(restarts) if steps > 1 and restarts else 0
+    made, freed = names.index("segment_alloc"), names.index("segment_free")
+    live, held, waits = {}, [], 0  # live: address -> (segment bytes, the driver's chunk under it)
+    for i, (kind, addr, size) in enumerate(zip(action.tolist(), h["addr"], h["size"])):
+        if i in restarts:
+            held.clear()  # the synchronize between steps gives back what the driver holds
+        if kind == freed:
+            held.append(live.pop(addr)[1])
+        elif kind == made:
+            fitting = [c for c in held if c >= size]
+            if fitting:
+                chunk = min(fitting)
+                held.remove(chunk)
+                live[addr] = (size, chunk)
+                continue
+            live[addr] = (size, size)
+            ours = sum(s for s, _ in live.values())
+            if sum(c for _, c in live.values()) + sum(held) > max(r.budget_bytes, ours):
+                waits += i >= counted_from
+                held.clear()
+    return waits
+
+
 def measure(trace, budget, conf: str, steps: int = 1, empty: bool = False) -> dict:
     from dtralloc.replay import replay
     from dtralloc.replay.run import _as_trace  # replay()'s own loader: a Trace, a .dtrace path or a bundled name

@@ -114,3 +114,56 @@ def test_budgets_are_fractions(capsys):
     with pytest.raises(SystemExit):
         rdc.main(["--steps", "0"])
     assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def _history(events, budget, names=("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+                                    "oom", "segment_map", "segment_unmap", "free", "snapshot", "other")):
+    """A replay result carrying only what async_waits reads: the pool's
+    history as (action, address, bytes, op) events, and the budget."""
+    from types import SimpleNamespace
+
+    action, addr, size, op = zip(*[(names.index(a), x, n, o) for a, x, n, o in events])
+    return SimpleNamespace(history_wrapped=False, budget_bytes=budget,
+                           history={"action": list(action), "addr": list(addr), "size": list(size), "op": list(op),
+                                    "action_names": names})
+
+
+def test_async_waits_models_a_driver_that_reuses_freed_segments_whole():
+    """async_segments' waits (Note [async segments]): a segment the driver
+    makes from a freed one that fits costs no wait; one it must make new
+    waits only where the driver would hold more than the budget, and the wait
+    gives back what it held; so does the synchronize between steps. The same
+    events as tests/_async_worker.py's first scenario over the fake runtime."""
+    M = 1 << 20
+    step = [("segment_alloc", 1, 40 * M, 0), ("segment_free", 1, 40 * M, 1),
+            ("segment_alloc", 2, 30 * M, 2),   # reuses the 40 MiB freed: no wait
+            ("segment_free", 2, 30 * M, 3),
+            ("segment_alloc", 3, 50 * M, 4),   # 50 new beside 40 held: 90 > 64, waits
+            ("segment_free", 3, 50 * M, 5),
+            ("segment_alloc", 4, 20 * M, 6)]   # the 50 freed fits it: no wait
+    assert rdc.async_waits(_history(step, 64 * M), 1) == 1
+    assert rdc.async_waits(_history(step, 90 * M), 1) == 0  # the driver's 90 MiB fit the budget
+    # Two steps: the counted one starts after the synchronize between them,
+    # with nothing held, and counts its own waits only. The first step's
+    # last segment (20 MiB) kept the whole 50 MiB it reused, so the second
+    # step's first 40 MiB made new passes the budget (the model's reuse is
+    # whole: a driver that splits would not wait there), and its 50 MiB
+    # waits as in the first step.
+    second = [(a, x + 10, n, o) for a, x, n, o in step]
+    assert rdc.async_waits(_history(step + second, 64 * M), 2) == 2
+    assert rdc.async_waits(_history(step + second, 200 * M), 2) == 0
+    # Given-back pages (unmap_pages) have no async segments; a wrapped history is unknown.
+    assert rdc.async_waits(_history(step + [("segment_unmap", 4, 2 * M, 7)], 64 * M), 1) is None
+    wrapped = _history(step, 64 * M)
+    wrapped.history_wrapped = True
+    assert rdc.async_waits(wrapped, 1) is None
+
+
+def test_async_waits_of_a_replay_are_at_most_its_segments_made_and_none_in_an_arena():
+    from dtralloc.replay import replay
+
+    for conf, none in (("split_oversize:on,unmap_pages:off", False), ("arena:on", True)):
+        r = replay("resnet50", budget=0.35, policy="dtralloc", conf=conf, steps=2, history=True)
+        waits = rdc.async_waits(r, 2)
+        assert r.feasible and waits is not None and 0 <= waits <= r.last_step_device_alloc_calls, (conf, waits)
+        assert (waits == 0) if none else r.last_step_device_alloc_calls > 0
