@@ -7,6 +7,7 @@
 #include "allocator.h"
 #include "backend.h"
 #include "check.h"
+#include "wrapped_backend.h"
 #include "evictor.h"
 #include "remat_engine.h"
 
@@ -274,32 +275,23 @@ void test_make_room_serves_request() {
 // A GPU that other memory shares (its CUDA context, another process): it
 // reports `total` bytes, as cudaMemGetInfo does, but refuses segments past
 // `limit` bytes of its own, and says so in free_bytes().
-class SharedDevice final : public Backend {
+class SharedDevice final : public WrappedBackend {
  public:
-  SharedDevice(std::size_t total, std::size_t limit) : inner_(make_virtual_backend(total)), limit_(limit) {}
+  SharedDevice(std::size_t total, std::size_t limit) : WrappedBackend(make_virtual_backend(total)), limit_(limit) {}
   const char* name() const override { return "shared-device"; }
   void* allocate(std::size_t bytes, Stream stream) override {
     if (used_ + bytes > limit_) return nullptr;
-    void* p = inner_->allocate(bytes, stream);
+    void* p = inner().allocate(bytes, stream);
     if (p) used_ += bytes;
     return p;
   }
   void release(void* ptr, std::size_t bytes, Stream stream) override {
-    inner_->release(ptr, bytes, stream);
+    inner().release(ptr, bytes, stream);
     used_ -= bytes;
   }
-  std::size_t total_bytes() override { return inner_->total_bytes(); }
   std::size_t free_bytes() override { return limit_ - used_; }
-  EventHandle create_event() override { return inner_->create_event(); }
-  void record_event(EventHandle e, Stream s) override { inner_->record_event(e, s); }
-  bool event_completed(EventHandle e) override { return inner_->event_completed(e); }
-  void synchronize_event(EventHandle e) override { inner_->synchronize_event(e); }
-  void destroy_event(EventHandle e) override { inner_->destroy_event(e); }
-  void synchronize_device() override { inner_->synchronize_device(); }
-  void complete_events() override { inner_->complete_events(); }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::size_t limit_;
   std::size_t used_ = 0;
 };
