@@ -310,4 +310,4 @@ def test_a_cuda_probe_whose_device_held_more_than_m_does_not_fit(monkeypatch):
         record = worker.probe(8)
         assert record["ok"] is fits, (config, peak, record)
         if not fits:
-            assert "over the cap" in record["error"] and "driver's pool" in record["error"], record
+            assert "over the cap" in record["error"] and "driver's pool held counts" in record["error"], record
