@@ -55,7 +55,7 @@ SESSION="$OUT/session.md"
 REHEARSAL="${GPU_SESSION_REHEARSAL:-}"
 # plain-dtralloc (the pool under the budget, no session) is left out: it was
 # measured on 2026-11-27, and the dtr probes now count their own device calls
-# and the time in them. Its time goes to the dtr search on arena:on below.
+# and the time in them. Its time goes to the dtr searches on other settings below.
 # dtr-forward (the forward alone in the session) is left out by default: the
 # live_ablation step times the forward in the block on ResNet-50 at B and 3 B,
 # and its share of the budget bench's time goes to the dtr searches below.
@@ -67,7 +67,7 @@ BENCH_ARGS="--configs ${GPU_SESSION_BENCH_CONFIGS:-plain,checkpoint,dtr}"
 # waiting for the device (bench/results/predict_reach-2026-11-30-cpu.md).
 # async_segments:on makes the same segments with calls that do not wait
 # (Note [async segments]): replayed, a model of the driver's reuse leaves
-# 26 (ResNet-50) and 42 (GPT-2) waits a step of the 120-160 calls, and with
+# 26 (ResNet-50) and 42 (GPT-2) waits a step of their 124 and 152 calls, and with
 # max_split_size_mb:none 0 and 8 for recompute that is the same (ResNet-50)
 # or 2 points more (GPT-2) (bench/results/predict_reach-2026-11-30c-async-
 # cpu.md). arena:on makes no call, for recompute that is the same (ResNet-50)
