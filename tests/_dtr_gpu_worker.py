@@ -536,6 +536,7 @@ def async_segments() -> dict:
             "evictions": [x.stats()["evictions"] for x in sessions],
             "device_calls": [x.stats()["device_calls"] for x in sessions],
             "device_call_seconds": [x.stats()["device_call_seconds"] for x in sessions],
+            "device_pool_waits": [x.stats()["device_pool_waits"] for x in sessions],
             "device_frees": stats["num_device_free"] - frees_before,
             "budgets": [x.stats()["budget_bytes"] for x in sessions],
             "reserved_peak": stats["reserved_bytes.all.peak"],

@@ -1040,6 +1040,7 @@ def test_stats_and_arguments():
     assert stats["op_seconds"] > 0 and stats["gpu_timed_ops"] == 0
     # The mirror made its segments in the session (the first of each pool).
     assert stats["device_calls"] >= 1 and stats["device_call_seconds"] >= 0
+    assert stats["device_pool_waits"] == 0  # async_segments: CUDA only
     with pytest.raises(TypeError, match="512M"):
         dtr(budget=0.5, device="cpu")
     with pytest.raises(ValueError, match="positive"):

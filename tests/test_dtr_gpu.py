@@ -195,7 +195,8 @@ def test_async_segments_train_bit_exactly_under_a_budget():
     assert r["device_pool_after_empty"] - r["reserved_after_empty"] < 64 << 20, r
     assert r["pool_ok"]
     print(f"async segments: {r['device_frees']} segments given back, device calls per session "
-          f"{r['device_calls']} taking {r['device_call_seconds']} s; driver peak {r['device_pool_peak']} "
+          f"{r['device_calls']} taking {r['device_call_seconds']} s, waits {r['device_pool_waits']}; driver peak "
+          f"{r['device_pool_peak']} "
           f"against the pool's {r['reserved_peak']} (budgets {r['budgets']})")
 
 

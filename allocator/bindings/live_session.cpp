@@ -235,6 +235,7 @@ void LiveSession::start() {
   long_lived_at_start_ = at_start.num_long_lived;
   device_calls_at_start_ = at_start.num_device_alloc + at_start.num_device_free;
   device_ns_at_start_ = at_start.device_alloc_ns + at_start.device_free_ns;
+  device_waits_at_start_ = at_start.num_device_pool_waits;
   // Announces what the step before kept where the pool places by it (its
   // long_lived resolved on: a budget in force, and would_place_); notes what
   // this step keeps wherever a budget would make it, so that a step without
@@ -1651,6 +1652,7 @@ py::dict LiveSession::stats() {
   // on CPU the mirror's, which cost nothing).
   d["device_calls"] = r.stats.num_device_alloc + r.stats.num_device_free - device_calls_at_start_;
   d["device_call_seconds"] = static_cast<double>(r.stats.device_alloc_ns + r.stats.device_free_ns - device_ns_at_start_) * 1e-9;
+  d["device_pool_waits"] = r.stats.num_device_pool_waits - device_waits_at_start_;
   d["series_ops"] = series_.size();
   d["series_dropped"] = stats_.series_dropped;
   d["resize_copies"] = stats_.resize_copies;

@@ -504,6 +504,7 @@ class LiveSession : public std::enable_shared_from_this<LiveSession> {
   std::int64_t long_lived_at_start_ = 0;  // the pool's num_long_lived when the session started
   std::int64_t device_calls_at_start_ = 0;  // the pool's num_device_alloc + num_device_free then
   std::int64_t device_ns_at_start_ = 0;     // and its device_alloc_ns + device_free_ns
+  std::int64_t device_waits_at_start_ = 0;  // and its num_device_pool_waits (async_segments)
 };
 
 // A saved tensor as autograd holds it: the value and the view geometry.

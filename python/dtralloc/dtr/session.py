@@ -232,7 +232,10 @@ class Session:
         placed at the high end as the step before kept them: docs/live.md),
         device_calls and device_call_seconds (segments the pool made and gave
         back since the session began, and the host time inside those calls:
-        on CUDA cudaMalloc and cudaFree, whose wait for the device is in it),
+        on CUDA cudaMalloc and cudaFree, whose wait for the device is in it;
+        with async_segments:on calls that do not wait, and device_pool_waits
+        the times the pool waited for the driver to give freed segments back:
+        docs/allocator.md, Note [async segments]),
         resize_copies (storages resized outside the dispatcher whose contents
         were copied for the recomputes that read them: docs/live.md),
         split_foreach_ops (foreach calls recorded with a recipe per element:
