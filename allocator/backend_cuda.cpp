@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "allocator.h"  // GraphCaptureError, graph_capture_refusal
 #include "backend.h"
 #include "config.h"
 #include "cudart_api.h"
@@ -397,8 +398,7 @@ enum class Segments {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const CudaRuntimeApi& api, int device, Segments segments)
-      : api_(api), device_(device), vmm_(segments == Segments::kVmm), async_(segments == Segments::kAsync),
-        page_prop_(page_properties(device)) {}
+      : api_(api), device_(device), segments_(segments), page_prop_(page_properties(device)) {}
 
   ~CudaBackend() override {
     // Segments still holding tensors (the Allocator leaks them at exit on
@@ -411,12 +411,12 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
 
   // With VMM segments, any whole 2 MiB pages of a segment can go back.
-  bool releases_ranges() const override { return vmm_; }
+  bool releases_ranges() const override { return segments_ == Segments::kVmm; }
 
   void* allocate(std::size_t bytes, Stream stream) override {
     DeviceGuard guard(api_, device_);
-    if (vmm_) return vmm_allocate(bytes);
-    if (async_) return async_allocate(bytes, stream);
+    if (segments_ == Segments::kVmm) return vmm_allocate(bytes);
+    if (segments_ == Segments::kAsync) return async_allocate(bytes, stream);
     void* ptr = nullptr;
     cudaError_t err = api_.Malloc(&ptr, bytes);
     if (err == cudaErrorMemoryAllocation) {
@@ -431,8 +431,8 @@ class CudaBackend final : public Backend {
 
   void release(void* ptr, std::size_t bytes, Stream stream) override {
     DeviceGuard guard(api_, device_);
-    if (vmm_) return vmm_release(ptr, bytes);
-    if (async_) return async_release(ptr, bytes, stream);
+    if (segments_ == Segments::kVmm) return vmm_release(ptr, bytes);
+    if (segments_ == Segments::kAsync) return async_release(ptr, bytes, stream);
     cudaError_t err = api_.Free(ptr);
     if (err != cudaSuccess) {
       fail(err, "cudaFree of " + std::to_string(bytes) + " bytes");
@@ -440,7 +440,7 @@ class CudaBackend final : public Backend {
   }
 
   bool device_pool_bytes(DevicePoolBytes& out) override {
-    if (!async_) return false;
+    if (segments_ != Segments::kAsync) return false;
     out = DevicePoolBytes{};
     if (!pool_) return true;  // nothing allocated yet
     out.reserved = pool_attribute(cudaMemPoolAttrReservedMemCurrent);
@@ -752,19 +752,16 @@ class CudaBackend final : public Backend {
     // instead of happening; cudaFree would fail there (the capture forbids
     // it), and so does this.
     if (stream_capturing(stream))
-      throw std::runtime_error("dtralloc: cudaFreeAsync of " + std::to_string(bytes) + " bytes on CUDA device " +
-                               std::to_string(device_) +
-                               ": its stream is capturing a CUDA graph, which would record the free instead of "
-                               "doing it. dtralloc does not support CUDA graph capture; capture in a process "
-                               "without dtralloc.install().");
+      throw GraphCaptureError(graph_capture_refusal(
+          "cudaFreeAsync of " + std::to_string(bytes) + " bytes on CUDA device " + std::to_string(device_) +
+          " would run on a stream that is capturing a CUDA graph, which would record the free instead of doing it"));
     cudaError_t err = api_.pools.FreeAsync(ptr, as_stream(stream));
     if (err != cudaSuccess) fail(err, "cudaFreeAsync of " + std::to_string(bytes) + " bytes");
   }
 
   const CudaRuntimeApi& api_;
   const int device_;
-  const bool vmm_;
-  const bool async_;
+  const Segments segments_;
   const cudrv::CUmemAllocationProp page_prop_;
   cudaMemPool_t pool_ = nullptr;  // async segments: made at the first allocation
   // Each segment's address reservation, freed once all its pages are unmapped.

@@ -352,17 +352,22 @@ class Worker:
         freed segments it had not given back yet included, which can pass
         the pool's reserved bytes until a synchronize (docs/allocator.md,
         Note [async segments]); 0 elsewhere."""
-        if not (self.cuda and self.config in DTR_CONFIGS + ("plain-dtralloc",)):
+        if not self._on_dtralloc_pool():
             return 0
         import dtralloc
 
         return dtralloc.memory_stats().get("device_pool_reserved_bytes.peak", 0)
 
+    def _on_dtralloc_pool(self) -> bool:
+        """Whether dtralloc's pool serves this configuration's memory (CUDA,
+        installed: the dtr configurations and plain-dtralloc)."""
+        return self.cuda and self.config in DTR_CONFIGS + ("plain-dtralloc",)
+
     def _device_calls(self):
         """dtralloc's pool so far: cudaMalloc + cudaFree calls, and the host
         nanoseconds inside them (a cudaFree waits for the device first);
         None where dtralloc's pool does not serve (CPU, plain, checkpoint)."""
-        if not (self.cuda and self.config in DTR_CONFIGS + ("plain-dtralloc",)):
+        if not self._on_dtralloc_pool():
             return None
         import dtralloc
 

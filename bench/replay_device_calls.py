@@ -35,6 +35,14 @@ DEFAULT_CONFS = ("split_oversize:on,unmap_pages:off", "arena:on")
 DEFAULT_BUDGETS = (0.7, 0.5, 0.35)
 
 
+def _step_starts(op) -> list[int]:
+    """Indices of a replay history's events where a new step begins: the op
+    stamps restart at 0 each step (the trace's op index)."""
+    import numpy as np
+
+    return (np.flatnonzero((op[1:] < op[:-1]) & (op[1:] >= 0)) + 1).tolist()
+
+
 def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
     """Of the counted step's cudaFree calls (the last of `steps`), how many
     came at an op that asked the evictor for nothing: the allocator giving
@@ -49,10 +57,9 @@ def frees_without_eviction(r, num_ops: int, steps: int) -> int | None:
     op = np.asarray(h["op"])
     action = np.asarray(h["action"])
     segment_free = list(h["action_names"]).index("segment_free")
-    # Op stamps restart at 0 each step (the trace's op index); the counted
-    # step begins after the last restart.
-    restarts = np.flatnonzero((op[1:] < op[:-1]) & (op[1:] >= 0)) + 1
-    start = restarts[-1] if steps > 1 and len(restarts) else 0
+    # The counted step begins after the last restart.
+    restarts = _step_starts(op)
+    start = restarts[-1] if steps > 1 and restarts else 0
     frees_at = op[start:][action[start:] == segment_free]
     counted = r.last_step_device_free_calls if steps > 1 else r.device_free_calls
     assert len(frees_at) == counted, f"{len(frees_at)} cudaFree in the step's history; the pool counted {counted}"
@@ -85,9 +92,9 @@ def async_waits(r, steps: int) -> int | None:
     action = np.asarray(h["action"])
     if (action == names.index("segment_unmap")).any():
         return None
-    op = np.asarray(h["op"])
-    restarts = set((np.flatnonzero((op[1:] < op[:-1]) & (op[1:] >= 0)) + 1).tolist())
-    counted_from = max(restarts) if steps > 1 and restarts else 0
+    restarts = _step_starts(np.asarray(h["op"]))
+    counted_from = restarts[-1] if steps > 1 and restarts else 0
+    restarts = set(restarts)
     made, freed = names.index("segment_alloc"), names.index("segment_free")
     live, held, waits = {}, [], 0  # live: address -> (segment bytes, the driver's chunk under it)
     for i, (kind, addr, size) in enumerate(zip(action.tolist(), h["addr"], h["size"])):

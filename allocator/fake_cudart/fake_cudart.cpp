@@ -441,6 +441,14 @@ bool exceeds_capacity(std::size_t used, std::size_t size) {
   return used > capacity || size > capacity - used;
 }
 
+// Whether `stream` of `device` captures a CUDA graph; for the legacy
+// stream 0, whether any stream of the device does (caller holds the lock).
+bool captures(int device, cudaStream_t stream) {
+  for (const Capture& c : g_state.captures)
+    if (c.stream != nullptr && c.device == device && (c.stream == stream || stream == nullptr)) return true;
+  return false;
+}
+
 MemPool* find_pool(std::uintptr_t handle) { return g_state.pools.find(reinterpret_cast<void*>(handle)); }
 
 // Gives the device the completed frees `pool` holds until it holds at most
@@ -874,9 +882,7 @@ FAKECUDA_EXPORT cudaError_t cudaMallocFromPoolAsync(void** ptr, std::size_t size
   const auto handle = reinterpret_cast<std::uintptr_t>(pool);
   MemPool* state = find_pool(handle);
   if (state == nullptr || state->destroyed) return fail(cudaErrorInvalidValue);
-  for (const Capture& c : g_state.captures)
-    if (c.stream != nullptr && c.device == state->device && (c.stream == stream || stream == nullptr))
-      return fail(cudaErrorStreamCaptureUnsupported);
+  if (captures(state->device, stream)) return fail(cudaErrorStreamCaptureUnsupported);
   if (size == 0) return cudaSuccess;
   void* reuse = nullptr;
   std::size_t chunk = 0;
@@ -928,9 +934,7 @@ FAKECUDA_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t stream) {
   const std::uintptr_t handle = allocation->pool;
   const std::size_t chunk = allocation->chunk;
   MemPool* state = find_pool(handle);
-  for (const Capture& c : g_state.captures)
-    if (c.stream != nullptr && c.device == state->device && (c.stream == stream || stream == nullptr))
-      return fail(cudaErrorStreamCaptureUnsupported);
+  if (captures(state->device, stream)) return fail(cudaErrorStreamCaptureUnsupported);
   g_state.allocations.erase(dev_ptr);
   --state->live;
   if (state->destroyed) {  // its last allocations take the pool with them
