@@ -229,6 +229,13 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   }
   // Every step below may call cudaMalloc, cudaFree or wait on events.
   if (is_capturing()) refuse_capture(requested, stream);
+  // In an arena (Note [arena]) a small request the small pool cannot serve
+  // takes the arena's top before any new segment, with a budget or without:
+  // a small segment made while none is in force (between dtr() sessions)
+  // would sit beside an arena that holds the budget's every byte, and the
+  // next session's budget would start exceeded.
+  if (arena_ && pool == kSmallPool)
+    if (Block* b = small_in_arena(rounded, requested, stream)) return b;
   // 2. new segment (after GC, if configured)
   if (config_.garbage_collection_threshold > 0) garbage_collect(pool_.segment_size(rounded));
   if (Block* b = make_arena(rounded, requested, stream, pool)) return b;
@@ -249,12 +256,20 @@ Block* Allocator::try_allocate(std::size_t rounded, std::size_t requested, Strea
   }
   // small_in_large (config.cpp): a small request takes a large-pool block;
   // in an arena, at the top of the highest one.
-  if (pool == kSmallPool && config_.small_in_large == Switch::kOn)
-    if (Block* b = pool_.find_free(kLargePool, stream, rounded))
-      return arena_ ? pool_.allocate_from(arena_place(b, kLargePool, stream, rounded, true), rounded, requested,
-                                          /*high=*/true, /*split=*/true)
-                    : pool_.allocate_from(b, rounded, requested);
+  if (pool == kSmallPool && config_.small_in_large == Switch::kOn) {
+    if (arena_) return small_in_arena(rounded, requested, stream);
+    if (Block* b = pool_.find_free(kLargePool, stream, rounded)) return pool_.allocate_from(b, rounded, requested);
+  }
   return nullptr;
+}
+
+// arena:on implies small_in_large on (config.cpp): the top of the highest
+// large-pool free block of the stream that serves the request.
+Block* Allocator::small_in_arena(std::size_t rounded, std::size_t requested, Stream stream) {
+  Block* b = pool_.find_free(kLargePool, stream, rounded);
+  return b ? pool_.allocate_from(arena_place(b, kLargePool, stream, rounded, true), rounded, requested,
+                                 /*high=*/true, /*split=*/true)
+           : nullptr;
 }
 
 Block* Allocator::arena_place(Block* b, PoolKind pool, Stream stream, std::size_t rounded, bool long_lived) const {

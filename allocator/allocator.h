@@ -361,6 +361,8 @@ class Allocator {
   // first large request the cache cannot serve; nullptr where it is not
   // made (off, no budget, made already, too small, refused by the device).
   Block* make_arena(std::size_t rounded, std::size_t requested, Stream stream, PoolKind pool);
+  // A small request in an arena: at the top of the highest free block that serves it.
+  Block* small_in_arena(std::size_t rounded, std::size_t requested, Stream stream);
   // In an arena, what outlives the step and small requests go to the top
   // (Note [arena]): `b` (step 1's choice), or the highest free block that
   // serves the request where that request is one of those.

@@ -679,6 +679,25 @@ def test_an_empty_arena_goes_when_the_budget_falls_below_it(make_pool):
     assert pool.stats()["reserved_bytes.all.current"] == 256 * MiB
 
 
+def test_arena_serves_small_requests_while_no_budget_is_in_force(make_pool):
+    """A dtr() session's budget comes and goes; the arena made under it stays.
+    A small request between sessions takes the arena's top, not a small
+    segment beside it: that one would take reserved past the next session's
+    budget (on an H200, 2026-11-30, GPT-2's probes under arena:on held M + 2 MiB)."""
+    pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
+    pool.set_memory_fraction(0.25)  # a session's budget: 256 MiB
+    x = pool.malloc(100 * MiB)
+    arena = blocks_by_address(pool)[x][0]["address"]
+    pool.set_memory_fraction(1.0)  # the session ended
+    small = pool.malloc(4096)
+    assert pool.stats()["num_device_alloc"] == 1
+    assert blocks_by_address(pool)[small][0]["address"] == arena
+    pool.set_memory_fraction(0.25)  # the next session
+    s = pool.stats()
+    assert s["reserved_bytes.all.current"] == s["reserved_bytes.all.peak"] == 256 * MiB
+    pool.check_invariants()
+
+
 def test_arena_without_a_budget_changes_nothing(make_pool):
     pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
     pool.malloc(30 * MiB)
