@@ -518,11 +518,15 @@ def async_segments() -> dict:
         return dtralloc.memory_stats()["allocated_bytes.all.current"]
 
     step_bytes = _step_bytes(dtralloc, torch, build, batch, loss_fn)
-    _settle(torch)
     sessions = []
 
     def session():
-        s = dtralloc.dtr(budget=allocated() + int(step_bytes * 0.5))
+        # Half of what the step adds over what the pool holds once its cache
+        # is given back. Over allocated() alone (before 2026-11-30) the first
+        # session's budget sat under the plain runs' cached segments, which
+        # served the whole step: no eviction on an H200.
+        _settle(torch)
+        s = dtralloc.dtr(budget=dtralloc.memory_stats()["reserved_bytes.all.current"] + int(step_bytes * 0.5))
         sessions.append(s)
         return s
 
@@ -624,8 +628,15 @@ def device_full() -> dict:
 
     _settle(torch)
     before = dtralloc.memory_stats()["reserved_bytes.all.current"]
+    allocated_before = dtralloc.memory_stats()["allocated_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()  # dtralloc's (torch_memory.py)
     want, roomy = forward_backward()
     step_bytes = roomy["peak_bytes"] - before  # what the step adds to reserved
+    # What it adds to allocated: the room each run leaves is a share of this.
+    # A share of step_bytes (before 2026-11-30) was not short enough: at 70%
+    # of it an H200 ran the step without evicting (reserved counts the
+    # cache's rounding and the blocks it could not reuse).
+    step_allocated = torch.cuda.max_memory_allocated() - allocated_before
     cudart = ctypes.CDLL(dtralloc._core.cuda_runtime_path())
     cudart.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
     cudart.cudaFree.argtypes = [ctypes.c_void_p]
@@ -634,7 +645,7 @@ def device_full() -> dict:
         _settle(torch)
         free, _ = torch.cuda.mem_get_info()
         ballast = ctypes.c_void_p()
-        room = int(step_bytes * share)
+        room = int(step_allocated * share)
         err = cudart.cudaMalloc(ctypes.byref(ballast), free - room)
         if err != 0:
             # A refusal is an answer, not an error for torch: its next launch
@@ -653,7 +664,7 @@ def device_full() -> dict:
             got = None
             _settle(torch)
             cudart.cudaFree(ballast)
-    return {"step_bytes": step_bytes, "roomy_evictions": roomy["evictions"],
+    return {"step_bytes": step_bytes, "step_allocated": step_allocated, "roomy_evictions": roomy["evictions"],
             "total": torch.cuda.get_device_properties(0).total_memory, "runs": runs, "pool_ok": _pool_ok(dtralloc)}
 
 

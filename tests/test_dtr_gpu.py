@@ -159,7 +159,7 @@ def test_with_no_budget_a_full_device_makes_the_session_evict():
     *runs, short = r["runs"]
     runs = [x for x in runs if "ballast_error" not in x]
     assert runs, r
-    # 10% of the step's bytes: less than its gradients. The error says the
+    # 10% of what the step adds to allocated: less than its gradients. The error says the
     # device, not the budget, was short.
     assert "oom" in short and "The device itself is short of the budget" in short["oom"], short
     assert "CUDA out of memory." in short["oom"], short
