@@ -268,6 +268,7 @@ class Worker:
         self.cuda = spec["device"] == "cuda"
         self.cap = spec.get("cap_bytes")
         conf = with_policy(spec.get("conf") or "")
+        self.async_segments = "async_segments:on" in conf
         if self.cuda and self.config in DTR_CONFIGS:
             import dtralloc
 
@@ -394,8 +395,9 @@ class Worker:
                 record.update(device_calls=sum(c for c, _ in timed) / len(timed),
                               device_ms=sum(ns for _, ns in timed) / len(timed) / 1e6)
             if not ok:
-                record["error"] = (f"the device held {r['peak']} bytes, over the cap (with async_segments, "
-                                   "what the driver's pool held counts)" if self.cuda else
+                record["error"] = (f"the device held {r['peak']} bytes, over the cap"
+                                   + (" (with async_segments, what the driver's pool held counts)"
+                                      if self.async_segments else "") if self.cuda else
                                    f"mirror peak {r['peak']} over the cap")
         except Exception as e:  # noqa: BLE001 - an OOM is a result; anything else is reported
             if not _is_oom(e):

@@ -29,7 +29,7 @@ GPU_LOOP = textwrap.dedent(
     iters = int(sys.argv[3])
     dev = torch.device("cuda")
     for s in sizes:  # warm the cache
-        del torch.empty(s, dtype=torch.uint8, device=dev)
+        torch.empty(s, dtype=torch.uint8, device=dev)
     samples = []
     for _ in range(7):
         torch.cuda.synchronize()

@@ -29,6 +29,7 @@ GPU_RUN = textwrap.dedent(
     """
     import sys, torch, dtralloc
     from dtralloc.zoo import MODELS
+    torch.set_default_device("cuda")           # the zoo builds its models and batches on the default device
     w = MODELS[sys.argv[1]]()
     w.step()                                   # warm-up: optimizer state exists
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
@@ -80,6 +81,9 @@ def gpu_table(names) -> str:
             lines.append(f"{name:<10} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else '?'}")
             continue
         nr, na, rr, ra = (int(v) for v in out.stdout.split()[-4:])
+        if nr == 0:  # the step allocated nothing on the GPU: no ratio to give
+            lines.append(f"{name:<10} failed: torch's allocator reserved nothing on the GPU during the step")
+            continue
         lines.append(f"{name:<10}{fb(nr):>17}{fb(na):>14}{fb(rr):>17}{fb(ra):>14}{rr / nr:>24.3f}")
     return "\n".join(lines)
 
