@@ -513,10 +513,6 @@ def async_segments() -> dict:
     pool's own segments."""
     dtralloc, torch = _setup("policy:dtralloc,async_segments:on")
     build, batch, loss_fn = _mlp_workload(torch, dropout=0.1)
-
-    def allocated():
-        return dtralloc.memory_stats()["allocated_bytes.all.current"]
-
     step_bytes = _step_bytes(dtralloc, torch, build, batch, loss_fn)
     sessions = []
 
@@ -545,6 +541,7 @@ def async_segments() -> dict:
             "budgets": [x.stats()["budget_bytes"] for x in sessions],
             "reserved_peak": stats["reserved_bytes.all.peak"],
             "device_pool_peak": stats.get("device_pool_reserved_bytes.peak"),
+            "device_pool_before_empty": stats.get("device_pool_reserved_bytes.current"),
             "reserved_after_empty": after["reserved_bytes.all.current"],
             "device_pool_after_empty": after.get("device_pool_reserved_bytes.current"),
             "pool_ok": _pool_ok(dtralloc)}
@@ -644,8 +641,15 @@ def device_full() -> dict:
     for share in (0.7, 0.5, 0.1):  # the last leaves less than the gradients (192 MiB): out of memory
         _settle(torch)
         free, _ = torch.cuda.mem_get_info()
+        # What the step can use is the device's free memory and the free
+        # blocks of the segments the pool keeps (those hold a live block
+        # each: empty_cache cannot give them back). Both together are the
+        # share; counting the device alone (the first fix, 2026-11-30) left
+        # an H200 room to run the step at 70% without evicting.
+        stats_now = dtralloc.memory_stats()
+        kept_free = stats_now["reserved_bytes.all.current"] - stats_now["allocated_bytes.all.current"]
         ballast = ctypes.c_void_p()
-        room = int(step_allocated * share)
+        room = max(0, int(step_allocated * share) - kept_free)
         err = cudart.cudaMalloc(ctypes.byref(ballast), free - room)
         if err != 0:
             # A refusal is an answer, not an error for torch: its next launch
@@ -655,11 +659,12 @@ def device_full() -> dict:
             continue
         try:
             got, stats = forward_backward()
-            runs.append({"share": share, "room": room, "exact": all(torch.equal(a, b) for a, b in zip(got, want)),
+            runs.append({"share": share, "room": room, "kept_free": kept_free,
+                         "exact": all(torch.equal(a, b) for a, b in zip(got, want)),
                          "evictions": stats["evictions"], "remats": stats["remats"],
                          "budget_bytes": stats["budget_bytes"]})
         except dtralloc.OutOfMemoryError as e:
-            runs.append({"share": share, "room": room, "oom": str(e)[:2000]})
+            runs.append({"share": share, "room": room, "kept_free": kept_free, "oom": str(e)[:2000]})
         finally:
             got = None
             _settle(torch)
