@@ -1093,9 +1093,16 @@ std::string Allocator::oom_message(std::size_t size, std::size_t rounded, Stream
   if (rounded <= kMaxRequestBytes && reserved + pool_.segment_size(rounded) <= budget_bytes_ &&
       device_free < rounded)
     m << "The device itself is full: other processes or allocators hold its memory. ";
-  if (free_cached >= rounded && largest < rounded)
-    m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
-      << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";
+  if (free_cached >= rounded && largest < rounded) {
+    // In an arena max_split_size_mb must stay none (config.cpp): the way out is the arena itself.
+    if (config_.arena == Switch::kOn)
+      m << "Enough memory is free but fragmented in the arena: with arena:off the pool places by segment "
+           "and fits lower budgets, at the price of a cudaMalloc and cudaFree wherever it gives a segment "
+           "back to make another (docs/allocator.md, Note [arena]). ";
+    else
+      m << "Enough memory is free but fragmented: try DTRALLOC_CONF=max_split_size_mb:"
+        << std::max<std::size_t>(21, rounded / kMiB) << " or roundup_power2_divisions:4. ";
+  }
   if (budget_bytes_ < capacity_bytes_) {
     // Which cap is in force: torch's memory fraction, a dtr() session's budget, or the configured one.
     if (fraction_cap_bytes_ < own_budget())

@@ -698,6 +698,21 @@ def test_arena_serves_small_requests_while_no_budget_is_in_force(make_pool):
     pool.check_invariants()
 
 
+def test_arena_fragmented_oom_points_at_arena_off_not_at_max_split_size(make_pool):
+    """max_split_size_mb must stay none in an arena (a ConfigError otherwise),
+    so a fragmented arena's out-of-memory error names arena:off instead."""
+    pool = make_pool(backend="virtual", capacity="1G", conf="budget:100M,arena:on")
+    a, b, c, d = (pool.malloc(n * MiB) for n in (30, 10, 30, 30))
+    pool.free(a)
+    pool.free(c)  # 60 MiB free, in two 30 MiB pieces
+    with pytest.raises(dtralloc.OutOfMemoryError) as e:
+        pool.malloc(50 * MiB)
+    assert "fragmented in the arena" in str(e.value) and "arena:off" in str(e.value), str(e.value)
+    assert "max_split_size_mb" not in str(e.value), str(e.value)
+    pool.free(b)
+    pool.free(d)
+
+
 def test_arena_without_a_budget_changes_nothing(make_pool):
     pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
     pool.malloc(30 * MiB)
