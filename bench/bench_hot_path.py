@@ -8,6 +8,7 @@ native caching allocator and under dtralloc, each in a fresh process (an
 allocator can be swapped only before CUDA starts), and their ratio.
 
     python bench/bench_hot_path.py [--quick] [--out bench/results/hot_path-DATE.md]
+    python bench/bench_hot_path.py --gpu      # the GPU part alone (seconds)
 
 Targets: <= 100 ns per pair single-threaded on the CPU pool; on a GPU within
 1.1x of native end to end.
@@ -123,14 +124,23 @@ def main() -> int:
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     parser.add_argument("--publisher", action="store_true",
                         help="only the publisher comparison (dtralloc top's publisher off and on)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="only the GPU part (torch.empty/del under torch's allocator and dtralloc's; "
+                             "seconds, where the CPU parts take minutes)")
     args = parser.parse_args()
+    if args.gpu and args.publisher:
+        parser.error("--gpu and --publisher each choose one part: give one")
 
     from dtralloc.microbench import run_hot_path_bench
 
     from _report import emit, header
 
     command = "python bench/bench_hot_path.py" + (" --quick" if args.quick else "") + \
-        (" --publisher" if args.publisher else "")
+        (" --publisher" if args.publisher else "") + (" --gpu" if args.gpu else "")
+    if args.gpu:
+        emit(header("dtralloc hot path on the GPU", command) + "\n```\n" + gpu_section(args.quick) + "\n```\n",
+             args.out)
+        return 0
     if args.publisher:
         body = "publisher (dtralloc top) off and on:\n" + publisher_section(args.quick)
         emit(header("dtralloc hot path with and without the publisher", command) + "\n```\n" + body + "\n```\n",

@@ -15,7 +15,7 @@
 #                           and 3 B, replayed under M (the replay's reach and recompute share with this
 #                           GPU's op costs); traces/ keeps the recorded steps (commit them to bench/recordings/)
 #   gpu_budget-DATE.md/json bench/bench_gpu_budget.py (largest batch in a fixed memory)
-#   hot_path-DATE.md        bench/bench_hot_path.py --quick (its GPU part: torch.empty/del, native vs dtralloc)
+#   hot_path-DATE.md        bench/bench_hot_path.py --quick --gpu (its GPU part alone: torch.empty/del, native vs dtralloc)
 #   replay_fragmentation-DATE.md  bench/replay_fragmentation.py on torch-only models (its GPU part: native
 #                           max_memory_reserved vs replay of the step recorded on the GPU)
 #
@@ -212,7 +212,7 @@ step gpu_budget $((bench_limit + 40)) 0 \
 # after the budget bench: GPU_SESSION_ONLY=hot_path,replay_fragmentation runs
 # them in a call of their own).
 [ -n "$REHEARSAL" ] && TOTAL=0  # (their CPU parts alone take minutes)
-step hot_path 90 25 "$PY bench/bench_hot_path.py --quick --out '$OUT/hot_path-$DAY.md' > '$OUT/hot_path.log' 2>&1"
+step hot_path 90 25 "$PY bench/bench_hot_path.py --quick --gpu --out '$OUT/hot_path-$DAY.md' > '$OUT/hot_path.log' 2>&1"
 step replay_fragmentation 120 5 \
   "$PY bench/replay_fragmentation.py --traces resnet50 mlp --out '$OUT/replay_fragmentation-$DAY.md' > '$OUT/replay_fragmentation.log' 2>&1"
 

@@ -14,3 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 def test_the_gpu_programs_compile(module, name):
     program = getattr(__import__(module), name)
     compile(program, f"{module}.{name}", "exec")
+
+
+def test_hot_path_gpu_part_alone_reports_without_a_gpu(tmp_path):
+    """`--gpu` runs the GPU part alone (gpu_session.sh's hot_path step, which
+    the CPU parts' minutes kept from running): without a GPU it says so."""
+    import subprocess
+
+    out = tmp_path / "hot_path.md"
+    bench = Path(__file__).resolve().parent.parent / "bench" / "bench_hot_path.py"
+    r = subprocess.run([sys.executable, str(bench), "--quick", "--gpu", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = out.read_text()
+    assert "--gpu" in report and "GPU" in report and "publisher" not in report, report
