@@ -63,7 +63,7 @@ BENCH_ARGS="--configs ${GPU_SESSION_BENCH_CONFIGS:-plain,checkpoint,dtr}"
 # The dtr search again on each of these settings, beside the default (empty:
 # none). On an H200 (bench/results/gpu_session-2026-11-30-h200.md) arena:on
 # met the goal on both models (GPT-2 6x B at +10%, ResNet-50 4x B at +17%),
-# where the default's segment calls (150-170 cudaMalloc + cudaFree a step at
+# where the default's segment calls (150-260 cudaMalloc + cudaFree a step at
 # the largest batches, each cudaFree waiting for the device) cost ResNet-50
 # +36-56% at 3x B; async_segments:on,max_split_size_mb:none let the driver's
 # pool hold more than M and fitted no batch past B (Note [async segments]),
