@@ -21,7 +21,9 @@ next), the largest batch whose steps all run within M:
                   the optimizer's step run after it (docs/live.md "Costs": the ops after the block
                   pay no dispatch mode, and the session still evicts under M through the pool)
 * dtr [CONF]      with --also-conf CONF (GPU, repeatable): dtr again on install("policy:dtralloc,CONF"),
-                  side by side with the default in the same run (e.g. arena:on, docs/allocator.md)
+                  side by side with the default in the same run (e.g. arena:on, docs/allocator.md);
+                  budget:M in CONF installs the pool with the budget M too, as the README does
+                  (install("budget:20G,policy:dtralloc,arena:on") and dtr() in it)
 
 GPT-2's loss runs in 8 pieces over the tokens in every configuration
 (--gpt2-loss-chunks; zoo.workload.chunked_lm_loss): unchunked, its backward
@@ -253,6 +255,17 @@ def _print(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
+def with_cap(conf: str, cap: int | None) -> str:
+    """`conf` with its setting `budget:M` (if any) made the cap in bytes: the
+    pool installed with M as its budget too, as the README installs it
+    (install("budget:20G,...") and dtr() in it), where the dtr configurations
+    otherwise install no budget and give each session M."""
+    parts = [part.strip() for part in conf.split(",") if part.strip()]
+    if "budget:M" in parts and cap is None:
+        raise ValueError("budget:M needs the cap M, which this configuration does not have")
+    return ",".join(f"budget:{cap}B" if part == "budget:M" else part for part in parts)
+
+
 def with_policy(conf: str) -> str:
     """`conf` for the dtralloc configurations' install(): the dtralloc policy
     unless it names one (README: install("budget:20G,policy:dtralloc"))."""
@@ -267,7 +280,7 @@ class Worker:
         self.config = spec["config"]
         self.cuda = spec["device"] == "cuda"
         self.cap = spec.get("cap_bytes")
-        conf = with_policy(spec.get("conf") or "")
+        conf = with_policy(with_cap(spec.get("conf") or "", self.cap))
         self.async_segments = "async_segments:on" in conf
         if self.cuda and self.config in DTR_CONFIGS:
             import dtralloc
@@ -818,7 +831,8 @@ def main(argv=None) -> int:
     parser.add_argument("--also-conf", action="append", default=[], metavar="CONF",
                         help="GPU only, repeatable: run the dtr search again with these settings for its "
                              "install() (as --conf), as configuration 'dtr [CONF]' in the same run, "
-                             "e.g. arena:on")
+                             "e.g. arena:on; budget:M in CONF (or --conf) installs the pool with the cap M "
+                             "as its budget too, as the README does (e.g. 'arena:on,budget:M')")
     parser.add_argument("--gpt2-loss-chunks", type=int, default=GPT2_LOSS_CHUNKS, metavar="N",
                         help=f"GPT-2's loss in N pieces over the tokens, in every configuration (default "
                              f"{GPT2_LOSS_CHUNKS}; 1: transformers' own loss, the logits whole). Unchunked, "
@@ -855,7 +869,7 @@ def main(argv=None) -> int:
         from dtralloc import _core
 
         try:
-            _core.describe_config(conf)
+            _core.describe_config(with_cap(conf, 1 << 30))  # budget:M stands for the cap, measured later
         except Exception as e:  # noqa: BLE001 - the parser's own words name the bad setting
             parser.error(f"{flag}: {e}")
     if args.configs is not None:

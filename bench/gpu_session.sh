@@ -29,7 +29,8 @@
 #                           # configurations install() these settings (here: VMM segments, not cudaMalloc)
 #   GPU_SESSION_BENCH_ALSO="async_segments:on arena:on" bash bench/gpu_session.sh  # the budget bench also
 #                           # runs its dtr search on each of these settings (space-separated), as
-#                           # "dtr [arena:on]" beside dtr (default: arena:on; empty: none)
+#                           # "dtr [arena:on]" beside dtr (default: arena:on and arena:on,budget:M, whose
+#                           # budget:M installs the pool with the cap M as its budget; empty: none)
 #   GPU_SESSION_BENCH_CONFIGS=plain,checkpoint,dtr,dtr-forward bash bench/gpu_session.sh  # the budget
 #                           # bench's configurations (default: plain,checkpoint,dtr)
 #   GPU_SESSION_PYTEST_WORKERS=0 bash bench/gpu_session.sh  # the GPU tests one at a time (default: 4
@@ -68,8 +69,11 @@ BENCH_ARGS="--configs ${GPU_SESSION_BENCH_CONFIGS:-plain,checkpoint,dtr}"
 # +36-56% at 3x B; async_segments:on,max_split_size_mb:none let the driver's
 # pool hold more than M and fitted no batch past B (Note [async segments]),
 # so it is no longer run by default (GPU_SESSION_BENCH_ALSO="arena:on
-# async_segments:on" puts it back).
-BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-arena:on}"
+# async_segments:on" puts it back). arena:on,budget:M installs the pool with
+# M as its budget too, as the README recommends (install("budget:20G,
+# policy:dtralloc,arena:on") and dtr() in it): the arena is then made at the
+# first large request, the parameters', rather than in the first session.
+BENCH_ALSO="${GPU_SESSION_BENCH_ALSO-arena:on arena:on,budget:M}"
 [ -n "$REHEARSAL" ] && BENCH_ALSO=""  # --also-conf is GPU only
 ALSO_ARGS=""
 for conf in $BENCH_ALSO; do ALSO_ARGS="$ALSO_ARGS --also-conf '$conf'"; done

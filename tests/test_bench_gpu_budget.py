@@ -315,3 +315,34 @@ def test_a_cuda_probe_whose_device_held_more_than_m_does_not_fit(monkeypatch):
             assert "over the cap" in record["error"], record
             # The driver's pool is named only where it served.
             assert ("driver's pool held counts" in record["error"]) is on, record
+
+
+def test_budget_m_in_a_conf_installs_the_pool_with_the_cap(monkeypatch):
+    """`--also-conf 'arena:on,budget:M'`: the pool's own budget is M too, as
+    the README installs it, beside each session's dtr(budget=M)."""
+    bench = _bench()
+    assert bench.with_cap("arena:on,budget:M", 123 << 20) == f"arena:on,budget:{123 << 20}B"
+    assert bench.with_cap("arena:on", 123 << 20) == "arena:on"
+    assert bench.with_cap("", None) == ""
+    with pytest.raises(ValueError, match="budget:M needs the cap"):
+        bench.with_cap("budget:M", None)
+    from dtralloc import _core
+
+    _core.describe_config(bench.with_cap("arena:on,budget:M", 1 << 30))  # what main() checks: a valid setting
+
+    import dtralloc
+
+    installed = []
+
+    class Stop(Exception):
+        pass
+
+    def install(conf=None):
+        installed.append(conf)
+        raise Stop
+
+    monkeypatch.setattr(dtralloc, "install", install)
+    with pytest.raises(Stop):
+        bench.Worker({"smoke": True, "config": "dtr", "device": "cuda", "cap_bytes": 64 << 20,
+                      "conf": "arena:on,budget:M", "model": "resnet50"})
+    assert installed == [f"policy:dtralloc,arena:on,budget:{64 << 20}B"]
