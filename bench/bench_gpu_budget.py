@@ -280,12 +280,15 @@ class Worker:
         self.config = spec["config"]
         self.cuda = spec["device"] == "cuda"
         self.cap = spec.get("cap_bytes")
-        conf = with_policy(with_cap(spec.get("conf") or "", self.cap))
+        # What the dtralloc configurations install (the others, and M's
+        # measurement, which has no cap yet, install nothing).
+        installs = self.cuda and self.config in DTR_CONFIGS + ("plain-dtralloc",)
+        conf = with_policy(with_cap(spec.get("conf") or "", self.cap)) if installs else ""
         self.async_segments = "async_segments:on" in conf
         if self.cuda and self.config in DTR_CONFIGS:
             import dtralloc
 
-            dtralloc.install(conf)  # no pool budget: the session's budget is the cap
+            dtralloc.install(conf)  # no pool budget unless budget:M: the session's budget is the cap
         elif self.cuda and self.config == "plain-dtralloc":
             import dtralloc
 

@@ -346,3 +346,7 @@ def test_budget_m_in_a_conf_installs_the_pool_with_the_cap(monkeypatch):
         bench.Worker({"smoke": True, "config": "dtr", "device": "cuda", "cap_bytes": 64 << 20,
                       "conf": "arena:on,budget:M", "model": "resnet50"})
     assert installed == [f"policy:dtralloc,arena:on,budget:{64 << 20}B"]
+    # M's measurement has no cap yet and installs nothing: budget:M is no error there.
+    worker = bench.Worker({"smoke": True, "config": "measure", "device": "cpu", "conf": "arena:on,budget:M",
+                           "model": "resnet50"})
+    assert installed == [f"policy:dtralloc,arena:on,budget:{64 << 20}B"] and not worker.async_segments
