@@ -292,7 +292,8 @@ class Worker:
         elif self.cuda and self.config == "plain-dtralloc":
             import dtralloc
 
-            dtralloc.install(",".join(filter(None, (conf, f"budget:{self.cap}B"))))
+            has_budget = any(part.split(":", 1)[0] == "budget" for part in conf.split(","))  # budget:M
+            dtralloc.install(conf if has_budget else ",".join(filter(None, (conf, f"budget:{self.cap}B"))))
         import torch
 
         self.torch = torch

@@ -346,6 +346,17 @@ def test_budget_m_in_a_conf_installs_the_pool_with_the_cap(monkeypatch):
         bench.Worker({"smoke": True, "config": "dtr", "device": "cuda", "cap_bytes": 64 << 20,
                       "conf": "arena:on,budget:M", "model": "resnet50"})
     assert installed == [f"policy:dtralloc,arena:on,budget:{64 << 20}B"]
+    # plain-dtralloc installs the budget M itself: once, not twice (a ConfigError).
+    with pytest.raises(Stop):
+        bench.Worker({"smoke": True, "config": "plain-dtralloc", "device": "cuda", "cap_bytes": 64 << 20,
+                      "conf": "arena:on,budget:M", "model": "resnet50"})
+    with pytest.raises(Stop):
+        bench.Worker({"smoke": True, "config": "plain-dtralloc", "device": "cuda", "cap_bytes": 64 << 20,
+                      "conf": "arena:on", "model": "resnet50"})
+    assert installed[1:] == [f"policy:dtralloc,arena:on,budget:{64 << 20}B"] * 2
+    for conf in installed:
+        _core.describe_config(conf)
+    del installed[1:]
     # M's measurement has no cap yet and installs nothing: budget:M is no error there.
     worker = bench.Worker({"smoke": True, "config": "measure", "device": "cpu", "conf": "arena:on,budget:M",
                            "model": "resnet50"})
