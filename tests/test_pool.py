@@ -698,6 +698,43 @@ def test_arena_serves_small_requests_while_no_budget_is_in_force(make_pool):
     pool.check_invariants()
 
 
+def test_arena_serves_what_it_has_room_for_while_sessions_come_and_go(make_pool):
+    """Random mallocs and frees of every size while a budget (a session's)
+    comes and goes: once the arena exists, a request it has room for never
+    makes a segment, budget or not (a large one it has no room for does
+    while no budget is in force: nothing else could serve it), and the
+    pool's invariants hold (I4: no segment past the budget while one is)."""
+    import random
+
+    rng = random.Random(7)
+    pool = make_pool(backend="virtual", capacity="1G", conf="arena:on")
+    live, arena_at = [], None
+    for i in range(3000):
+        if i % 200 == 0:  # a session starts (a budget) or ends (none)
+            pool.set_memory_fraction(0.25 if (i // 200) % 2 == 0 else 1.0)
+        if live and rng.random() < 0.45:
+            pool.free(live.pop(rng.randrange(len(live))))
+        else:
+            size = rng.choice((512, 4096, 200 << 10, 900 << 10)) if rng.random() < 0.6 else \
+                rng.randrange(1, 40) * MiB
+            segments = pool.snapshot()["segments"]
+            arena = max(segments, key=lambda seg: seg["total_size"], default=None) if arena_at else None
+            room = max((b["size"] for b in arena["blocks"] if b["state"] == "inactive"), default=0) if arena else 0
+            made = pool.stats()["num_device_alloc"]
+            try:
+                live.append(pool.malloc(size))
+            except dtralloc.OutOfMemoryError:
+                continue
+            if room >= size + 4096:  # the arena could serve it (its top, rounded): no new segment
+                assert pool.stats()["num_device_alloc"] == made, (i, size, room)
+        if arena_at is None and any(seg["total_size"] >= 100 * MiB for seg in pool.snapshot()["segments"]):
+            arena_at = i
+        pool.check_invariants()
+    assert arena_at is not None and arena_at < 200
+    for ptr in live:
+        pool.free(ptr)
+
+
 def test_arena_fragmented_oom_points_at_arena_off_not_at_max_split_size(make_pool):
     """max_split_size_mb must stay none in an arena (a ConfigError otherwise),
     so a fragmented arena's out-of-memory error names arena:off instead."""
