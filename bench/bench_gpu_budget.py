@@ -266,11 +266,15 @@ def with_cap(conf: str, cap: int | None) -> str:
     return ",".join(f"budget:{cap}B" if part == "budget:M" else part for part in parts)
 
 
+def conf_keys(conf: str) -> set:
+    """The settings `conf` names (DTRALLOC_CONF's syntax: key:value, comma-separated)."""
+    return {part.split(":", 1)[0].strip() for part in conf.split(",") if part.strip()}
+
+
 def with_policy(conf: str) -> str:
     """`conf` for the dtralloc configurations' install(): the dtralloc policy
     unless it names one (README: install("budget:20G,policy:dtralloc"))."""
-    keys = {part.split(":", 1)[0].strip() for part in conf.split(",") if part.strip()}
-    return conf if "policy" in keys else ",".join(filter(None, ("policy:dtralloc", conf)))
+    return conf if "policy" in conf_keys(conf) else ",".join(filter(None, ("policy:dtralloc", conf)))
 
 
 class Worker:
@@ -292,8 +296,8 @@ class Worker:
         elif self.cuda and self.config == "plain-dtralloc":
             import dtralloc
 
-            has_budget = any(part.split(":", 1)[0] == "budget" for part in conf.split(","))  # budget:M
-            dtralloc.install(conf if has_budget else ",".join(filter(None, (conf, f"budget:{self.cap}B"))))
+            dtralloc.install(conf if "budget" in conf_keys(conf)  # budget:M, made the cap by with_cap
+                             else ",".join(filter(None, (conf, f"budget:{self.cap}B"))))
         import torch
 
         self.torch = torch

@@ -712,13 +712,17 @@ def test_arena_serves_what_it_has_room_for_while_sessions_come_and_go(make_pool)
     for i in range(3000):
         if i % 200 == 0:  # a session starts (a budget) or ends (none)
             pool.set_memory_fraction(0.25 if (i // 200) % 2 == 0 else 1.0)
+        # The arena: the one segment of 100 MiB or more (requests here are under 40).
+        arena = max(pool.snapshot()["segments"], key=lambda seg: seg["total_size"], default=None)
+        if arena is None or arena["total_size"] < 100 * MiB:
+            arena = None
+        elif arena_at is None:
+            arena_at = i
         if live and rng.random() < 0.45:
             pool.free(live.pop(rng.randrange(len(live))))
         else:
             size = rng.choice((512, 4096, 200 << 10, 900 << 10)) if rng.random() < 0.6 else \
                 rng.randrange(1, 40) * MiB
-            segments = pool.snapshot()["segments"]
-            arena = max(segments, key=lambda seg: seg["total_size"], default=None) if arena_at else None
             room = max((b["size"] for b in arena["blocks"] if b["state"] == "inactive"), default=0) if arena else 0
             made = pool.stats()["num_device_alloc"]
             try:
@@ -727,8 +731,6 @@ def test_arena_serves_what_it_has_room_for_while_sessions_come_and_go(make_pool)
                 continue
             if room >= size + 4096:  # the arena could serve it (its top, rounded): no new segment
                 assert pool.stats()["num_device_alloc"] == made, (i, size, room)
-        if arena_at is None and any(seg["total_size"] >= 100 * MiB for seg in pool.snapshot()["segments"]):
-            arena_at = i
         pool.check_invariants()
     assert arena_at is not None and arena_at < 200
     for ptr in live:
